@@ -1,0 +1,90 @@
+"""Shared helpers for the benchmarks: interleaved timing, a side-by-side table and a JSON record.
+
+Every benchmark follows the same protocol: each contender is warmed up, then all contenders are run in turn
+(interleaved, so that drift in the machine's speed hits all of them alike) for ``repeats`` rounds, and the
+median of each contender's times is reported next to its ratio to the reference contender.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import statistics
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+RESULTS_DIR = Path(__file__).resolve().parent / "results"
+
+
+def time_interleaved(
+    contenders: dict[str, Callable[[], Any]], *, repeats: int = 7, warmup: int = 2
+) -> dict[str, list[float]]:
+    """Runs every contender ``warmup`` times, then ``repeats`` interleaved rounds; returns seconds per call.
+
+    A contender must block until its work is done (call ``jax.block_until_ready`` inside it).
+    """
+    for fn in contenders.values():
+        for _ in range(warmup):
+            fn()
+    times: dict[str, list[float]] = {name: [] for name in contenders}
+    for _ in range(repeats):
+        for name, fn in contenders.items():
+            t0 = time.perf_counter()
+            fn()
+            times[name].append(time.perf_counter() - t0)
+    return times
+
+
+def median(xs: list[float]) -> float:
+    return statistics.median(xs)
+
+
+def machine_info() -> dict[str, Any]:
+    """What the numbers were measured on."""
+    import jax
+
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    cpu = line.split(":", 1)[1].strip()
+                    break
+    except OSError:
+        pass
+    return {
+        "cpu": cpu,
+        "cores": os.cpu_count(),
+        "python": platform.python_version(),
+        "jax": jax.__version__,
+        "platform": platform.platform(),
+    }
+
+
+def print_table(title: str, rows: list[dict[str, Any]], columns: list[tuple[str, str, str]]) -> None:
+    """Prints ``rows`` as a table; ``columns`` holds (key, header, format) triples."""
+    cells = [[header for _, header, _ in columns]]
+    for row in rows:
+        line = []
+        for key, _, fmt in columns:
+            value = row.get(key)
+            line.append("-" if value is None else (value if isinstance(value, str) else format(value, fmt)))
+        cells.append(line)
+    widths = [max(len(str(r[i])) for r in cells) for i in range(len(columns))]
+    print(f"\n{title}")
+    for i, line in enumerate(cells):
+        print("  ".join(str(c).rjust(w) if j else str(c).ljust(w) for j, (c, w) in enumerate(zip(line, widths))))
+        if i == 0:
+            print("  ".join("-" * w for w in widths))
+
+
+def write_json(name: str, payload: dict[str, Any], path: str | os.PathLike | None = None) -> Path:
+    """Writes ``payload`` (plus the machine description) as JSON; returns the file written."""
+    out = Path(path) if path else RESULTS_DIR / f"{name}.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    record = {"benchmark": name, "time": time.strftime("%Y-%m-%dT%H:%M:%S"), "machine": machine_info(), **payload}
+    out.write_text(json.dumps(record, indent=2) + "\n")
+    return out

@@ -1,0 +1,1 @@
+"""JAX-facing operations: the fused near-storage update kernel and Top-K gradient compression."""
