@@ -1,0 +1,170 @@
+// XLA FFI handlers for the fused update (CPU platform): decode buffers and attributes, check them, and call
+// the kernel. Two targets share one implementation: dense gradients, and Top-K compressed (values, indices).
+//
+// Operands: lr f32[], step s32[], param f32[n], grad (f32|bf16)[n] or values (f32|bf16)[k] + indices s32[k],
+// mu f32[n|0], nu f32[n|0]. Results: param, mu, nu (aliased to the operands when the caller donates them) and,
+// optionally, a bf16[n] copy of the new param. Hyperparameters other than lr and step are attributes.
+#include <string>
+#include <utility>
+
+#include "update_kernel.h"
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace nsp {
+namespace {
+
+ffi::Error InvalidArgument(const std::string& message) {
+  return ffi::Error::InvalidArgument("nsp.fused_update: " + message);
+}
+
+ffi::ErrorOr<GradType> GradTypeOf(const ffi::AnyBuffer& grad) {
+  switch (grad.element_type()) {
+    case ffi::DataType::F32: return GradType::kF32;
+    case ffi::DataType::BF16: return GradType::kBF16;
+    default: return ffi::Unexpected(InvalidArgument("gradients must be float32 or bfloat16"));
+  }
+}
+
+struct Prepared {
+  UpdateHyperParams hp;
+  StateSpan span;
+};
+
+// Reads scalars and attributes, checks sizes, and points a StateSpan at the operand and result buffers.
+ffi::ErrorOr<Prepared> Prepare(ffi::Buffer<ffi::F32> lr, ffi::Buffer<ffi::S32> step, ffi::Buffer<ffi::F32> param,
+                               ffi::Buffer<ffi::F32> mu, ffi::Buffer<ffi::F32> nu,
+                               ffi::ResultBuffer<ffi::F32> param_out, ffi::ResultBuffer<ffi::F32> mu_out,
+                               ffi::ResultBuffer<ffi::F32> nu_out, ffi::RemainingRets extra, int32_t kind, double b1,
+                               double b2, double eps, double weight_decay, double momentum, bool nesterov) {
+  if (lr.element_count() != 1 || step.element_count() != 1) {
+    return ffi::Unexpected(InvalidArgument("lr and step must be scalars"));
+  }
+  Prepared out;
+  UpdateHyperParams& hp = out.hp;
+  hp.kind = static_cast<OptimizerKind>(kind);
+  hp.lr = lr.typed_data()[0];
+  hp.step = step.typed_data()[0];
+  hp.b1 = b1;
+  hp.b2 = b2;
+  hp.eps = eps;
+  hp.weight_decay = weight_decay;
+  hp.momentum = momentum;
+  hp.nesterov = nesterov;
+  if (std::string err = ValidateHyperParams(hp); !err.empty()) return ffi::Unexpected(InvalidArgument(err));
+
+  const int64_t n = static_cast<int64_t>(param.element_count());
+  if (static_cast<int64_t>(param_out->element_count()) != n) {
+    return ffi::Unexpected(InvalidArgument("param result size does not match param"));
+  }
+  StateSpan& s = out.span;
+  s.size = n;
+  s.param_in = param.typed_data();
+  s.param_out = param_out->typed_data();
+  if (UsesMu(hp)) {
+    if (static_cast<int64_t>(mu.element_count()) != n || static_cast<int64_t>(mu_out->element_count()) != n) {
+      return ffi::Unexpected(InvalidArgument("mu must have as many elements as param"));
+    }
+    s.mu_in = mu.typed_data();
+    s.mu_out = mu_out->typed_data();
+  }
+  if (UsesNu(hp)) {
+    if (static_cast<int64_t>(nu.element_count()) != n || static_cast<int64_t>(nu_out->element_count()) != n) {
+      return ffi::Unexpected(InvalidArgument("nu must have as many elements as param"));
+    }
+    s.nu_in = nu.typed_data();
+    s.nu_out = nu_out->typed_data();
+  }
+  if (extra.size() > 0) {
+    auto bf16 = extra.get<ffi::AnyBuffer>(0);
+    if (bf16.has_error()) return ffi::Unexpected(bf16.error());
+    ffi::AnyBuffer out16 = **bf16;
+    if (out16.element_type() != ffi::DataType::BF16 || static_cast<int64_t>(out16.element_count()) != n) {
+      return ffi::Unexpected(InvalidArgument("the bf16 param copy must be bfloat16 with as many elements as param"));
+    }
+    s.param_bf16_out = static_cast<uint16_t*>(out16.untyped_data());
+  }
+  return out;
+}
+
+ffi::Error DenseImpl(ffi::Buffer<ffi::F32> lr, ffi::Buffer<ffi::S32> step, ffi::Buffer<ffi::F32> param,
+                     ffi::AnyBuffer grad, ffi::Buffer<ffi::F32> mu, ffi::Buffer<ffi::F32> nu,
+                     ffi::ResultBuffer<ffi::F32> param_out, ffi::ResultBuffer<ffi::F32> mu_out,
+                     ffi::ResultBuffer<ffi::F32> nu_out, ffi::RemainingRets extra, int32_t kind, double b1, double b2,
+                     double eps, double weight_decay, double momentum, bool nesterov) {
+  auto prepared = Prepare(lr, step, param, mu, nu, param_out, mu_out, nu_out, extra, kind, b1, b2, eps,
+                          weight_decay, momentum, nesterov);
+  if (prepared.has_error()) return prepared.error();
+  auto grad_type = GradTypeOf(grad);
+  if (grad_type.has_error()) return grad_type.error();
+  if (static_cast<int64_t>(grad.element_count()) != prepared->span.size) {
+    return InvalidArgument("grad must have as many elements as param");
+  }
+  UpdateDense(prepared->hp, prepared->span, grad.untyped_data(), *grad_type);
+  return ffi::Error::Success();
+}
+
+ffi::Error SparseImpl(ffi::Buffer<ffi::F32> lr, ffi::Buffer<ffi::S32> step, ffi::Buffer<ffi::F32> param,
+                      ffi::AnyBuffer values, ffi::Buffer<ffi::S32> indices, ffi::Buffer<ffi::F32> mu,
+                      ffi::Buffer<ffi::F32> nu, ffi::ResultBuffer<ffi::F32> param_out,
+                      ffi::ResultBuffer<ffi::F32> mu_out, ffi::ResultBuffer<ffi::F32> nu_out,
+                      ffi::RemainingRets extra, int32_t kind, double b1, double b2, double eps,
+                      double weight_decay, double momentum, bool nesterov) {
+  auto prepared = Prepare(lr, step, param, mu, nu, param_out, mu_out, nu_out, extra, kind, b1, b2, eps,
+                          weight_decay, momentum, nesterov);
+  if (prepared.has_error()) return prepared.error();
+  auto value_type = GradTypeOf(values);
+  if (value_type.has_error()) return value_type.error();
+  const int64_t count = static_cast<int64_t>(indices.element_count());
+  if (static_cast<int64_t>(values.element_count()) != count) {
+    return InvalidArgument("values and indices must have the same length");
+  }
+  // Checked in full before anything is written: a bad index must not leave a half-updated state behind.
+  if (std::string err = ValidateSparseIndices(indices.typed_data(), count, prepared->span.size); !err.empty()) {
+    return InvalidArgument(err);
+  }
+  UpdateSparse(prepared->hp, prepared->span, indices.typed_data(), values.untyped_data(), *value_type, count);
+  return ffi::Error::Success();
+}
+
+template <typename Binding>
+auto WithAttrs(Binding binding) {
+  return std::move(binding).template Attr<int32_t>("kind")
+      .template Attr<double>("b1")
+      .template Attr<double>("b2")
+      .template Attr<double>("eps")
+      .template Attr<double>("weight_decay")
+      .template Attr<double>("momentum")
+      .template Attr<bool>("nesterov");
+}
+
+}  // namespace
+}  // namespace nsp
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(NspFusedUpdateDense, nsp::DenseImpl,
+                              nsp::WithAttrs(xla::ffi::Ffi::Bind()
+                                                 .Arg<xla::ffi::Buffer<xla::ffi::F32>>()  // lr
+                                                 .Arg<xla::ffi::Buffer<xla::ffi::S32>>()  // step
+                                                 .Arg<xla::ffi::Buffer<xla::ffi::F32>>()  // param
+                                                 .Arg<xla::ffi::AnyBuffer>()              // grad
+                                                 .Arg<xla::ffi::Buffer<xla::ffi::F32>>()  // mu
+                                                 .Arg<xla::ffi::Buffer<xla::ffi::F32>>()  // nu
+                                                 .Ret<xla::ffi::Buffer<xla::ffi::F32>>()  // param
+                                                 .Ret<xla::ffi::Buffer<xla::ffi::F32>>()  // mu
+                                                 .Ret<xla::ffi::Buffer<xla::ffi::F32>>()  // nu
+                                                 .RemainingRets()));                      // [param_bf16]
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(NspFusedUpdateSparse, nsp::SparseImpl,
+                              nsp::WithAttrs(xla::ffi::Ffi::Bind()
+                                                 .Arg<xla::ffi::Buffer<xla::ffi::F32>>()  // lr
+                                                 .Arg<xla::ffi::Buffer<xla::ffi::S32>>()  // step
+                                                 .Arg<xla::ffi::Buffer<xla::ffi::F32>>()  // param
+                                                 .Arg<xla::ffi::AnyBuffer>()              // values
+                                                 .Arg<xla::ffi::Buffer<xla::ffi::S32>>()  // indices
+                                                 .Arg<xla::ffi::Buffer<xla::ffi::F32>>()  // mu
+                                                 .Arg<xla::ffi::Buffer<xla::ffi::F32>>()  // nu
+                                                 .Ret<xla::ffi::Buffer<xla::ffi::F32>>()  // param
+                                                 .Ret<xla::ffi::Buffer<xla::ffi::F32>>()  // mu
+                                                 .Ret<xla::ffi::Buffer<xla::ffi::F32>>()  // nu
+                                                 .RemainingRets()));                      // [param_bf16]

@@ -1,0 +1,116 @@
+// AVX2 + FMA block kernels, 8 floats per instruction. This file alone is compiled with -mavx2 -mfma; the
+// dispatcher only calls into it after checking the CPU supports both. It deliberately includes no standard
+// library headers (see kernel_block.h). Tails shorter than one vector go to the portable kernels.
+#include <immintrin.h>
+
+#include "kernel_block.h"
+
+namespace nsp::internal {
+namespace {
+
+constexpr int kAdam = 0, kAdamW = 1, kSgd = 2, kAdagrad = 3;
+
+inline __m256 LoadBf16(const uint16_t* src) {
+  const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+
+// Round to nearest even; NaNs become quiet NaNs (the rounding add could otherwise carry a NaN into Inf).
+inline void StoreBf16(uint16_t* dst, __m256 x) {
+  const __m256i bits = _mm256_castps_si256(x);
+  const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
+  __m256i rounded = _mm256_srli_epi32(_mm256_add_epi32(bits, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7fff))), 16);
+  const __m256i quiet_nan = _mm256_or_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(0x40));
+  const __m256i is_nan = _mm256_castps_si256(_mm256_cmp_ps(x, x, _CMP_UNORD_Q));
+  rounded = _mm256_blendv_epi8(rounded, quiet_nan, is_nan);
+  // packus works per 128-bit lane; the permute puts the 8 halves back in order.
+  const __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(rounded, rounded), 0xD8);
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(dst), _mm256_castsi256_si128(packed));
+}
+
+template <int KIND, bool GRAD_BF16>
+void Avx2Block(const Coefficients& c, const Block& b) {
+  const int64_t n8 = b.n & ~int64_t{7};
+  const float* gf = static_cast<const float*>(b.grad);
+  const uint16_t* gh = static_cast<const uint16_t*>(b.grad);
+  const __m256 lr = _mm256_set1_ps(c.lr);
+  const __m256 mu_a = _mm256_set1_ps(c.mu_a), mu_b = _mm256_set1_ps(c.mu_b);
+  const __m256 nu_a = _mm256_set1_ps(c.nu_a), nu_b = _mm256_set1_ps(c.nu_b);
+  const __m256 inv_bc1 = _mm256_set1_ps(c.inv_bc1), inv_bc2 = _mm256_set1_ps(c.inv_bc2);
+  const __m256 eps = _mm256_set1_ps(c.eps);
+  const __m256 l2 = _mm256_set1_ps(c.l2), wd = _mm256_set1_ps(c.decoupled_wd);
+  const __m256 momentum = _mm256_set1_ps(c.momentum);
+  const __m256 zero = _mm256_setzero_ps();
+  const bool has_l2 = c.l2 != 0.0f;
+  for (int64_t i = 0; i < n8; i += 8) {
+    __m256 g = GRAD_BF16 ? LoadBf16(gh + i) : _mm256_loadu_ps(gf + i);
+    const __m256 p = _mm256_loadu_ps(b.p_in + i);
+    __m256 update;
+    if constexpr (KIND == kAdam || KIND == kAdamW) {
+      if (KIND == kAdam && has_l2) g = _mm256_fmadd_ps(l2, p, g);
+      const __m256 m = _mm256_fmadd_ps(mu_a, _mm256_loadu_ps(b.m_in + i), _mm256_mul_ps(mu_b, g));
+      const __m256 v = _mm256_fmadd_ps(nu_a, _mm256_loadu_ps(b.v_in + i), _mm256_mul_ps(_mm256_mul_ps(nu_b, g), g));
+      const __m256 denom = _mm256_add_ps(_mm256_sqrt_ps(_mm256_mul_ps(v, inv_bc2)), eps);
+      update = _mm256_div_ps(_mm256_mul_ps(m, inv_bc1), denom);
+      if (KIND == kAdamW) update = _mm256_fmadd_ps(wd, p, update);
+      _mm256_storeu_ps(b.m_out + i, m);
+      _mm256_storeu_ps(b.v_out + i, v);
+    } else if constexpr (KIND == kSgd) {
+      if (has_l2) g = _mm256_fmadd_ps(l2, p, g);
+      update = g;
+      if (c.sgd_has_momentum) {
+        const __m256 m = _mm256_fmadd_ps(momentum, _mm256_loadu_ps(b.m_in + i), g);
+        _mm256_storeu_ps(b.m_out + i, m);
+        update = c.nesterov ? _mm256_fmadd_ps(momentum, m, g) : m;
+      }
+    } else {
+      static_assert(KIND == kAdagrad);
+      if (has_l2) g = _mm256_fmadd_ps(l2, p, g);
+      const __m256 v = _mm256_fmadd_ps(g, g, _mm256_loadu_ps(b.v_in + i));
+      const __m256 scaled = _mm256_div_ps(g, _mm256_sqrt_ps(_mm256_add_ps(v, eps)));
+      update = _mm256_and_ps(_mm256_cmp_ps(v, zero, _CMP_GT_OQ), scaled);
+      _mm256_storeu_ps(b.v_out + i, v);
+    }
+    const __m256 new_p = _mm256_fnmadd_ps(lr, update, p);
+    _mm256_storeu_ps(b.p_out + i, new_p);
+    if (b.p16_out != nullptr) StoreBf16(b.p16_out + i, new_p);
+  }
+  if (n8 < b.n) {
+    const int64_t gsize = GRAD_BF16 ? 2 : 4;
+    Block tail{b.p_in + n8, b.p_out + n8,
+               b.m_in ? b.m_in + n8 : nullptr, b.m_out ? b.m_out + n8 : nullptr,
+               b.v_in ? b.v_in + n8 : nullptr, b.v_out ? b.v_out + n8 : nullptr,
+               b.p16_out ? b.p16_out + n8 : nullptr,
+               static_cast<const char*>(b.grad) + n8 * gsize, b.n - n8};
+    PortableKernel(KIND, GRAD_BF16)(c, tail);
+  }
+}
+
+template <int KIND>
+BlockKernel Pick(int grad_bf16) {
+  return grad_bf16 ? &Avx2Block<KIND, true> : &Avx2Block<KIND, false>;
+}
+
+}  // namespace
+
+BlockKernel Avx2Kernel(int32_t kind, int grad_bf16) {
+  switch (kind) {
+    case kAdam: return Pick<kAdam>(grad_bf16);
+    case kAdamW: return Pick<kAdamW>(grad_bf16);
+    case kSgd: return Pick<kSgd>(grad_bf16);
+    default: return Pick<kAdagrad>(grad_bf16);
+  }
+}
+
+void Avx2Stream(float* p, const float* g, float* m, float* v, int64_t n) {
+  const int64_t n8 = n & ~int64_t{7};
+  for (int64_t i = 0; i < n8; i += 8) {
+    const __m256 gi = _mm256_loadu_ps(g + i);
+    _mm256_storeu_ps(p + i, _mm256_add_ps(_mm256_loadu_ps(p + i), gi));
+    _mm256_storeu_ps(m + i, _mm256_add_ps(_mm256_loadu_ps(m + i), gi));
+    _mm256_storeu_ps(v + i, _mm256_add_ps(_mm256_loadu_ps(v + i), gi));
+  }
+  if (n8 < n) PortableStream(p + n8, g + n8, m + n8, v + n8, n - n8);
+}
+
+}  // namespace nsp::internal

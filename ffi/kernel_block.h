@@ -1,0 +1,48 @@
+// Internal interface between the dispatcher (update_kernel.cc) and the per-ISA block kernels.
+// Kept free of standard-library templates: the AVX2 translation unit is compiled with -mavx2 -mfma and must not
+// emit inline library code that the linker could pick for the portable build.
+#pragma once
+
+#include <cstdint>
+
+namespace nsp::internal {
+
+// Per-call scalars, derived once from UpdateHyperParams.
+struct Coefficients {
+  int32_t kind;        // OptimizerKind
+  float lr;
+  float mu_a, mu_b;    // mu <- mu_a * mu + mu_b * g
+  float nu_a, nu_b;    // nu <- nu_a * nu + nu_b * g * g
+  float inv_bc1;       // Adam: 1 / (1 - b1^t)
+  float inv_bc2;       // Adam: 1 / (1 - b2^t)
+  float eps;
+  float l2;            // weight decay added to the gradient (Adam, SGD, AdaGrad)
+  float decoupled_wd;  // weight decay added to the update (AdamW)
+  float momentum;      // SGD
+  int32_t nesterov;    // SGD
+  int32_t sgd_has_momentum;
+};
+
+// Pointers for one block; `grad` is fp32 or bf16 (uint16_t) as the kernel was chosen for.
+struct Block {
+  const float* p_in;
+  float* p_out;
+  const float* m_in;
+  float* m_out;
+  const float* v_in;
+  float* v_out;
+  uint16_t* p16_out;  // may be null
+  const void* grad;
+  int64_t n;
+};
+
+using BlockKernel = void (*)(const Coefficients&, const Block&);
+
+// grad_bf16: 0/1. Returns the kernel for one (kind, gradient dtype) pair; bf16 output is handled inside.
+BlockKernel PortableKernel(int32_t kind, int grad_bf16);
+BlockKernel Avx2Kernel(int32_t kind, int grad_bf16);
+
+void PortableStream(float* p, const float* g, float* m, float* v, int64_t n);
+void Avx2Stream(float* p, const float* g, float* m, float* v, int64_t n);
+
+}  // namespace nsp::internal

@@ -1,0 +1,203 @@
+// Dispatch of the update kernels: derives per-call coefficients, picks the AVX2 or portable block kernel once
+// per process, splits the state across the thread pool, and for compressed gradients scatters each block's
+// (index, value) pairs into a stack buffer right before that block is updated.
+#include "update_kernel.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <sstream>
+
+#include "kernel_block.h"
+#include "thread_pool.h"
+
+namespace nsp {
+namespace {
+
+using internal::Block;
+using internal::BlockKernel;
+using internal::Coefficients;
+
+// Elements per sparse block: 8 KiB of fp32 gradient stays in L1 while the block is updated.
+constexpr int64_t kSparseBlock = 2048;
+// Below this many elements per task, splitting across threads costs more than it saves.
+constexpr int64_t kMinPerTask = 1 << 16;
+
+bool CpuHasAvx2Fma() {
+#if defined(__x86_64__) || defined(__i386__)
+  if (const char* env = std::getenv("NSP_KERNEL_ISA"); env && std::strcmp(env, "portable") == 0) return false;
+  __builtin_cpu_init();
+  return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+#else
+  return false;
+#endif
+}
+
+const bool kUseAvx2 = CpuHasAvx2Fma();
+
+BlockKernel SelectKernel(OptimizerKind kind, GradType grad_type) {
+  const int bf16 = grad_type == GradType::kBF16 ? 1 : 0;
+  const int32_t k = static_cast<int32_t>(kind);
+#if defined(__x86_64__) || defined(__i386__)
+  if (kUseAvx2) return internal::Avx2Kernel(k, bf16);
+#endif
+  return internal::PortableKernel(k, bf16);
+}
+
+Coefficients MakeCoefficients(const UpdateHyperParams& hp) {
+  Coefficients c{};
+  c.kind = static_cast<int32_t>(hp.kind);
+  c.lr = hp.lr;
+  c.eps = static_cast<float>(hp.eps);
+  switch (hp.kind) {
+    case OptimizerKind::kAdam:
+    case OptimizerKind::kAdamW: {
+      c.mu_a = static_cast<float>(hp.b1);
+      c.mu_b = static_cast<float>(1.0 - hp.b1);
+      c.nu_a = static_cast<float>(hp.b2);
+      c.nu_b = static_cast<float>(1.0 - hp.b2);
+      // Bias corrections in double, then rounded once: 1 - b^t loses digits in float.
+      const double t = static_cast<double>(hp.step);
+      c.inv_bc1 = static_cast<float>(1.0 / (1.0 - std::pow(hp.b1, t)));
+      c.inv_bc2 = static_cast<float>(1.0 / (1.0 - std::pow(hp.b2, t)));
+      if (hp.kind == OptimizerKind::kAdam) c.l2 = static_cast<float>(hp.weight_decay);
+      else c.decoupled_wd = static_cast<float>(hp.weight_decay);
+      break;
+    }
+    case OptimizerKind::kSgd:
+      c.l2 = static_cast<float>(hp.weight_decay);
+      c.momentum = static_cast<float>(hp.momentum);
+      c.sgd_has_momentum = hp.momentum != 0.0;
+      c.nesterov = hp.nesterov;
+      break;
+    case OptimizerKind::kAdagrad:
+      c.l2 = static_cast<float>(hp.weight_decay);
+      c.nu_a = 1.0f;
+      c.nu_b = 1.0f;
+      break;
+  }
+  return c;
+}
+
+// Splits [0, size) into at most GetNumThreads() ranges whose boundaries are multiples of kSparseBlock.
+struct Split {
+  int num_tasks;
+  int64_t chunk;
+};
+
+Split SplitWork(int64_t size) {
+  const int64_t max_tasks = std::max<int64_t>(1, std::min<int64_t>(GetNumThreads(), size / kMinPerTask));
+  int64_t chunk = (size + max_tasks - 1) / max_tasks;
+  chunk = (chunk + kSparseBlock - 1) / kSparseBlock * kSparseBlock;
+  const int num_tasks = static_cast<int>(std::max<int64_t>(1, (size + chunk - 1) / chunk));
+  return {num_tasks, chunk};
+}
+
+Block SliceBlock(const StateSpan& s, int64_t begin, int64_t n, const void* grad) {
+  auto at = [begin](auto* ptr) { return ptr == nullptr ? nullptr : ptr + begin; };
+  return Block{at(s.param_in), at(s.param_out), at(s.mu_in), at(s.mu_out),
+               at(s.nu_in),    at(s.nu_out),    at(s.param_bf16_out), grad, n};
+}
+
+float ValueAt(const void* values, GradType type, int64_t j) {
+  if (type == GradType::kF32) return static_cast<const float*>(values)[j];
+  const uint32_t bits = static_cast<uint32_t>(static_cast<const uint16_t*>(values)[j]) << 16;
+  float f;
+  std::memcpy(&f, &bits, sizeof f);
+  return f;
+}
+
+}  // namespace
+
+bool UsesMu(const UpdateHyperParams& hp) {
+  return hp.kind == OptimizerKind::kAdam || hp.kind == OptimizerKind::kAdamW ||
+         (hp.kind == OptimizerKind::kSgd && hp.momentum != 0.0);
+}
+
+bool UsesNu(const UpdateHyperParams& hp) { return hp.kind != OptimizerKind::kSgd; }
+
+std::string ValidateHyperParams(const UpdateHyperParams& hp) {
+  std::ostringstream err;
+  const int k = static_cast<int>(hp.kind);
+  if (k < 0 || k > 3) err << "unknown optimizer kind " << k;
+  else if (hp.step < 1) err << "step must be >= 1 (the 1-based number of this update), got " << hp.step;
+  else if (!(hp.b1 >= 0.0 && hp.b1 < 1.0)) err << "b1 must be in [0, 1), got " << hp.b1;
+  else if (!(hp.b2 >= 0.0 && hp.b2 < 1.0)) err << "b2 must be in [0, 1), got " << hp.b2;
+  else if (!(hp.eps >= 0.0)) err << "eps must be >= 0, got " << hp.eps;
+  else if (!(hp.weight_decay >= 0.0)) err << "weight_decay must be >= 0, got " << hp.weight_decay;
+  else if (!(hp.momentum >= 0.0)) err << "momentum must be >= 0, got " << hp.momentum;
+  return err.str();
+}
+
+std::string ValidateSparseIndices(const int32_t* indices, int64_t count, int64_t size) {
+  int64_t prev = 0;
+  for (int64_t j = 0; j < count; ++j) {
+    const int64_t idx = indices[j];
+    if (idx < 0 || idx >= size) {
+      std::ostringstream err;
+      err << "index " << idx << " at position " << j << " is out of range for a parameter of " << size
+          << " elements";
+      return err.str();
+    }
+    if (idx < prev) {
+      std::ostringstream err;
+      err << "indices must be sorted ascending: index " << idx << " at position " << j << " follows " << prev;
+      return err.str();
+    }
+    prev = idx;
+  }
+  return {};
+}
+
+void UpdateDense(const UpdateHyperParams& hp, const StateSpan& span, const void* grad, GradType grad_type) {
+  if (span.size == 0) return;
+  const Coefficients c = MakeCoefficients(hp);
+  const BlockKernel kernel = SelectKernel(hp.kind, grad_type);
+  const int64_t gbytes = grad_type == GradType::kF32 ? 4 : 2;
+  const Split split = SplitWork(span.size);
+  ParallelFor(split.num_tasks, [&](int t) {
+    const int64_t begin = t * split.chunk;
+    const int64_t n = std::min(split.chunk, span.size - begin);
+    kernel(c, SliceBlock(span, begin, n, static_cast<const char*>(grad) + begin * gbytes));
+  });
+}
+
+void UpdateSparse(const UpdateHyperParams& hp, const StateSpan& span, const int32_t* indices, const void* values,
+                  GradType value_type, int64_t count) {
+  if (span.size == 0) return;
+  const Coefficients c = MakeCoefficients(hp);
+  const BlockKernel kernel = SelectKernel(hp.kind, GradType::kF32);  // blocks are decompressed to fp32
+  const Split split = SplitWork(span.size);
+  ParallelFor(split.num_tasks, [&](int t) {
+    const int64_t begin = t * split.chunk;
+    const int64_t end = std::min(begin + split.chunk, span.size);
+    // Indices are sorted, so this task's pairs are one contiguous run starting here.
+    int64_t j = std::lower_bound(indices, indices + count, begin) - indices;
+    alignas(64) float dense[kSparseBlock];
+    for (int64_t block = begin; block < end; block += kSparseBlock) {
+      const int64_t n = std::min(kSparseBlock, end - block);
+      std::memset(dense, 0, sizeof(float) * n);
+      for (; j < count && indices[j] < block + n; ++j) dense[indices[j] - block] += ValueAt(values, value_type, j);
+      kernel(c, SliceBlock(span, block, n, dense));
+    }
+  });
+}
+
+void StreamRoofline(float* p, const float* g, float* m, float* v, int64_t size) {
+  const Split split = SplitWork(size);
+  ParallelFor(split.num_tasks, [&](int t) {
+    const int64_t begin = t * split.chunk;
+    const int64_t n = std::min(split.chunk, size - begin);
+#if defined(__x86_64__) || defined(__i386__)
+    if (kUseAvx2) {
+      internal::Avx2Stream(p + begin, g + begin, m + begin, v + begin, n);
+      return;
+    }
+#endif
+    internal::PortableStream(p + begin, g + begin, m + begin, v + begin, n);
+  });
+}
+
+const char* KernelIsa() { return kUseAvx2 ? "avx2-fma" : "portable"; }
+
+}  // namespace nsp

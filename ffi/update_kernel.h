@@ -1,0 +1,75 @@
+// The near-storage update kernel: one general updater for Adam, AdamW, SGD (momentum, Nesterov) and AdaGrad.
+//
+// Every optimizer here is a pair of moving averages (AXPBY: a*x + b*y) followed by a parameter step, so one
+// streaming pass reads p, g, m, v and writes p, m, v (28 bytes per parameter for fp32 Adam) and optionally a
+// bf16 copy of p. Gradients arrive either dense (fp32 or bf16) or Top-K compressed as sorted (index, value)
+// pairs; compressed gradients are scattered block by block into a small cache-resident buffer inside the same
+// pass, so a dense gradient is never materialised in memory.
+//
+// This header is plain C++ with no XLA types: the XLA FFI handlers and the storage engine both call it.
+#pragma once
+
+#include <cstdint>
+#include <string>
+
+namespace nsp {
+
+enum class OptimizerKind : int32_t { kAdam = 0, kAdamW = 1, kSgd = 2, kAdagrad = 3 };
+
+enum class GradType : int32_t { kF32 = 0, kBF16 = 1 };
+
+// Hyperparameters of one update call. `step` is the 1-based number of this update (bias correction uses b^step).
+struct UpdateHyperParams {
+  OptimizerKind kind = OptimizerKind::kAdam;
+  float lr = 1e-3f;
+  int64_t step = 1;
+  // Held in double so that coefficients such as 1 - b2 are computed before rounding to float
+  // (1 - 0.999f is 1.3e-5 away from 0.001 in relative terms).
+  double b1 = 0.9;            // Adam/AdamW: decay of the first moment.
+  double b2 = 0.999;          // Adam/AdamW: decay of the second moment.
+  double eps = 1e-8;          // Adam/AdamW: added to sqrt(v_hat); AdaGrad: added to v under the square root.
+  double weight_decay = 0.0;  // AdamW: decoupled; Adam, SGD, AdaGrad: L2 added to the gradient.
+  double momentum = 0.0;      // SGD: momentum (0 = plain SGD, no state).
+  bool nesterov = false;      // SGD: Nesterov momentum.
+};
+
+// One contiguous slice of optimizer state. Inputs and outputs may alias (in-place update) or not; they must
+// not partially overlap. `mu_*`/`nu_*` may be null for kinds that do not use them; `param_bf16_out` may be null.
+struct StateSpan {
+  const float* param_in = nullptr;
+  float* param_out = nullptr;
+  const float* mu_in = nullptr;
+  float* mu_out = nullptr;
+  const float* nu_in = nullptr;
+  float* nu_out = nullptr;
+  uint16_t* param_bf16_out = nullptr;
+  int64_t size = 0;
+};
+
+// Which states each kind reads and writes.
+bool UsesMu(const UpdateHyperParams& hp);
+bool UsesNu(const UpdateHyperParams& hp);
+
+// Returns an empty string when the hyperparameters are usable, else a message naming the problem.
+std::string ValidateHyperParams(const UpdateHyperParams& hp);
+
+// Returns an empty string when `indices` are usable for a state of `size` elements (each in [0, size) and
+// non-decreasing), else a message naming the first offending position.
+std::string ValidateSparseIndices(const int32_t* indices, int64_t count, int64_t size);
+
+// Dense update: `grad` holds span.size elements of `grad_type`.
+void UpdateDense(const UpdateHyperParams& hp, const StateSpan& span, const void* grad, GradType grad_type);
+
+// Compressed update: the gradient is zero except at `indices` (validated beforehand with ValidateSparseIndices),
+// where it is the sum of the matching `values` (scatter-add semantics: zero-valued padding is harmless).
+void UpdateSparse(const UpdateHyperParams& hp, const StateSpan& span, const int32_t* indices, const void* values,
+                  GradType value_type, int64_t count);
+
+// A streaming loop that moves the same bytes as a dense fp32 Adam update (reads p, g, m, v; writes p, m, v)
+// with trivial arithmetic: the memory roofline the update kernel is measured against.
+void StreamRoofline(float* p, const float* g, float* m, float* v, int64_t size);
+
+// Name of the instruction set the kernels dispatch to on this machine ("avx2-fma" or "portable").
+const char* KernelIsa();
+
+}  // namespace nsp

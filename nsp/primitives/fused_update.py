@@ -1,0 +1,235 @@
+"""The fused optimizer update: one C++ pass over fp32 state, called through the XLA FFI.
+
+``fused_update`` applies one step of Adam, AdamW, SGD (with optional momentum / Nesterov) or AdaGrad to an fp32
+master parameter and its optimizer state. It reads ``param``, the gradient and the state once and writes them
+once, optionally emitting a bf16 copy of the new parameter in the same pass. The gradient can be dense
+(fp32 or bf16) or Top-K compressed as ``(values, indices)``; compressed gradients are decompressed block by
+block inside the kernel, never as a separate dense array.
+
+The math matches optax (``optax.adam``, ``optax.adamw``, ``optax.sgd``, ``optax.adagrad``) up to float
+rounding; ``weight_decay`` is decoupled for AdamW and an L2 term added to the gradient for the other kinds
+(as ``optax.chain(optax.add_decayed_weights(wd), optax.adam(...))``).
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from nsp.primitives import _ffi  # noqa: F401  (registers the FFI targets)
+
+KINDS: dict[str, int] = {"adam": 0, "adamw": 1, "sgd": 2, "adagrad": 3}
+# optax's defaults for eps: 1e-8 for Adam/AdamW, 1e-7 for AdaGrad.
+_DEFAULT_EPS = {"adam": 1e-8, "adamw": 1e-8, "sgd": 0.0, "adagrad": 1e-7}
+
+
+class FusedUpdateResult(NamedTuple):
+    """What ``fused_update`` returns.
+
+    Attributes:
+      param: the updated fp32 parameter, shaped like the input.
+      mu: the updated first-moment / momentum state, or the input unchanged (``None`` included) for kinds that
+        keep none (AdaGrad, plain SGD).
+      nu: the updated second-moment / accumulator state, or the input unchanged for kinds that keep none (SGD).
+      param_bf16: a bfloat16 copy of ``param`` written in the same pass when ``bf16_out=True``, else ``None``.
+    """
+
+    param: jax.Array
+    mu: jax.Array | None
+    nu: jax.Array | None
+    param_bf16: jax.Array | None
+
+
+def uses_mu(kind: str, momentum: float = 0.0) -> bool:
+    """Whether optimizer ``kind`` keeps a first-moment (momentum) state."""
+    return kind in ("adam", "adamw") or (kind == "sgd" and momentum != 0.0)
+
+
+def uses_nu(kind: str) -> bool:
+    """Whether optimizer ``kind`` keeps a second-moment (accumulator) state."""
+    return kind in ("adam", "adamw", "adagrad")
+
+
+def fused_update(
+    param: jax.Array,
+    grad: jax.Array,
+    mu: jax.Array | None = None,
+    nu: jax.Array | None = None,
+    *,
+    kind: str,
+    step: jax.typing.ArrayLike,
+    lr: jax.typing.ArrayLike,
+    b1: float = 0.9,
+    b2: float = 0.999,
+    eps: float | None = None,
+    weight_decay: float = 0.0,
+    momentum: float = 0.0,
+    nesterov: bool = False,
+    indices: jax.Array | None = None,
+    sort_indices: bool = False,
+    bf16_out: bool = False,
+) -> FusedUpdateResult:
+    """Applies one optimizer step to an fp32 parameter and its state in a single fused pass.
+
+    Args:
+      param: fp32 master parameter, any shape.
+      grad: the gradient: dense, shaped like ``param`` (float32 or bfloat16); or, when ``indices`` is given,
+        the 1-D Top-K values (float32 or bfloat16).
+      mu: fp32 first moment (Adam/AdamW) or momentum trace (SGD with ``momentum``), shaped like ``param``.
+      nu: fp32 second moment (Adam/AdamW) or sum of squares (AdaGrad), shaped like ``param``.
+      kind: ``"adam"``, ``"adamw"``, ``"sgd"`` or ``"adagrad"``.
+      step: the 1-based number of this update (bias correction uses ``b1**step``); a traced int is fine.
+      lr: learning rate; a traced scalar, so schedules work under ``jit`` without recompiling.
+      b1: Adam/AdamW first-moment decay.
+      b2: Adam/AdamW second-moment decay.
+      eps: Adam/AdamW: added to ``sqrt(nu_hat)``; AdaGrad: added to ``nu`` under the square root. Defaults to
+        optax's (1e-8 for Adam/AdamW, 1e-7 for AdaGrad).
+      weight_decay: decoupled for AdamW; an L2 term added to the gradient otherwise.
+      momentum: SGD momentum; 0 is plain SGD (no state).
+      nesterov: SGD Nesterov momentum.
+      indices: flat int32 positions into ``param`` of the compressed gradient ``grad``, sorted ascending
+        (``nsp.primitives.topk_compress`` returns them so). Repeated positions add up; zero-valued padding is
+        harmless.
+      sort_indices: sort ``(indices, grad)`` by position first (for indices from e.g. ``jax.lax.top_k``).
+      bf16_out: also return a bfloat16 copy of the new parameter, written in the same pass.
+
+    Returns:
+      A ``FusedUpdateResult(param, mu, nu, param_bf16)``.
+
+    Raises:
+      ValueError / TypeError: for mismatched shapes or dtypes, bad hyperparameters, and (when they are concrete)
+        out-of-range or unsorted indices, before the kernel runs. Under ``jit`` the kernel itself rejects bad
+        indices before it writes anything.
+
+    For an in-place update, call it under ``jax.jit`` and donate ``param``, ``mu`` and ``nu``::
+
+      @functools.partial(jax.jit, donate_argnums=(0, 2, 3))
+      def step_fn(p, g, m, v, t, lr):
+          return nsp.primitives.fused_update(p, g, m, v, kind="adam", step=t, lr=lr)[:3]
+
+      p, m, v = step_fn(p, g, m, v, 1, 1e-3)
+    """
+    if kind not in KINDS:
+        raise ValueError(f"unknown optimizer kind {kind!r}; expected one of {sorted(KINDS)}")
+    eps = _DEFAULT_EPS[kind] if eps is None else float(eps)
+    _check_hyperparams(b1=b1, b2=b2, eps=eps, weight_decay=weight_decay, momentum=momentum)
+    param = jnp.asarray(param)
+    if param.dtype != jnp.float32:
+        raise TypeError(f"param must be float32 (the fp32 master copy), got {param.dtype}")
+    shape, n = param.shape, param.size
+    need_mu, need_nu = uses_mu(kind, momentum), uses_nu(kind)
+    mu_flat = _state_operand("mu", mu, shape, need_mu, kind)
+    nu_flat = _state_operand("nu", nu, shape, need_nu, kind)
+    lr = _scalar("lr", lr, jnp.float32)
+    step = _scalar("step", step, jnp.int32)
+    if not isinstance(step, jax.core.Tracer) and int(step) < 1:
+        raise ValueError(f"step must be >= 1 (the 1-based number of this update), got {int(step)}")
+
+    grad = jnp.asarray(grad)
+    if grad.dtype not in (jnp.float32, jnp.bfloat16):
+        raise TypeError(f"gradients must be float32 or bfloat16, got {grad.dtype}")
+    if indices is None:
+        if grad.shape != shape:
+            raise ValueError(f"grad shape {grad.shape} does not match param shape {shape}")
+        target, operands = "nsp_fused_update_dense", [grad.reshape(-1)]
+    else:
+        # Checked before conversion: jnp.asarray would silently narrow int64 to int32.
+        idx_dtype = indices.dtype if hasattr(indices, "dtype") else np.asarray(indices).dtype
+        if np.dtype(idx_dtype) != np.int32:
+            raise TypeError(f"indices must be int32 flat positions, got {idx_dtype}")
+        indices = jnp.asarray(indices)
+        if indices.ndim != 1 or grad.ndim != 1 or indices.shape != grad.shape:
+            raise ValueError(
+                f"compressed gradients need 1-D values and indices of equal length, got values {grad.shape} "
+                f"and indices {indices.shape}"
+            )
+        if sort_indices:
+            indices, grad = jax.lax.sort_key_val(indices, grad)
+        elif not isinstance(indices, jax.core.Tracer):
+            _check_indices(np.asarray(indices), n)
+        target, operands = "nsp_fused_update_sparse", [grad, indices]
+
+    out_types = [
+        jax.ShapeDtypeStruct((n,), jnp.float32),
+        jax.ShapeDtypeStruct(mu_flat.shape, jnp.float32),
+        jax.ShapeDtypeStruct(nu_flat.shape, jnp.float32),
+    ]
+    if bf16_out:
+        out_types.append(jax.ShapeDtypeStruct((n,), jnp.bfloat16))
+    args = [lr, step, param.reshape(-1), *operands, mu_flat, nu_flat]
+    mu_pos = len(args) - 2
+    call = jax.ffi.ffi_call(
+        target,
+        out_types,
+        input_output_aliases={2: 0, mu_pos: 1, mu_pos + 1: 2},
+        vmap_method="sequential",
+    )
+    outs = call(
+        *args,
+        kind=np.int32(KINDS[kind]),
+        b1=np.float64(b1),
+        b2=np.float64(b2),
+        eps=np.float64(eps),
+        weight_decay=np.float64(weight_decay),
+        momentum=np.float64(momentum),
+        nesterov=bool(nesterov),
+    )
+    new_param = outs[0].reshape(shape)
+    new_mu = outs[1].reshape(shape) if need_mu else mu
+    new_nu = outs[2].reshape(shape) if need_nu else nu
+    param_bf16 = outs[3].reshape(shape) if bf16_out else None
+    return FusedUpdateResult(new_param, new_mu, new_nu, param_bf16)
+
+
+def _check_hyperparams(*, b1: float, b2: float, eps: float, weight_decay: float, momentum: float) -> None:
+    for name, value in (("b1", b1), ("b2", b2)):
+        if not 0.0 <= float(value) < 1.0:
+            raise ValueError(f"{name} must be in [0, 1), got {value}")
+    for name, value in (("eps", eps), ("weight_decay", weight_decay), ("momentum", momentum)):
+        if not float(value) >= 0.0:
+            raise ValueError(f"{name} must be >= 0, got {value}")
+
+
+def _state_operand(name: str, state, shape, needed: bool, kind: str) -> jax.Array:
+    """The flat fp32 operand for one optimizer state; an empty array when the kind keeps no such state."""
+    if not needed:
+        return jnp.zeros((0,), jnp.float32)
+    if state is None:
+        raise ValueError(f"optimizer kind {kind!r} needs the state {name!r}; got None")
+    state = jnp.asarray(state)
+    if state.shape != shape:
+        raise ValueError(f"{name} shape {state.shape} does not match param shape {shape}")
+    if state.dtype != jnp.float32:
+        raise TypeError(f"{name} must be float32, got {state.dtype}")
+    return state.reshape(-1)
+
+
+def _scalar(name: str, value, dtype) -> jax.Array:
+    value = jnp.asarray(value)
+    if value.ndim != 0:
+        raise ValueError(f"{name} must be a scalar, got shape {value.shape}")
+    if dtype == jnp.int32 and not jnp.issubdtype(value.dtype, jnp.integer):
+        raise TypeError(f"{name} must be an integer, got {value.dtype}")
+    return value.astype(dtype)
+
+
+def _check_indices(indices: np.ndarray, size: int) -> None:
+    """Range and order checks for concrete indices, with the kernel's messages, before anything runs."""
+    if indices.size == 0:
+        return
+    bad = np.flatnonzero((indices < 0) | (indices >= size))
+    if bad.size:
+        j = int(bad[0])
+        raise ValueError(
+            f"index {int(indices[j])} at position {j} is out of range for a parameter of {size} elements"
+        )
+    down = np.flatnonzero(np.diff(indices) < 0)
+    if down.size:
+        j = int(down[0]) + 1
+        raise ValueError(
+            f"indices must be sorted ascending: index {int(indices[j])} at position {j} follows "
+            f"{int(indices[j - 1])} (pass sort_indices=True, or compress with nsp.primitives.topk_compress)"
+        )
