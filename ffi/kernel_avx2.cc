@@ -74,13 +74,14 @@ void Avx2Block(const Coefficients& c, const Block& b) {
     const __m256 new_p = _mm256_fnmadd_ps(lr, update, p);
     _mm256_storeu_ps(b.p_out + i, new_p);
     if (b.p16_out != nullptr) StoreBf16(b.p16_out + i, new_p);
+    if (b.p32_copy != nullptr) _mm256_storeu_ps(b.p32_copy + i, new_p);
   }
   if (n8 < b.n) {
     const int64_t gsize = GRAD_BF16 ? 2 : 4;
     Block tail{b.p_in + n8, b.p_out + n8,
                b.m_in ? b.m_in + n8 : nullptr, b.m_out ? b.m_out + n8 : nullptr,
                b.v_in ? b.v_in + n8 : nullptr, b.v_out ? b.v_out + n8 : nullptr,
-               b.p16_out ? b.p16_out + n8 : nullptr,
+               b.p16_out ? b.p16_out + n8 : nullptr, b.p32_copy ? b.p32_copy + n8 : nullptr,
                static_cast<const char*>(b.grad) + n8 * gsize, b.n - n8};
     PortableKernel(KIND, GRAD_BF16)(c, tail);
   }

@@ -32,6 +32,7 @@ struct Block {
   const float* v_in;
   float* v_out;
   uint16_t* p16_out;  // may be null
+  float* p32_copy;    // may be null
   const void* grad;
   int64_t n;
 };

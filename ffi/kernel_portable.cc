@@ -64,6 +64,7 @@ void PortableBlock(const Coefficients& c, const Block& b) {
     const float new_p = p - c.lr * update;
     b.p_out[i] = new_p;
     if (b.p16_out != nullptr) b.p16_out[i] = F32ToBf16(new_p);
+    if (b.p32_copy != nullptr) b.p32_copy[i] = new_p;
   }
 }
 

@@ -2,9 +2,19 @@
 // kernel's thread pool and the roofline loop used by the benchmarks.
 #include <nanobind/nanobind.h>
 #include <nanobind/ndarray.h>
+#include <nanobind/stl/array.h>
+#include <nanobind/stl/optional.h>
+#include <nanobind/stl/string.h>
 
+#include <array>
+#include <memory>
+#include <optional>
+#include <stdexcept>
+#include <string>
 #include <type_traits>
 
+#include "backend.h"
+#include "store_engine.h"
 #include "thread_pool.h"
 #include "update_kernel.h"
 #include "xla/ffi/api/api.h"
@@ -24,6 +34,32 @@ nb::capsule EncapsulateFfiHandler(T* fn) {
 }
 
 using F32Array = nb::ndarray<float, nb::ndim<1>, nb::c_contig, nb::device::cpu>;
+using U16Array = nb::ndarray<uint16_t, nb::ndim<1>, nb::c_contig, nb::device::cpu>;
+using I32Array = nb::ndarray<int32_t, nb::ndim<1>, nb::c_contig, nb::device::cpu>;
+
+void Check(const std::string& err) {
+  if (!err.empty()) throw std::runtime_error(err);
+}
+
+template <typename A>
+void CheckLength(const char* name, const A& a, int64_t n) {
+  if (static_cast<int64_t>(a.shape(0)) != n) {
+    throw nb::value_error((std::string(name) + " has " + std::to_string(a.shape(0)) + " elements, expected " +
+                           std::to_string(n)).c_str());
+  }
+}
+
+// Python face of a ShardEngine. Arrays are 1-D, C-contiguous host arrays; bf16 arrays travel as uint16 views.
+std::unique_ptr<nsp::Backend> MakeBackend(const std::string& tier, const std::string& root, int64_t size,
+                                          int64_t page_elems, std::array<bool, nsp::kNumStates> used,
+                                          bool checksum) {
+  if (size < 1 || page_elems < 1) throw nb::value_error("size and page_elems must be >= 1");
+  if (tier == "memory") {
+    return nsp::MakeMemoryBackend(size, page_elems, std::vector<bool>(used.begin(), used.end()));
+  }
+  if (tier == "file") return nsp::MakeFileBackend(root, size, page_elems, checksum);
+  throw nb::value_error(("unknown backend tier '" + tier + "' (expected 'memory' or 'file')").c_str());
+}
 
 }  // namespace
 
@@ -44,6 +80,127 @@ NB_MODULE(_nsp_ffi, m) {
         nsp::SetNumThreads(n);
       },
       nb::arg("n"), "Sets the threads the update kernels use.");
+  nb::class_<nsp::ShardEngine>(m, "ShardEngine")
+      .def("__init__",
+           [](nsp::ShardEngine* self, const std::string& tier, const std::string& root, int64_t size,
+              int64_t page_elems, int pages_in_flight, std::array<bool, nsp::kNumStates> used, bool checksum) {
+             new (self) nsp::ShardEngine(MakeBackend(tier, root, size, page_elems, used, checksum), size,
+                                         page_elems, pages_in_flight, used);
+           },
+           nb::arg("tier"), nb::arg("root"), nb::arg("size"), nb::arg("page_elems"), nb::arg("pages_in_flight"),
+           nb::arg("states_used"), nb::arg("checksum"))
+      .def(
+          "update",
+          [](nsp::ShardEngine& e, int src_slot, int dst_slot, int kind, float lr, int64_t step, double b1, double b2,
+             double eps, double weight_decay, double momentum, bool nesterov, std::optional<F32Array> grad,
+             std::optional<U16Array> grad_bf16, std::optional<I32Array> indices, std::optional<F32Array> values,
+             std::optional<U16Array> values_bf16, std::optional<F32Array> params_out,
+             std::optional<U16Array> params_bf16_out) {
+            nsp::ShardUpdate u;
+            u.hp.kind = static_cast<nsp::OptimizerKind>(kind);
+            u.hp.lr = lr;
+            u.hp.step = step;
+            u.hp.b1 = b1;
+            u.hp.b2 = b2;
+            u.hp.eps = eps;
+            u.hp.weight_decay = weight_decay;
+            u.hp.momentum = momentum;
+            u.hp.nesterov = nesterov;
+            Check(nsp::ValidateHyperParams(u.hp));
+            u.src_slot = src_slot;
+            u.dst_slot = dst_slot;
+            const int64_t n = e.size();
+            if (grad) {
+              CheckLength("grad", *grad, n);
+              u.grad = grad->data();
+            } else if (grad_bf16) {
+              CheckLength("grad", *grad_bf16, n);
+              u.grad = grad_bf16->data();
+              u.grad_type = nsp::GradType::kBF16;
+            } else if (indices && (values || values_bf16)) {
+              u.indices = indices->data();
+              u.count = static_cast<int64_t>(indices->shape(0));
+              if (values) {
+                CheckLength("values", *values, u.count);
+                u.values = values->data();
+              } else {
+                CheckLength("values", *values_bf16, u.count);
+                u.values = values_bf16->data();
+                u.grad_type = nsp::GradType::kBF16;
+              }
+            } else {
+              throw nb::value_error("update needs a dense gradient or (indices, values)");
+            }
+            if (params_out) {
+              CheckLength("params_out", *params_out, n);
+              u.params_out = params_out->data();
+            }
+            if (params_bf16_out) {
+              CheckLength("params_bf16_out", *params_bf16_out, n);
+              u.params_bf16_out = params_bf16_out->data();
+            }
+            std::string err;
+            {
+              nb::gil_scoped_release release;
+              err = e.Update(u);
+            }
+            Check(err);
+          },
+          nb::arg("src_slot"), nb::arg("dst_slot"), nb::arg("kind"), nb::arg("lr"), nb::arg("step"), nb::arg("b1"),
+          nb::arg("b2"), nb::arg("eps"), nb::arg("weight_decay"), nb::arg("momentum"), nb::arg("nesterov"),
+          nb::arg("grad").none() = nb::none(), nb::arg("grad_bf16").none() = nb::none(),
+          nb::arg("indices").none() = nb::none(), nb::arg("values").none() = nb::none(),
+          nb::arg("values_bf16").none() = nb::none(), nb::arg("params_out").none() = nb::none(),
+          nb::arg("params_bf16_out").none() = nb::none())
+      .def("sync",
+           [](nsp::ShardEngine& e, int slot) {
+             std::string err;
+             {
+               nb::gil_scoped_release release;
+               err = e.Sync(slot);
+             }
+             Check(err);
+           })
+      .def("read_state",
+           [](nsp::ShardEngine& e, int slot, int state, F32Array out) {
+             CheckLength("out", out, e.size());
+             std::string err;
+             {
+               nb::gil_scoped_release release;
+               err = e.ReadState(slot, state, out.data());
+             }
+             Check(err);
+           })
+      .def("write_state",
+           [](nsp::ShardEngine& e, int slot, int state, F32Array in) {
+             CheckLength("in", in, e.size());
+             std::string err;
+             {
+               nb::gil_scoped_release release;
+               err = e.WriteState(slot, state, in.data());
+             }
+             Check(err);
+           })
+      .def("stats",
+           [](const nsp::ShardEngine& e) {
+             const nsp::TrafficStats& s = e.stats();
+             nb::dict d;
+             d["shared_in_bytes"] = s.shared_in_bytes;
+             d["shared_out_bytes"] = s.shared_out_bytes;
+             d["internal_read_bytes"] = s.internal_read_bytes;
+             d["internal_write_bytes"] = s.internal_write_bytes;
+             d["pages_read"] = s.pages_read;
+             d["pages_written"] = s.pages_written;
+             d["updates"] = s.updates;
+             return d;
+           })
+      .def("reset_stats", &nsp::ShardEngine::ResetStats)
+      .def_prop_ro("buffer_bytes", &nsp::ShardEngine::buffer_bytes)
+      .def_prop_ro("num_pages", &nsp::ShardEngine::num_pages)
+      .def_prop_ro("pages_in_flight", &nsp::ShardEngine::pages_in_flight)
+      .def_prop_ro("size", &nsp::ShardEngine::size)
+      .def_prop_ro("backend", [](nsp::ShardEngine& e) { return e.backend().name(); });
+
   m.def(
       "stream_roofline",
       [](F32Array p, F32Array g, F32Array m, F32Array v) {

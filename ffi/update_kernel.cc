@@ -95,8 +95,8 @@ Split SplitWork(int64_t size) {
 
 Block SliceBlock(const StateSpan& s, int64_t begin, int64_t n, const void* grad) {
   auto at = [begin](auto* ptr) { return ptr == nullptr ? nullptr : ptr + begin; };
-  return Block{at(s.param_in), at(s.param_out), at(s.mu_in), at(s.mu_out),
-               at(s.nu_in),    at(s.nu_out),    at(s.param_bf16_out), grad, n};
+  return Block{at(s.param_in), at(s.param_out),      at(s.mu_in),          at(s.mu_out), at(s.nu_in),
+               at(s.nu_out),   at(s.param_bf16_out), at(s.param_copy_out), grad,         n};
 }
 
 float ValueAt(const void* values, GradType type, int64_t j) {
@@ -163,7 +163,7 @@ void UpdateDense(const UpdateHyperParams& hp, const StateSpan& span, const void*
 }
 
 void UpdateSparse(const UpdateHyperParams& hp, const StateSpan& span, const int32_t* indices, const void* values,
-                  GradType value_type, int64_t count) {
+                  GradType value_type, int64_t count, int64_t index_base) {
   if (span.size == 0) return;
   const Coefficients c = MakeCoefficients(hp);
   const BlockKernel kernel = SelectKernel(hp.kind, GradType::kF32);  // blocks are decompressed to fp32
@@ -172,12 +172,13 @@ void UpdateSparse(const UpdateHyperParams& hp, const StateSpan& span, const int3
     const int64_t begin = t * split.chunk;
     const int64_t end = std::min(begin + split.chunk, span.size);
     // Indices are sorted, so this task's pairs are one contiguous run starting here.
-    int64_t j = std::lower_bound(indices, indices + count, begin) - indices;
+    int64_t j = std::lower_bound(indices, indices + count, begin + index_base) - indices;
     alignas(64) float dense[kSparseBlock];
     for (int64_t block = begin; block < end; block += kSparseBlock) {
       const int64_t n = std::min(kSparseBlock, end - block);
       std::memset(dense, 0, sizeof(float) * n);
-      for (; j < count && indices[j] < block + n; ++j) dense[indices[j] - block] += ValueAt(values, value_type, j);
+      const int64_t base = block + index_base;
+      for (; j < count && indices[j] < base + n; ++j) dense[indices[j] - base] += ValueAt(values, value_type, j);
       kernel(c, SliceBlock(span, block, n, dense));
     }
   });

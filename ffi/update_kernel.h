@@ -34,7 +34,7 @@ struct UpdateHyperParams {
 };
 
 // One contiguous slice of optimizer state. Inputs and outputs may alias (in-place update) or not; they must
-// not partially overlap. `mu_*`/`nu_*` may be null for kinds that do not use them; `param_bf16_out` may be null.
+// not partially overlap. `mu_*`/`nu_*` may be null for kinds that do not use them; the extra outputs may be null.
 struct StateSpan {
   const float* param_in = nullptr;
   float* param_out = nullptr;
@@ -43,6 +43,7 @@ struct StateSpan {
   const float* nu_in = nullptr;
   float* nu_out = nullptr;
   uint16_t* param_bf16_out = nullptr;
+  float* param_copy_out = nullptr;  // a second fp32 destination of the new param (the store's returned params)
   int64_t size = 0;
 };
 
@@ -62,8 +63,10 @@ void UpdateDense(const UpdateHyperParams& hp, const StateSpan& span, const void*
 
 // Compressed update: the gradient is zero except at `indices` (validated beforehand with ValidateSparseIndices),
 // where it is the sum of the matching `values` (scatter-add semantics: zero-valued padding is harmless).
+// Index i addresses element i - index_base of the span, so a page of a larger array can be updated with the
+// run of indices that falls inside it; every index must lie in [index_base, index_base + span.size).
 void UpdateSparse(const UpdateHyperParams& hp, const StateSpan& span, const int32_t* indices, const void* values,
-                  GradType value_type, int64_t count);
+                  GradType value_type, int64_t count, int64_t index_base = 0);
 
 // A streaming loop that moves the same bytes as a dense fp32 Adam update (reads p, g, m, v; writes p, m, v)
 // with trivial arithmetic: the memory roofline the update kernel is measured against.

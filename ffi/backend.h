@@ -1,0 +1,57 @@
+// The backend interface: everything the storage engine knows about where a shard's state lives and where its
+// update runs. A backend owns the buffers near the state, moves pages between storage and those buffers, and
+// runs the update kernel. `cpu` backends (memory, file) are real; FPGA (XRT) and AXDIMM backends plug in here.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "update_kernel.h"
+
+namespace nsp {
+
+// The optimizer states of one shard, in a fixed order.
+enum StateId : int { kParamState = 0, kMuState = 1, kNuState = 2, kNumStates = 3 };
+const char* StateName(int state);
+
+// A shard's gradient for one page: dense (n elements of `type`) or a run of sorted compressed pairs whose
+// indices are shard positions (the page starts at `index_base`).
+struct PageGrad {
+  const void* dense = nullptr;
+  GradType type = GradType::kF32;
+  const int32_t* indices = nullptr;
+  const void* values = nullptr;
+  int64_t count = 0;
+  int64_t index_base = 0;
+};
+
+class Backend {
+ public:
+  virtual ~Backend() = default;
+  virtual std::string name() const = 0;
+
+  // Address of a page when the state is directly addressable (host memory): the engine then updates it with
+  // no copies. Null when pages must be read into and written from buffers.
+  virtual float* PageAddress(int /*slot*/, int /*state*/, int64_t /*page*/) { return nullptr; }
+
+  // Reads `n` elements of page `page` of `state` in version slot `slot` into `dst`. Returns "" or an error.
+  virtual std::string ReadPage(int slot, int state, int64_t page, float* dst, int64_t n) = 0;
+  // Replaces page `page` (never overwrites it in place: snapshots may share the old one). Returns "" or an error.
+  virtual std::string WritePage(int slot, int state, int64_t page, const float* src, int64_t n) = 0;
+  // Makes everything written to `slot` durable. Returns "" or an error.
+  virtual std::string Sync(int slot) = 0;
+
+  // Runs the update kernel on one page, near the state. The default runs the host CPU kernel.
+  virtual void Compute(const UpdateHyperParams& hp, const StateSpan& span, const PageGrad& grad);
+};
+
+// Host-memory tier: two version slots of every state in RAM.
+std::unique_ptr<Backend> MakeMemoryBackend(int64_t size, int64_t page_elems, std::vector<bool> states_used);
+
+// File tier: each page is a zarr v3 chunk file <root>/slot<k>/<state>/c/<page> (raw little-endian fp32, plus a
+// CRC-32C trailer when `checksum`), exactly as tensorstore reads and writes it. Missing chunks read as zeros.
+std::unique_ptr<Backend> MakeFileBackend(std::string root, int64_t size, int64_t page_elems, bool checksum);
+
+}  // namespace nsp

@@ -1,0 +1,325 @@
+#include "store_engine.h"
+
+#include <algorithm>
+#include <atomic>
+#include <condition_variable>
+#include <cstring>
+#include <deque>
+#include <mutex>
+#include <thread>
+
+namespace nsp {
+namespace {
+
+int64_t GradBytes(GradType t) { return t == GradType::kF32 ? 4 : 2; }
+
+// A closable blocking queue of page numbers (buffer set and page travel together).
+struct Work {
+  int set;
+  int64_t page;
+};
+
+class Queue {
+ public:
+  void Push(Work w) {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      items_.push_back(w);
+    }
+    cv_.notify_one();
+  }
+  // Blocks until an item or Close(); returns false when closed and empty.
+  bool Pop(Work* w) {
+    std::unique_lock<std::mutex> lock(mu_);
+    cv_.wait(lock, [&] { return closed_ || !items_.empty(); });
+    if (items_.empty()) return false;
+    *w = items_.front();
+    items_.pop_front();
+    return true;
+  }
+  void Close() {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      closed_ = true;
+    }
+    cv_.notify_all();
+  }
+
+ private:
+  std::mutex mu_;
+  std::condition_variable cv_;
+  std::deque<Work> items_;
+  bool closed_ = false;
+};
+
+// The writer's two queues: new-param pages first, deferred m/v pages only when no param page waits.
+class WriteQueues {
+ public:
+  void PushParam(Work w) { Push(&params_, w); }
+  void PushState(Work w) { Push(&states_, w); }
+  // Returns false once closed and both queues are empty; *is_param tells which queue `w` came from.
+  bool Pop(Work* w, bool* is_param) {
+    std::unique_lock<std::mutex> lock(mu_);
+    cv_.wait(lock, [&] { return closed_ || !params_.empty() || !states_.empty(); });
+    std::deque<Work>* q = !params_.empty() ? &params_ : (!states_.empty() ? &states_ : nullptr);
+    if (q == nullptr) return false;
+    *is_param = q == &params_;
+    *w = q->front();
+    q->pop_front();
+    return true;
+  }
+  void Close() {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      closed_ = true;
+    }
+    cv_.notify_all();
+  }
+
+ private:
+  void Push(std::deque<Work>* q, Work w) {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      q->push_back(w);
+    }
+    cv_.notify_one();
+  }
+  std::mutex mu_;
+  std::condition_variable cv_;
+  std::deque<Work> params_, states_;
+  bool closed_ = false;
+};
+
+// First error wins; every stage checks it to stop early.
+class ErrorSlot {
+ public:
+  void Set(const std::string& e) {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (error_.empty()) error_ = e;
+    failed_ = true;
+  }
+  bool failed() const { return failed_; }
+  std::string Get() {
+    std::lock_guard<std::mutex> lock(mu_);
+    return error_;
+  }
+
+ private:
+  std::mutex mu_;
+  std::string error_;
+  std::atomic<bool> failed_{false};
+};
+
+}  // namespace
+
+ShardEngine::ShardEngine(std::unique_ptr<Backend> backend, int64_t size, int64_t page_elems, int pages_in_flight,
+                         std::array<bool, kNumStates> states_used)
+    : backend_(std::move(backend)),
+      size_(size),
+      page_elems_(page_elems),
+      num_pages_((size + page_elems - 1) / page_elems),
+      pages_in_flight_(std::max(2, pages_in_flight)),
+      used_(states_used) {}
+
+ShardEngine::~ShardEngine() = default;
+
+bool ShardEngine::Addressable() const {
+  for (int s = 0; s < kNumStates; ++s) {
+    if (used_[s] && (backend_->PageAddress(0, s, 0) == nullptr || backend_->PageAddress(1, s, 0) == nullptr)) {
+      return false;
+    }
+  }
+  return true;
+}
+
+int64_t ShardEngine::buffer_bytes() const {
+  int64_t total = 0;
+  for (const auto& set : buffers_) {
+    for (const auto& b : set) total += static_cast<int64_t>(b.size() * sizeof(float));
+  }
+  return total;
+}
+
+void ShardEngine::CountUpdate(const ShardUpdate& u) {
+  const int64_t gbytes = GradBytes(u.grad_type);
+  stats_.shared_in_bytes += u.grad != nullptr ? size_ * gbytes : u.count * (gbytes + 4);
+  if (u.params_out != nullptr) stats_.shared_out_bytes += size_ * 4;
+  if (u.params_bf16_out != nullptr) stats_.shared_out_bytes += size_ * 2;
+  int states = 0;
+  for (int s = 0; s < kNumStates; ++s) states += used_[s] ? 1 : 0;
+  stats_.internal_read_bytes += states * size_ * 4;
+  stats_.internal_write_bytes += states * size_ * 4;
+  stats_.pages_read += states * num_pages_;
+  stats_.pages_written += states * num_pages_;
+  stats_.updates += 1;
+}
+
+PageGrad ShardEngine::GradForPage(const ShardUpdate& u, int64_t page, int64_t* cursor) const {
+  PageGrad g;
+  g.type = u.grad_type;
+  const int64_t begin = page * page_elems_;
+  if (u.grad != nullptr) {
+    g.dense = static_cast<const char*>(u.grad) + begin * GradBytes(u.grad_type);
+    return g;
+  }
+  const int64_t end = std::min(begin + page_elems_, size_);
+  int64_t lo = *cursor;
+  int64_t hi = lo;
+  while (hi < u.count && u.indices[hi] < end) ++hi;
+  *cursor = hi;
+  g.indices = u.indices + lo;
+  g.values = static_cast<const char*>(u.values) + lo * GradBytes(u.grad_type);
+  g.count = hi - lo;
+  g.index_base = begin;
+  return g;
+}
+
+std::string ShardEngine::Update(const ShardUpdate& u) {
+  if (u.src_slot == u.dst_slot || u.src_slot < 0 || u.src_slot > 1 || u.dst_slot < 0 || u.dst_slot > 1) {
+    return "an update must read one version slot and write the other";
+  }
+  if (u.grad == nullptr) {
+    if (std::string err = ValidateSparseIndices(u.indices, u.count, size_); !err.empty()) return err;
+  }
+  std::string err = Addressable() ? UpdateAddressable(u) : UpdateStreamed(u);
+  if (err.empty()) CountUpdate(u);
+  return err;
+}
+
+std::string ShardEngine::UpdateAddressable(const ShardUpdate& u) {
+  StateSpan span;
+  span.size = size_;
+  span.param_in = backend_->PageAddress(u.src_slot, kParamState, 0);
+  span.param_out = backend_->PageAddress(u.dst_slot, kParamState, 0);
+  if (used_[kMuState]) {
+    span.mu_in = backend_->PageAddress(u.src_slot, kMuState, 0);
+    span.mu_out = backend_->PageAddress(u.dst_slot, kMuState, 0);
+  }
+  if (used_[kNuState]) {
+    span.nu_in = backend_->PageAddress(u.src_slot, kNuState, 0);
+    span.nu_out = backend_->PageAddress(u.dst_slot, kNuState, 0);
+  }
+  span.param_copy_out = u.params_out;
+  span.param_bf16_out = u.params_bf16_out;
+  PageGrad g;
+  g.type = u.grad_type;
+  g.dense = u.grad;
+  g.indices = u.indices;
+  g.values = u.values;
+  g.count = u.count;
+  backend_->Compute(u.hp, span, g);
+  return {};
+}
+
+std::string ShardEngine::UpdateStreamed(const ShardUpdate& u) {
+  if (buffers_.empty()) {  // allocated once, reused by every later update
+    buffers_.resize(static_cast<size_t>(pages_in_flight_));
+    for (auto& set : buffers_) {
+      for (int s = 0; s < kNumStates; ++s) {
+        if (used_[s]) set[s].assign(static_cast<size_t>(page_elems_), 0.0f);
+      }
+    }
+  }
+  auto page_len = [&](int64_t page) { return std::min(page_elems_, size_ - page * page_elems_); };
+  Queue free_sets, ready;
+  WriteQueues writes;
+  ErrorSlot error;
+  for (int s = 0; s < pages_in_flight_; ++s) free_sets.Push({s, -1});
+
+  std::thread reader([&] {
+    for (int64_t page = 0; page < num_pages_ && !error.failed(); ++page) {
+      Work w;
+      if (!free_sets.Pop(&w)) break;
+      for (int s = 0; s < kNumStates && !error.failed(); ++s) {
+        if (!used_[s]) continue;
+        if (std::string e = backend_->ReadPage(u.src_slot, s, page, buffers_[w.set][s].data(), page_len(page));
+            !e.empty()) {
+          error.Set(e);
+        }
+      }
+      ready.Push({w.set, page});
+    }
+    ready.Close();
+  });
+
+  std::thread writer([&] {
+    Work w;
+    bool is_param = false;
+    while (writes.Pop(&w, &is_param)) {
+      if (error.failed()) {  // keep draining so nobody blocks, but write nothing more
+        free_sets.Push(w);
+        continue;
+      }
+      const int64_t n = page_len(w.page);
+      if (is_param) {
+        const float* src = u.params_out != nullptr ? u.params_out + w.page * page_elems_
+                                                   : buffers_[w.set][kParamState].data();
+        if (std::string e = backend_->WritePage(u.dst_slot, kParamState, w.page, src, n); !e.empty()) error.Set(e);
+        if (used_[kMuState] || used_[kNuState]) {
+          writes.PushState(w);  // m/v can wait: the next forward pass needs only params
+        } else {
+          free_sets.Push(w);
+        }
+      } else {
+        for (int s : {kMuState, kNuState}) {
+          if (!used_[s] || error.failed()) continue;
+          if (std::string e = backend_->WritePage(u.dst_slot, s, w.page, buffers_[w.set][s].data(), n); !e.empty()) {
+            error.Set(e);
+          }
+        }
+        free_sets.Push(w);
+      }
+    }
+  });
+
+  // Compute on the calling thread (the kernel itself fans out over the thread pool).
+  int64_t cursor = 0;
+  int64_t computed = 0;
+  Work w;
+  while (ready.Pop(&w)) {
+    if (error.failed()) break;
+    const int64_t begin = w.page * page_elems_;
+    StateSpan span;
+    span.size = page_len(w.page);
+    float* pbuf = buffers_[w.set][kParamState].data();
+    span.param_in = pbuf;
+    span.param_out = u.params_out != nullptr ? u.params_out + begin : pbuf;
+    if (used_[kMuState]) span.mu_in = span.mu_out = buffers_[w.set][kMuState].data();
+    if (used_[kNuState]) span.nu_in = span.nu_out = buffers_[w.set][kNuState].data();
+    if (u.params_bf16_out != nullptr) span.param_bf16_out = u.params_bf16_out + begin;
+    backend_->Compute(u.hp, span, GradForPage(u, w.page, &cursor));
+    writes.PushParam(w);
+    ++computed;
+  }
+  // Unblock the reader if we stopped early, then let the writer finish what it holds.
+  if (error.failed()) {
+    free_sets.Close();
+    while (ready.Pop(&w)) {
+    }
+  }
+  reader.join();
+  // The writer exits once every queued write has drained.
+  writes.Close();
+  writer.join();
+  if (error.failed()) return error.Get();
+  if (computed != num_pages_) return "internal error: not every page was updated";
+  return {};
+}
+
+std::string ShardEngine::ReadState(int slot, int state, float* out) {
+  for (int64_t page = 0; page < num_pages_; ++page) {
+    const int64_t n = std::min(page_elems_, size_ - page * page_elems_);
+    if (std::string e = backend_->ReadPage(slot, state, page, out + page * page_elems_, n); !e.empty()) return e;
+  }
+  return {};
+}
+
+std::string ShardEngine::WriteState(int slot, int state, const float* in) {
+  for (int64_t page = 0; page < num_pages_; ++page) {
+    const int64_t n = std::min(page_elems_, size_ - page * page_elems_);
+    if (std::string e = backend_->WritePage(slot, state, page, in + page * page_elems_, n); !e.empty()) return e;
+  }
+  return {};
+}
+
+}  // namespace nsp

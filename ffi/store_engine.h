@@ -1,0 +1,94 @@
+// The near-storage update engine for one shard of a state store.
+//
+// An update reads version slot `src`, runs the fused kernel page by page, and writes slot `dst` (the caller
+// commits dst only after Sync). For page-addressable backends (host memory) the whole shard is one kernel pass
+// with no copies. Otherwise pages stream through a fixed set of preallocated buffers: a reader thread loads
+// page i+1 while the calling thread computes page i while a writer thread stores page i-1; each page's new
+// params are written (and handed to the caller) before any m/v write-back, which the writer defers to when no
+// param page is waiting (the Smart-Infinity transfer handler). Peak extra memory is
+// pages_in_flight x states x page size, whatever the model size.
+#pragma once
+
+#include <array>
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "backend.h"
+#include "update_kernel.h"
+
+namespace nsp {
+
+// Bytes moved by updates, accumulated. "Shared" is the link between the host/accelerator and the store
+// (gradients in, params out); "internal" is between the store's storage and its compute (pages).
+struct TrafficStats {
+  int64_t shared_in_bytes = 0;
+  int64_t shared_out_bytes = 0;
+  int64_t internal_read_bytes = 0;
+  int64_t internal_write_bytes = 0;
+  int64_t pages_read = 0;
+  int64_t pages_written = 0;
+  int64_t updates = 0;
+};
+
+struct ShardUpdate {
+  UpdateHyperParams hp;
+  int src_slot = 0;
+  int dst_slot = 1;
+  // Dense gradient of `size` elements ...
+  const void* grad = nullptr;
+  GradType grad_type = GradType::kF32;
+  // ... or compressed: sorted shard positions and their values (grad_type gives the value type).
+  const int32_t* indices = nullptr;
+  const void* values = nullptr;
+  int64_t count = 0;
+  // Where the new params go (either may be null).
+  float* params_out = nullptr;
+  uint16_t* params_bf16_out = nullptr;
+};
+
+class ShardEngine {
+ public:
+  ShardEngine(std::unique_ptr<Backend> backend, int64_t size, int64_t page_elems, int pages_in_flight,
+              std::array<bool, kNumStates> states_used);
+  ~ShardEngine();
+  ShardEngine(const ShardEngine&) = delete;
+  ShardEngine& operator=(const ShardEngine&) = delete;
+
+  // Runs one update; returns "" or an error (then slot dst is garbage and must not be committed).
+  std::string Update(const ShardUpdate& update);
+  // Makes slot `slot` durable.
+  std::string Sync(int slot) { return backend_->Sync(slot); }
+
+  // Whole-state transfers (initialisation, export): `n` = size elements.
+  std::string ReadState(int slot, int state, float* out);
+  std::string WriteState(int slot, int state, const float* in);
+
+  int64_t size() const { return size_; }
+  int64_t page_elems() const { return page_elems_; }
+  int64_t num_pages() const { return num_pages_; }
+  int pages_in_flight() const { return pages_in_flight_; }
+  // Bytes of the preallocated pipeline buffers (0 for page-addressable backends, which need none).
+  int64_t buffer_bytes() const;
+  const TrafficStats& stats() const { return stats_; }
+  void ResetStats() { stats_ = TrafficStats{}; }
+  Backend& backend() { return *backend_; }
+
+ private:
+  bool Addressable() const;
+  std::string UpdateAddressable(const ShardUpdate& u);
+  std::string UpdateStreamed(const ShardUpdate& u);
+  PageGrad GradForPage(const ShardUpdate& u, int64_t page, int64_t* cursor) const;
+  void CountUpdate(const ShardUpdate& u);
+
+  std::unique_ptr<Backend> backend_;
+  int64_t size_, page_elems_, num_pages_;
+  int pages_in_flight_;
+  std::array<bool, kNumStates> used_;
+  // buffers_[set][state]: page buffers, allocated once (lazily, on the first streamed update).
+  std::vector<std::array<std::vector<float>, kNumStates>> buffers_;
+  TrafficStats stats_;
+};
+
+}  // namespace nsp
