@@ -1,6 +1,6 @@
 // AVX2 + FMA block kernels, 8 floats per instruction. This file alone is compiled with -mavx2 -mfma; the
 // dispatcher only calls into it after checking the CPU supports both. It deliberately includes no standard
-// library headers (see kernel_block.h). Tails shorter than one vector go to the portable kernels.
+// library headers (see kernel_block.h).
 #include <immintrin.h>
 
 #include "kernel_block.h"
@@ -77,13 +77,26 @@ void Avx2Block(const Coefficients& c, const Block& b) {
     if (b.p32_copy != nullptr) _mm256_storeu_ps(b.p32_copy + i, new_p);
   }
   if (n8 < b.n) {
+    // The last < 8 elements go through the same vector code on a zero-padded copy, so every element is
+    // computed identically wherever it sits (a store's pages and an in-memory update agree bit for bit).
+    const int64_t r = b.n - n8;
     const int64_t gsize = GRAD_BF16 ? 2 : 4;
-    Block tail{b.p_in + n8, b.p_out + n8,
-               b.m_in ? b.m_in + n8 : nullptr, b.m_out ? b.m_out + n8 : nullptr,
-               b.v_in ? b.v_in + n8 : nullptr, b.v_out ? b.v_out + n8 : nullptr,
-               b.p16_out ? b.p16_out + n8 : nullptr, b.p32_copy ? b.p32_copy + n8 : nullptr,
-               static_cast<const char*>(b.grad) + n8 * gsize, b.n - n8};
-    PortableKernel(KIND, GRAD_BF16)(c, tail);
+    alignas(32) float p_in[8] = {}, p_out[8], m_in[8] = {}, m_out[8], v_in[8] = {}, v_out[8], copy[8];
+    alignas(32) uint16_t p16[8];
+    alignas(32) unsigned char g[32] = {};
+    __builtin_memcpy(p_in, b.p_in + n8, r * 4);
+    if (b.m_in != nullptr) __builtin_memcpy(m_in, b.m_in + n8, r * 4);
+    if (b.v_in != nullptr) __builtin_memcpy(v_in, b.v_in + n8, r * 4);
+    __builtin_memcpy(g, static_cast<const unsigned char*>(b.grad) + n8 * gsize, r * gsize);
+    const Block tail{p_in, p_out, b.m_in ? m_in : nullptr, b.m_out ? m_out : nullptr,
+                     b.v_in ? v_in : nullptr, b.v_out ? v_out : nullptr, b.p16_out ? p16 : nullptr,
+                     b.p32_copy ? copy : nullptr, g, 8};
+    Avx2Block<KIND, GRAD_BF16>(c, tail);
+    __builtin_memcpy(b.p_out + n8, p_out, r * 4);
+    if (b.m_out != nullptr) __builtin_memcpy(b.m_out + n8, m_out, r * 4);
+    if (b.v_out != nullptr) __builtin_memcpy(b.v_out + n8, v_out, r * 4);
+    if (b.p16_out != nullptr) __builtin_memcpy(b.p16_out + n8, p16, r * 2);
+    if (b.p32_copy != nullptr) __builtin_memcpy(b.p32_copy + n8, copy, r * 4);
   }
 }
 

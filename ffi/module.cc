@@ -36,6 +36,10 @@ nb::capsule EncapsulateFfiHandler(T* fn) {
 using F32Array = nb::ndarray<float, nb::ndim<1>, nb::c_contig, nb::device::cpu>;
 using U16Array = nb::ndarray<uint16_t, nb::ndim<1>, nb::c_contig, nb::device::cpu>;
 using I32Array = nb::ndarray<int32_t, nb::ndim<1>, nb::c_contig, nb::device::cpu>;
+// Read-only inputs (numpy views of jax arrays are read-only).
+using F32In = nb::ndarray<const float, nb::ndim<1>, nb::c_contig, nb::device::cpu>;
+using U16In = nb::ndarray<const uint16_t, nb::ndim<1>, nb::c_contig, nb::device::cpu>;
+using I32In = nb::ndarray<const int32_t, nb::ndim<1>, nb::c_contig, nb::device::cpu>;
 
 void Check(const std::string& err) {
   if (!err.empty()) throw std::runtime_error(err);
@@ -92,9 +96,9 @@ NB_MODULE(_nsp_ffi, m) {
       .def(
           "update",
           [](nsp::ShardEngine& e, int src_slot, int dst_slot, int kind, float lr, int64_t step, double b1, double b2,
-             double eps, double weight_decay, double momentum, bool nesterov, std::optional<F32Array> grad,
-             std::optional<U16Array> grad_bf16, std::optional<I32Array> indices, std::optional<F32Array> values,
-             std::optional<U16Array> values_bf16, std::optional<F32Array> params_out,
+             double eps, double weight_decay, double momentum, bool nesterov, std::optional<F32In> grad,
+             std::optional<U16In> grad_bf16, std::optional<I32In> indices, std::optional<F32In> values,
+             std::optional<U16In> values_bf16, std::optional<F32Array> params_out,
              std::optional<U16Array> params_bf16_out) {
             nsp::ShardUpdate u;
             u.hp.kind = static_cast<nsp::OptimizerKind>(kind);
@@ -172,7 +176,7 @@ NB_MODULE(_nsp_ffi, m) {
              Check(err);
            })
       .def("write_state",
-           [](nsp::ShardEngine& e, int slot, int state, F32Array in) {
+           [](nsp::ShardEngine& e, int slot, int state, F32In in) {
              CheckLength("in", in, e.size());
              std::string err;
              {
@@ -203,7 +207,7 @@ NB_MODULE(_nsp_ffi, m) {
 
   m.def(
       "stream_roofline",
-      [](F32Array p, F32Array g, F32Array m, F32Array v) {
+      [](F32Array p, F32In g, F32Array m, F32Array v) {
         const size_t n = p.shape(0);
         if (g.shape(0) != n || m.shape(0) != n || v.shape(0) != n) {
           throw nb::value_error("stream_roofline: all arrays must have the same length");

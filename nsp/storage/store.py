@@ -1,0 +1,525 @@
+"""StateStore: an optimizer's fp32 state in a storage tier, sharded, paged, versioned, updated in place.
+
+A store holds, for a flattened parameter vector cut into equal shards (see ``layout.py``), the fp32 master
+params and the optimizer's moments. Each shard has two version slots: an update reads committed version ``t``
+from one slot, writes version ``t+1`` into the other through the C++ engine, makes it durable, and only then
+commits ``t+1`` (an atomic manifest rename per shard). A crash therefore leaves ``t`` or ``t+1`` whole, and
+replaying an update from ``t`` gives the same bytes.
+
+On disk (``file`` tier) every state array of every slot is a zarr v3 array that plain ``tensorstore.open``
+reads: one chunk per page, raw little-endian fp32 plus a CRC-32C trailer::
+
+    ROOT/nsp_store.json                   layout, optimizer, tier (written once, atomically)
+    ROOT/LOCK                             held by the single writer
+    SHARD/MANIFEST.json                   {"version": t}; SHARD is ROOT/shards/00000 or shard_paths[i]
+    SHARD/slot{0,1}/{param,mu,nu}/        zarr v3 arrays (zarr.json + c/<page>)
+"""
+
+from __future__ import annotations
+
+import builtins
+import concurrent.futures
+import dataclasses
+import errno
+import fcntl
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import tensorstore as ts
+
+from nsp import _nsp_ffi
+from nsp.primitives.fused_update import KINDS, _DEFAULT_EPS
+from nsp.storage.layout import PAGE_BYTES_DEFAULT, Layout, check_page_bytes
+
+FORMAT_VERSION = 1
+TIERS = ("memory", "file", "csd")
+STATES = ("param", "mu", "nu")
+METADATA = "nsp_store.json"
+MANIFEST = "MANIFEST.json"
+
+
+class StoreError(RuntimeError):
+    """A store cannot do what was asked (wrong layout, missing version, locked, corrupt...)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class OptimizerSpec:
+    """Which update the store runs and with which (static) hyperparameters.
+
+    ``lr`` and ``step`` are not here: they are given to every update, so schedules work.
+    """
+
+    kind: str = "adam"
+    b1: float = 0.9
+    b2: float = 0.999
+    eps: float | None = None
+    weight_decay: float = 0.0
+    momentum: float = 0.0
+    nesterov: bool = False
+    initial_nu: float = 0.0  # AdaGrad's initial accumulator (optax: 0.1)
+
+    def __post_init__(self):
+        if self.kind not in KINDS:
+            raise ValueError(f"unknown optimizer kind {self.kind!r}; expected one of {sorted(KINDS)}")
+        if self.eps is None:
+            object.__setattr__(self, "eps", _DEFAULT_EPS[self.kind])
+
+    def states_used(self) -> tuple[bool, bool, bool]:
+        mu = self.kind in ("adam", "adamw") or (self.kind == "sgd" and self.momentum != 0.0)
+        nu = self.kind in ("adam", "adamw", "adagrad")
+        return (True, mu, nu)
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _atomic_write_json(path: Path, data: dict) -> None:
+    """Write-to-temp, fsync, rename, fsync the directory: readers see the old or the new file, never a mix."""
+    tmp = path.with_name(path.name + ".tmp")
+    with builtins.open(tmp, "w") as f:
+        json.dump(data, f, indent=1)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    _fsync_dir(path.parent)
+
+
+def _read_json(path: Path, what: str) -> dict:
+    try:
+        with builtins.open(path) as f:
+            return json.load(f)
+    except FileNotFoundError:
+        raise StoreError(f"{what} {path} is missing") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise StoreError(f"{what} {path} is corrupt or truncated ({e})") from None
+
+
+class StateStore:
+    """Sharded, paged, versioned optimizer state in one storage tier. Create with ``nsp.storage.open``."""
+
+    def __init__(self, root: Path | None, tier: str, num_shards: int, page_bytes: int,
+                 shard_paths: list[Path], pages_in_flight: int, checksum: bool):
+        self.root = root
+        self.tier = tier
+        self.num_shards = num_shards
+        self.page_bytes = page_bytes
+        self.shard_paths = shard_paths
+        self.pages_in_flight = pages_in_flight
+        self.checksum = checksum
+        self.layout: Layout | None = None
+        self.optimizer: OptimizerSpec | None = None
+        self.version: int | None = None
+        self._engines: list[Any] = []
+        self._lock_fd: int | None = None
+        self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=num_shards, thread_name_prefix="nsp-shard")
+        self._closed = False
+
+    # ---- lifecycle -------------------------------------------------------------------------------------------
+
+    def _acquire_lock(self) -> None:
+        path = self.root / "LOCK"
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as e:
+            os.close(fd)
+            if e.errno in (errno.EWOULDBLOCK, errno.EACCES):
+                holder = path.read_text().strip() or "another process"
+                raise StoreError(f"store {self.root} is already open for writing by {holder}") from None
+            raise
+        os.ftruncate(fd, 0)
+        os.write(fd, f"pid {os.getpid()}".encode())
+        self._lock_fd = fd
+
+    def close(self) -> None:
+        """Releases the engines, their buffers and threads, and the writer lock. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        self._pool.shutdown(wait=True)
+        self._engines = []
+        if self._lock_fd is not None:
+            os.close(self._lock_fd)  # closing the descriptor drops the flock
+            self._lock_fd = None
+
+    def __enter__(self) -> StateStore:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise StoreError("the store is closed")
+
+    @property
+    def initialized(self) -> bool:
+        return self.layout is not None
+
+    # ---- creation --------------------------------------------------------------------------------------------
+
+    def initialize(self, params: Any, optimizer: OptimizerSpec) -> int:
+        """Writes the layout of ``params`` and their values as version 0, or checks an existing store matches.
+
+        Returns the committed version. Raises ``StoreError`` (and writes nothing) when the store already holds
+        a different layout or another optimizer.
+        """
+        self._check_open()
+        layout = Layout.from_tree(params, num_shards=self.num_shards, page_bytes=self.page_bytes)
+        if self.initialized:
+            diff = self.layout.describe_difference(layout)
+            if diff:
+                raise StoreError(f"store {self.root or '(memory)'} holds a different layout: {diff}")
+            if self.optimizer != optimizer:
+                raise StoreError(
+                    f"store {self.root or '(memory)'} was created for {self.optimizer}, not {optimizer}"
+                )
+            return self.version
+        self.layout, self.optimizer = layout, optimizer
+        self._make_engines(create=True)
+        flat = np.asarray(layout.flatten(params), np.float32)
+        used = optimizer.states_used()
+        shards = flat.reshape(self.num_shards, layout.shard_size)
+
+        def init_shard(i):
+            engine = self._engines[i]
+            engine.write_state(0, 0, np.ascontiguousarray(shards[i]))
+            if used[1]:
+                engine.write_state(0, 1, np.zeros(layout.shard_size, np.float32))
+            if used[2]:
+                engine.write_state(0, 2, np.full(layout.shard_size, optimizer.initial_nu, np.float32))
+            engine.sync(0)
+
+        list(self._pool.map(init_shard, range(self.num_shards)))
+        if self.root is not None:
+            for shard in self.shard_paths:
+                _atomic_write_json(shard / MANIFEST, {"version": 0})
+            _atomic_write_json(self.root / METADATA, self._metadata())
+        self.version = 0
+        return 0
+
+    def _metadata(self) -> dict:
+        return {
+            "format": "nsp-store",
+            "format_version": FORMAT_VERSION,
+            "tier": self.tier,
+            "page_bytes": self.page_bytes,
+            "checksum": self.checksum,
+            "shard_paths": [str(p) for p in self.shard_paths],
+            "layout": self.layout.to_json(),
+            "optimizer": dataclasses.asdict(self.optimizer),
+        }
+
+    def _make_engines(self, create: bool) -> None:
+        used = list(self.optimizer.states_used())
+        backend = "memory" if self.tier == "memory" else "file"
+        if backend == "file" and create:
+            for shard in self.shard_paths:
+                self._create_arrays(shard, used)
+        self._engines = [
+            _nsp_ffi.ShardEngine(backend, str(shard) if shard else "", self.layout.shard_size,
+                                 self.layout.page_elems, self.pages_in_flight, used, self.checksum)
+            for shard in (self.shard_paths or [None] * self.num_shards)
+        ]
+
+    def _create_arrays(self, shard: Path, used: list[bool]) -> None:
+        """Creates every slot's state arrays through tensorstore (it owns the format; the engine follows it)."""
+        codecs = [{"name": "bytes", "configuration": {"endian": "little"}}]
+        if self.checksum:
+            codecs.append({"name": "crc32c"})
+        for slot in (0, 1):
+            for state, is_used in zip(STATES, used):
+                if not is_used:
+                    continue
+                path = shard / f"slot{slot}" / state
+                spec = {
+                    "driver": "zarr3",
+                    "kvstore": {"driver": "file", "path": str(path)},
+                    "metadata": {
+                        "shape": [self.layout.shard_size],
+                        "data_type": "float32",
+                        "chunk_grid": {"name": "regular",
+                                       "configuration": {"chunk_shape": [self.layout.page_elems]}},
+                        "chunk_key_encoding": {"name": "default"},
+                        "codecs": codecs,
+                        "fill_value": 0.0,
+                        "attributes": {"nsp": {"state": state, "slot": slot}},
+                    },
+                }
+                ts.open(spec, create=True, delete_existing=True).result()
+                (path / "c").mkdir(exist_ok=True)
+
+    # ---- updates ---------------------------------------------------------------------------------------------
+
+    def update(self, grad: Any = None, *, version: int, lr: float, step: int, indices: Any = None,
+               values: Any = None, params_out: bool = True, bf16_out: bool = False) -> dict[str, np.ndarray]:
+        """Runs one optimizer step on every shard, reading ``version`` and committing ``version + 1``.
+
+        Args:
+          grad: dense gradient, the padded flat vector (``layout.padded_total`` elements, fp32 or bf16) — or a
+            list with one array per shard.
+          version: the version this update reads: the committed one, or the one before it (a replay, which
+            rewrites the same next version).
+          lr: learning rate of this step.
+          step: 1-based step number (bias correction).
+          indices, values: instead of ``grad``: per-shard lists of sorted shard-local int32 positions and their
+            values (Top-K compressed gradients).
+          params_out: return the new fp32 params.
+          bf16_out: return a bf16 copy of the new params.
+
+        Returns:
+          ``{"params": flat fp32, "params_bf16": flat bf16}`` (those asked for), ``layout.padded_total`` long.
+        """
+        self._check_open()
+        if not self.initialized:
+            raise StoreError("the store holds no state yet: call initialize(params, optimizer) first")
+        src_slot, dst_slot = self._begin_update(version)
+        n, shard_size = self.num_shards, self.layout.shard_size
+        kw_shards = self._split_grads(grad, indices, values)
+        params = np.empty(n * shard_size, np.float32) if params_out else None
+        params16 = np.empty(n * shard_size, np.uint16) if bf16_out else None
+        o = self.optimizer
+        hyper = (KINDS[o.kind], float(lr), int(step), o.b1, o.b2, o.eps, o.weight_decay, o.momentum, o.nesterov)
+
+        def run(i):
+            sl = slice(i * shard_size, (i + 1) * shard_size)
+            self._engines[i].update(
+                src_slot, dst_slot, *hyper, **kw_shards[i],
+                params_out=None if params is None else params[sl],
+                params_bf16_out=None if params16 is None else params16[sl],
+            )
+            self._engines[i].sync(dst_slot)
+
+        futures = [self._pool.submit(run, i) for i in range(n)]
+        errors = [f.exception() for f in futures]
+        errors = [e for e in errors if e is not None]
+        if errors:
+            raise StoreError(f"update from version {version} failed; version {self.version} is intact: "
+                             f"{errors[0]}") from errors[0]
+        self._commit(version + 1)
+        out = {}
+        if params is not None:
+            out["params"] = params
+        if params16 is not None:
+            import ml_dtypes
+
+            out["params_bf16"] = params16.view(ml_dtypes.bfloat16)
+        return out
+
+    def _begin_update(self, version: int) -> tuple[int, int]:
+        if version == self.version:
+            pass
+        elif version == self.version - 1 and version >= 0:
+            # A replay overwrites the slot holding the committed version: commit back to `version` first, so a
+            # crash during the replay still leaves a whole committed version behind.
+            self._commit(version)
+        else:
+            held = sorted({self.version, max(self.version - 1, 0)})
+            raise StoreError(
+                f"the store no longer holds version {version}: it holds {held} (committed: {self.version})"
+            )
+        return version % 2, (version + 1) % 2
+
+    def _split_grads(self, grad, indices, values) -> list[dict]:
+        import ml_dtypes
+
+        n, shard_size = self.num_shards, self.layout.shard_size
+
+        def as_kw(arr, name):
+            arr = np.asarray(arr)
+            if arr.dtype == ml_dtypes.bfloat16:
+                return {f"{name}_bf16": np.ascontiguousarray(arr).view(np.uint16)}
+            if arr.dtype != np.float32:
+                raise TypeError(f"{name} must be float32 or bfloat16, got {arr.dtype}")
+            return {name: np.ascontiguousarray(arr)}
+
+        if grad is not None:
+            parts = list(grad) if isinstance(grad, (list, tuple)) else None
+            if parts is None:
+                flat = np.asarray(grad).reshape(-1)
+                if flat.size != n * shard_size:
+                    raise ValueError(f"grad has {flat.size} elements; the store holds {n} shards x {shard_size} "
+                                     f"= {n * shard_size} (layout.flatten pads to that)")
+                parts = [flat[i * shard_size:(i + 1) * shard_size] for i in range(n)]
+            if len(parts) != n:
+                raise ValueError(f"got {len(parts)} gradient shards for {n} store shards")
+            return [as_kw(p, "grad") for p in parts]
+        if indices is None or values is None:
+            raise ValueError("update needs either grad or both indices and values")
+        if len(indices) != n or len(values) != n:
+            raise ValueError(f"compressed gradients need one (indices, values) pair per shard ({n})")
+        out = []
+        for idx, val in zip(indices, values):
+            idx = np.asarray(idx)
+            if idx.dtype != np.int32:
+                raise TypeError(f"indices must be int32, got {idx.dtype}")
+            out.append({"indices": np.ascontiguousarray(idx), **as_kw(val, "values")})
+        return out
+
+    def _commit(self, version: int) -> None:
+        if self.root is not None:
+            for shard in self.shard_paths:
+                _atomic_write_json(shard / MANIFEST, {"version": version})
+        self.version = version
+
+    # ---- reading -----------------------------------------------------------------------------------------------
+
+    def read(self, state: str = "param", version: int | None = None) -> np.ndarray:
+        """The padded flat fp32 vector of ``state`` at ``version`` (default: the committed one)."""
+        self._check_open()
+        if not self.initialized:
+            raise StoreError("the store holds no state yet")
+        if state not in STATES or not self.optimizer.states_used()[STATES.index(state)]:
+            raise ValueError(f"{self.optimizer.kind} keeps no state {state!r}")
+        version = self.version if version is None else version
+        if version not in (self.version, self.version - 1) or version < 0:
+            raise StoreError(f"the store no longer holds version {version} (committed: {self.version})")
+        out = np.empty(self.layout.padded_total, np.float32)
+        size = self.layout.shard_size
+        list(self._pool.map(
+            lambda i: self._engines[i].read_state(version % 2, STATES.index(state), out[i * size:(i + 1) * size]),
+            range(self.num_shards)))
+        return out
+
+    def stats(self) -> dict[str, int]:
+        """Traffic since open (or ``reset_stats``): shared link (grads in, params out) and internal (pages)."""
+        totals: dict[str, int] = {}
+        for engine in self._engines:
+            for key, value in engine.stats().items():
+                totals[key] = totals.get(key, 0) + value
+        totals["updates"] = max((e.stats()["updates"] for e in self._engines), default=0)
+        totals["buffer_bytes"] = sum(e.buffer_bytes for e in self._engines)
+        return totals
+
+    def reset_stats(self) -> None:
+        for engine in self._engines:
+            engine.reset_stats()
+
+    def __repr__(self) -> str:
+        where = self.root or "memory"
+        return (f"StateStore({where}, tier={self.tier}, shards={self.num_shards}, version={self.version}, "
+                f"optimizer={self.optimizer.kind if self.optimizer else None})")
+
+
+def open(  # noqa: A001  (mirrors tensorstore.open / builtins.open on purpose)
+    path: str | os.PathLike | None = None,
+    *,
+    tier: str = "file",
+    num_shards: int = 1,
+    page_bytes: int = PAGE_BYTES_DEFAULT,
+    shard_paths: list[str | os.PathLike] | None = None,
+    pages_in_flight: int = 4,
+    checksum: bool = True,
+) -> StateStore:
+    """Opens the store at ``path``, or creates an empty one there.
+
+    Args:
+      path: the store's directory (``file``/``csd`` tiers); ``None`` for the ``memory`` tier.
+      tier: ``"memory"`` (host RAM), ``"file"`` (NVMe/SSD) or ``"csd"`` (for now the file tier with one
+        engine worker per shard, like one computational-storage device per shard).
+      num_shards: equal shards the flattened state is cut into (one per mesh device / storage device).
+      page_bytes: page (and zarr chunk) size; 4 MiB by default.
+      shard_paths: one directory per shard (each on its own disk, say); default ``path/shards/NNNNN``.
+      pages_in_flight: buffers the file tier streams through per shard (peak extra memory is
+        ``pages_in_flight x 3 x page_bytes`` per shard).
+      checksum: CRC-32C per page (zarr v3 ``crc32c`` codec), verified on every read.
+
+    Returns:
+      A ``StateStore``. An existing store is checked against the arguments; a new one holds no state until
+      ``initialize``.
+
+    Example::
+
+      store = nsp.storage.open("/nvme/run1/store", tier="file", num_shards=2)
+      store.initialize(params, nsp.storage.OptimizerSpec("adamw", weight_decay=0.1))
+    """
+    if tier not in TIERS:
+        raise ValueError(f"unknown tier {tier!r}; expected one of {TIERS}")
+    check_page_bytes(page_bytes)
+    if num_shards < 1:
+        raise ValueError(f"num_shards must be >= 1, got {num_shards}")
+    if pages_in_flight < 2:
+        raise ValueError(f"pages_in_flight must be >= 2, got {pages_in_flight}")
+    if tier == "memory":
+        if path is not None or shard_paths:
+            raise ValueError("the memory tier keeps its state in RAM: pass no path or shard_paths")
+        return StateStore(None, tier, num_shards, page_bytes, [], pages_in_flight, checksum)
+    if path is None:
+        raise ValueError(f"the {tier} tier needs a directory path")
+    root = Path(path).absolute()
+    if root.exists() and not root.is_dir():
+        raise StoreError(f"store path {root} exists and is not a directory")
+    parent = root.parent
+    if not parent.exists():
+        raise StoreError(f"cannot create store {root}: directory {parent} does not exist")
+    root.mkdir(exist_ok=True)
+    if not os.access(root, os.W_OK):
+        raise StoreError(f"store directory {root} is not writable")
+    meta_path = root / METADATA
+    if meta_path.exists():
+        return _open_existing(root, tier, num_shards, page_bytes, shard_paths, pages_in_flight)
+    if shard_paths is not None:
+        if len(shard_paths) != num_shards:
+            raise ValueError(f"got {len(shard_paths)} shard_paths for {num_shards} shards")
+        shards = [Path(p).absolute() for p in shard_paths]
+    else:
+        shards = [root / "shards" / f"{i:05d}" for i in range(num_shards)]
+    for shard in shards:
+        shard.mkdir(parents=True, exist_ok=True)
+    store = StateStore(root, tier, num_shards, page_bytes, shards, pages_in_flight, checksum)
+    store._acquire_lock()
+    return store
+
+
+def _open_existing(root: Path, tier, num_shards, page_bytes, shard_paths, pages_in_flight) -> StateStore:
+    meta = _read_json(root / METADATA, "store metadata")
+    if meta.get("format") != "nsp-store":
+        raise StoreError(f"{root / METADATA} is not an nsp store")
+    if meta.get("format_version") != FORMAT_VERSION:
+        raise StoreError(f"store {root} has format version {meta.get('format_version')}; "
+                         f"this nsp reads {FORMAT_VERSION}")
+    for name, asked, held in (("tier", tier, meta["tier"]), ("num_shards", num_shards,
+                              meta["layout"]["num_shards"]), ("page_bytes", page_bytes, meta["page_bytes"])):
+        if asked != held:
+            raise StoreError(f"store {root} was created with {name}={held!r}, opened with {name}={asked!r}")
+    shards = [Path(p) for p in meta["shard_paths"]]
+    if shard_paths is not None and [Path(p).absolute() for p in shard_paths] != shards:
+        raise StoreError(f"store {root} keeps its shards at {[str(s) for s in shards]}")
+    store = StateStore(root, tier, num_shards, page_bytes, shards, pages_in_flight, bool(meta["checksum"]))
+    store._acquire_lock()
+    try:
+        store.layout = Layout.from_json(meta["layout"])
+        store.optimizer = OptimizerSpec(**meta["optimizer"])
+        store.version = _recover_version(shards)
+        store._make_engines(create=False)
+    except BaseException:
+        store.close()
+        raise
+    return store
+
+
+def _recover_version(shards: list[Path]) -> int:
+    """The committed version: every shard commits on its own, so a crash between shard commits leaves some one
+    version ahead. Their previous slot still holds the older version whole, so all roll back to the minimum."""
+    versions = []
+    for shard in shards:
+        manifest = _read_json(shard / MANIFEST, "shard manifest")
+        version = manifest.get("version")
+        if not isinstance(version, int) or version < 0:
+            raise StoreError(f"shard manifest {shard / MANIFEST} holds no valid version: {manifest}")
+        versions.append(version)
+    low, high = min(versions), max(versions)
+    if high - low > 1:
+        raise StoreError(f"shard versions {versions} differ by more than one step: the store is inconsistent")
+    for shard, version in zip(shards, versions):
+        if version != low:
+            _atomic_write_json(shard / MANIFEST, {"version": low})
+    return low
