@@ -4,7 +4,9 @@
 #include <sys/uio.h>
 #include <unistd.h>
 
+#include <atomic>
 #include <cerrno>
+#include <cstdlib>
 #include <cstring>
 #include <mutex>
 #include <vector>
@@ -70,6 +72,7 @@ class FileBackend final : public Backend {
       : root_(std::move(root)), size_(size), page_elems_(page_elems), checksum_(checksum) {
     chunk_bytes_ = static_cast<size_t>(page_elems_) * sizeof(float);
     file_bytes_ = chunk_bytes_ + (checksum_ ? 4 : 0);
+    if (const char* env = std::getenv("NSP_DEBUG_FAIL_WRITES_AFTER")) fail_writes_after_ = std::atoll(env);
     // Only a shard's last page is partial; its padding needs these (allocated once, never in the update).
     const size_t last = static_cast<size_t>(size_ % page_elems_ == 0 ? page_elems_ : size_ % page_elems_);
     zeros_.assign(chunk_bytes_ - last * sizeof(float), 0);
@@ -114,6 +117,10 @@ class FileBackend final : public Backend {
   std::string WritePage(int slot, int state, int64_t page, const float* src, int64_t n) override {
     const std::string path = PagePath(slot, state, page);
     const std::string tmp = path + ".nsp-tmp";
+    if (fail_writes_after_ >= 0 && writes_done_.fetch_add(1) >= fail_writes_after_) {
+      errno = ENOSPC;  // debug fault injection (NSP_DEBUG_FAIL_WRITES_AFTER), off unless that variable is set
+      return ErrnoMessage("cannot write", tmp);
+    }
     const size_t data_bytes = sizeof(float) * static_cast<size_t>(n);
     const size_t pad_bytes = chunk_bytes_ - data_bytes;  // the last chunk is padded with the fill value (0)
     uint32_t crc = checksum_ ? Crc32cExtend(Crc32c(src, data_bytes), zeros_.data(), pad_bytes) : 0;
@@ -207,6 +214,8 @@ class FileBackend final : public Backend {
   int64_t page_elems_;
   bool checksum_;
   size_t chunk_bytes_ = 0, file_bytes_ = 0;
+  int64_t fail_writes_after_ = -1;
+  std::atomic<int64_t> writes_done_{0};
   std::vector<char> zeros_;     // written as the last page's padding
   std::vector<char> read_pad_;  // receives the last page's padding on reads (one reader thread per shard)
   std::mutex written_mu_;

@@ -126,7 +126,10 @@ class StateStore:
 
     def _acquire_lock(self) -> None:
         path = self.root / "LOCK"
-        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError as e:
+            raise StoreError(f"cannot open the writer lock {path}: {e.strerror}") from None
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError as e:
@@ -198,11 +201,17 @@ class StateStore:
                 engine.write_state(0, 2, np.full(layout.shard_size, optimizer.initial_nu, np.float32))
             engine.sync(0)
 
-        list(self._pool.map(init_shard, range(self.num_shards)))
-        if self.root is not None:
-            for shard in self.shard_paths:
-                _atomic_write_json(shard / MANIFEST, {"version": 0})
-            _atomic_write_json(self.root / METADATA, self._metadata())
+        try:
+            list(self._pool.map(init_shard, range(self.num_shards)))
+            if self.root is not None:
+                for shard in self.shard_paths:
+                    _atomic_write_json(shard / MANIFEST, {"version": 0})
+                # Written last: a store without metadata is an empty one, whatever else a crash left behind.
+                _atomic_write_json(self.root / METADATA, self._metadata())
+        except (RuntimeError, OSError) as e:
+            self.layout = self.optimizer = None
+            self._engines = []
+            raise StoreError(f"cannot initialize store {self.root or '(memory)'}: {e}") from e
         self.version = 0
         return 0
 
@@ -460,7 +469,10 @@ def open(  # noqa: A001  (mirrors tensorstore.open / builtins.open on purpose)
     parent = root.parent
     if not parent.exists():
         raise StoreError(f"cannot create store {root}: directory {parent} does not exist")
-    root.mkdir(exist_ok=True)
+    try:
+        root.mkdir(exist_ok=True)
+    except OSError as e:
+        raise StoreError(f"cannot create store directory {root}: {e.strerror}") from None
     if not os.access(root, os.W_OK):
         raise StoreError(f"store directory {root} is not writable")
     meta_path = root / METADATA
@@ -473,7 +485,10 @@ def open(  # noqa: A001  (mirrors tensorstore.open / builtins.open on purpose)
     else:
         shards = [root / "shards" / f"{i:05d}" for i in range(num_shards)]
     for shard in shards:
-        shard.mkdir(parents=True, exist_ok=True)
+        try:
+            shard.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise StoreError(f"cannot create shard directory {shard}: {e.strerror}") from None
     store = StateStore(root, tier, num_shards, page_bytes, shards, pages_in_flight, checksum)
     store._acquire_lock()
     return store

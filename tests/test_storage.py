@@ -1,0 +1,424 @@
+"""StateStore: format (plain tensorstore reads it), equality with in-RAM updates, versions, crashes, bad input."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+import tensorstore as ts
+
+import nsp.storage as storage
+from nsp.primitives import fused_update
+
+PAGE = 16 * 1024  # small pages: several per shard, and a partial last one
+SPECS = {
+    "adam": storage.OptimizerSpec("adam"),
+    "adamw": storage.OptimizerSpec("adamw", b1=0.8, weight_decay=0.1),
+    "sgd": storage.OptimizerSpec("sgd", momentum=0.9, nesterov=True),
+    "adagrad": storage.OptimizerSpec("adagrad", initial_nu=0.1),
+}
+
+
+def make_params(seed=0):
+    rng = np.random.default_rng(seed)
+    return {
+        "dense": {"kernel": jnp.asarray(rng.standard_normal((123, 97)), jnp.float32),
+                  "bias": jnp.asarray(rng.standard_normal(97), jnp.float32)},
+        "embed": jnp.asarray(rng.standard_normal((50, 64)), jnp.bfloat16),
+    }
+
+
+def grad_for(step, layout, dtype=np.float32):
+    g = np.random.default_rng(1000 + step).standard_normal(layout.padded_total).astype(np.float32)
+    g[layout.total:] = 0.0  # padding never receives gradient
+    return g.astype(dtype)
+
+
+def compressed_for(step, layout, ratio=0.02):
+    """Per-shard sorted local indices and values, plus the dense equivalent."""
+    rng = np.random.default_rng(2000 + step)
+    size, dense, idx_list, val_list = layout.shard_size, np.zeros(layout.padded_total, np.float32), [], []
+    for shard in range(layout.num_shards):
+        real = min(size, max(0, layout.total - shard * size))
+        k = max(1, int(real * ratio))
+        idx = np.sort(rng.choice(real, size=k, replace=False)).astype(np.int32)
+        val = rng.standard_normal(k).astype(np.float32)
+        dense[shard * size + idx] = val
+        idx_list.append(idx)
+        val_list.append(val)
+    return idx_list, val_list, dense
+
+
+class Reference:
+    """The same steps with fused_update on the whole padded vector in RAM."""
+
+    def __init__(self, layout, params, spec):
+        self.spec = spec
+        self.p = jnp.asarray(layout.flatten(params))
+        self.m = jnp.zeros_like(self.p)
+        self.v = jnp.full_like(self.p, spec.initial_nu)
+
+    def step(self, grad, step, lr):
+        s = self.spec
+        out = fused_update(self.p, jnp.asarray(grad), self.m, self.v, kind=s.kind, step=step, lr=lr, b1=s.b1,
+                           b2=s.b2, eps=s.eps, weight_decay=s.weight_decay, momentum=s.momentum,
+                           nesterov=s.nesterov)
+        self.p = out.param
+        self.m = out.mu if out.mu is not None else self.m
+        self.v = out.nu if out.nu is not None else self.v
+
+
+def open_store(tmp_path, tier, **kw):
+    kw.setdefault("num_shards", 3)
+    kw.setdefault("page_bytes", PAGE)
+    return storage.open(None if tier == "memory" else tmp_path / "store", tier=tier, **kw)
+
+
+@pytest.mark.parametrize("tier", ["memory", "file"])
+@pytest.mark.parametrize("kind", sorted(SPECS))
+def test_store_steps_equal_in_ram_steps(tmp_path, tier, kind):
+    params, spec = make_params(), SPECS[kind]
+    with open_store(tmp_path, tier) as store:
+        store.initialize(params, spec)
+        ref = Reference(store.layout, params, spec)
+        for step in range(1, 6):
+            lr = 0.01 / step
+            if step % 2:
+                grad = grad_for(step, store.layout)
+                out = store.update(grad, version=step - 1, lr=lr, step=step)
+            else:
+                idx, val, grad = compressed_for(step, store.layout)
+                out = store.update(indices=idx, values=val, version=step - 1, lr=lr, step=step)
+            ref.step(grad, step, lr)
+            np.testing.assert_array_equal(out["params"], np.asarray(ref.p), err_msg=f"step {step}")
+        np.testing.assert_array_equal(store.read("param"), np.asarray(ref.p))
+        used = spec.states_used()
+        if used[1]:
+            np.testing.assert_array_equal(store.read("mu"), np.asarray(ref.m))
+        if used[2]:
+            np.testing.assert_array_equal(store.read("nu"), np.asarray(ref.v))
+        assert store.version == 5
+
+
+def test_bf16_gradients_and_bf16_params_out(tmp_path):
+    params, spec = make_params(), SPECS["adamw"]
+    with open_store(tmp_path, "file") as store:
+        store.initialize(params, spec)
+        ref = Reference(store.layout, params, spec)
+        grad = grad_for(1, store.layout, ml_dtypes.bfloat16)
+        out = store.update(grad, version=0, lr=0.01, step=1, bf16_out=True)
+        ref.step(jnp.asarray(grad), 1, 0.01)
+        np.testing.assert_array_equal(out["params"], np.asarray(ref.p))
+        assert out["params_bf16"].dtype == ml_dtypes.bfloat16
+        np.testing.assert_array_equal(out["params_bf16"], np.asarray(ref.p.astype(jnp.bfloat16)))
+
+
+def test_plain_tensorstore_reads_and_writes_the_store(tmp_path):
+    params = make_params()
+    with open_store(tmp_path, "file", num_shards=2) as store:
+        store.initialize(params, SPECS["adam"])
+        for step in (1, 2, 3):
+            store.update(grad_for(step, store.layout), version=step - 1, lr=0.01, step=step)
+        expected = {s: store.read(s) for s in ("param", "mu", "nu")}
+        size = store.layout.shard_size
+        shard_dirs = store.shard_paths
+    # No nsp code from here on: tensorstore alone finds the committed version's arrays.
+    for shard, shard_dir in enumerate(shard_dirs):
+        version = __import__("json").loads((shard_dir / "MANIFEST.json").read_text())["version"]
+        for state in ("param", "mu", "nu"):
+            arr = ts.open({"driver": "zarr3", "kvstore": {"driver": "file",
+                                                          "path": str(shard_dir / f"slot{version % 2}" / state)}}
+                          ).result()
+            assert arr.dtype == ts.float32 and arr.shape == (size,)
+            np.testing.assert_array_equal(arr.read().result(), expected[state][shard * size:(shard + 1) * size])
+    # And the other way: a page written by tensorstore is what the engine reads.
+    arr = ts.open({"driver": "zarr3", "kvstore": {"driver": "file", "path": str(shard_dirs[1] / "slot1" / "mu")}}
+                  ).result()
+    arr[5:9] = np.asarray([1, 2, 3, 4], np.float32)
+    with storage.open(tmp_path / "store", tier="file", num_shards=2, page_bytes=PAGE) as store:
+        assert store.version == 3
+        np.testing.assert_array_equal(store.read("mu")[size + 5:size + 9], [1, 2, 3, 4])
+
+
+def test_metadata_describes_the_layout(tmp_path):
+    import json
+
+    with open_store(tmp_path, "file") as store:
+        store.initialize(make_params(), SPECS["adamw"])
+        total = store.layout.total
+    meta = json.loads((tmp_path / "store" / "nsp_store.json").read_text())
+    assert meta["layout"]["total"] == total == 123 * 97 + 97 + 50 * 64
+    assert [leaf["path"] for leaf in meta["layout"]["leaves"]] == ["['dense']['bias']", "['dense']['kernel']",
+                                                                    "['embed']"]
+    assert meta["optimizer"]["kind"] == "adamw" and meta["optimizer"]["weight_decay"] == 0.1
+    assert meta["layout"]["page_elems"] == PAGE // 4 and meta["layout"]["num_shards"] == 3
+
+
+def test_replay_gives_the_same_bytes_and_old_versions_are_refused(tmp_path):
+    params = make_params()
+    with open_store(tmp_path, "file") as store:
+        store.initialize(params, SPECS["adam"])
+        for step in (1, 2):
+            store.update(grad_for(step, store.layout), version=step - 1, lr=0.01, step=step)
+        first = {s: store.read(s) for s in ("param", "mu", "nu")}
+        # Replay step 2 from version 1: the same bytes again, committed version 2.
+        out = store.update(grad_for(2, store.layout), version=1, lr=0.01, step=2)
+        assert store.version == 2
+        np.testing.assert_array_equal(out["params"], first["param"])
+        for s in ("param", "mu", "nu"):
+            np.testing.assert_array_equal(store.read(s), first[s])
+        with pytest.raises(storage.StoreError, match="no longer holds version 0"):
+            store.update(grad_for(1, store.layout), version=0, lr=0.01, step=1)
+        with pytest.raises(storage.StoreError, match="no longer holds version 7"):
+            store.read("param", version=7)
+
+
+def test_engine_buffers_are_bounded_by_pages_in_flight(tmp_path):
+    with open_store(tmp_path, "file", num_shards=1, pages_in_flight=3) as store:
+        store.initialize({"w": jnp.zeros(300_000)}, SPECS["adam"])
+        assert store.layout.pages_per_shard > 3  # more pages than buffers
+        store.update(grad_for(1, store.layout), version=0, lr=0.01, step=1)
+        # 3 buffer sets x 3 states x one page, whatever the model size.
+        assert store.stats()["buffer_bytes"] == 3 * 3 * PAGE
+
+
+def test_traffic_counters_follow_table_1(tmp_path):
+    """Smart-Infinity Table I with M = 2 bytes x params (fp16 model size) and fp32 transport (2M per vector)."""
+    with open_store(tmp_path, "file", num_shards=2) as store:
+        store.initialize(make_params(), SPECS["adam"])
+        n = store.layout.padded_total
+        M = 2 * n
+        store.update(grad_for(1, store.layout), version=0, lr=0.01, step=1)
+        s = store.stats()
+        # SmartUpdate: 2M grads in, 2M params out on the shared link; the state stays inside (6M read + 6M write).
+        assert (s["shared_in_bytes"], s["shared_out_bytes"]) == (2 * M, 2 * M)
+        assert (s["internal_read_bytes"], s["internal_write_bytes"]) == (6 * M, 6 * M)
+        store.reset_stats()
+        # bf16 transport halves the shared link: M grads in, M params out.
+        store.update(grad_for(2, store.layout, ml_dtypes.bfloat16), version=1, lr=0.01, step=2,
+                     params_out=False, bf16_out=True)
+        s = store.stats()
+        assert (s["shared_in_bytes"], s["shared_out_bytes"]) == (M, M)
+        store.reset_stats()
+        # SmartComp: only the kept values (and their int32 indices) go down: ratio c of 2M, plus 4 B per index.
+        idx, val, _ = compressed_for(3, store.layout, ratio=0.01)
+        k = sum(len(i) for i in idx)
+        store.update(indices=idx, values=val, version=2, lr=0.01, step=3)
+        s = store.stats()
+        assert s["shared_in_bytes"] == k * 4 + k * 4
+        assert s["shared_out_bytes"] == 2 * M
+
+
+def test_second_writer_is_refused(tmp_path):
+    with open_store(tmp_path, "file") as store:
+        store.initialize(make_params(), SPECS["adam"])
+        proc = subprocess.run(
+            [sys.executable, "-c", "import nsp.storage as s, sys; "
+             f"s.open(sys.argv[1], tier='file', num_shards=3, page_bytes={PAGE})", str(tmp_path / "store")],
+            capture_output=True, text=True)
+        assert proc.returncode != 0
+        assert "already open for writing by pid" in proc.stderr
+    # Closed: the lock is free again.
+    storage.open(tmp_path / "store", tier="file", num_shards=3, page_bytes=PAGE).close()
+
+
+def test_opening_with_another_layout_is_refused(tmp_path):
+    with open_store(tmp_path, "file") as store:
+        store.initialize(make_params(), SPECS["adam"])
+    with pytest.raises(storage.StoreError, match="num_shards=3, opened with num_shards=2"):
+        storage.open(tmp_path / "store", tier="file", num_shards=2, page_bytes=PAGE)
+    with storage.open(tmp_path / "store", tier="file", num_shards=3, page_bytes=PAGE) as store:
+        with pytest.raises(storage.StoreError, match="different layout"):
+            store.initialize({"w": jnp.zeros(10)}, SPECS["adam"])
+        with pytest.raises(storage.StoreError, match="was created for"):
+            store.initialize(make_params(), SPECS["sgd"])
+
+
+@pytest.mark.parametrize(
+    "kwargs, error, match",
+    [
+        (dict(grad=np.zeros(5, np.float32)), ValueError, "grad has 5 elements"),
+        (dict(grad="int"), TypeError, "float32 or bfloat16"),
+        (dict(indices=[np.asarray([3, 1], np.int32)] * 3, values=[np.ones(2, np.float32)] * 3), storage.StoreError,
+         "sorted ascending"),
+        (dict(indices=[np.asarray([1], np.int64)] * 3, values=[np.ones(1, np.float32)] * 3), TypeError, "int32"),
+        (dict(), ValueError, "needs either grad"),
+    ],
+)
+def test_bad_update_input_leaves_the_committed_version(tmp_path, kwargs, error, match):
+    with open_store(tmp_path, "file") as store:
+        store.initialize(make_params(), SPECS["adam"])
+        before = store.read("param")
+        if isinstance(kwargs.get("grad"), str):
+            kwargs["grad"] = np.zeros(store.layout.padded_total, np.int32)
+        with pytest.raises(error, match=match):
+            store.update(version=0, lr=0.1, step=1, **kwargs)
+        assert store.version == 0
+        np.testing.assert_array_equal(store.read("param"), before)
+
+
+def test_bad_paths(tmp_path):
+    with pytest.raises(storage.StoreError, match="does not exist"):
+        storage.open(tmp_path / "missing" / "store", tier="file")
+    (tmp_path / "afile").write_text("x")
+    with pytest.raises(storage.StoreError, match="not a directory"):
+        storage.open(tmp_path / "afile", tier="file")
+    with pytest.raises(ValueError, match="unknown tier"):
+        storage.open(tmp_path / "s", tier="tape")
+    with pytest.raises(ValueError, match="multiple of 4096"):
+        storage.open(tmp_path / "s", page_bytes=1000)
+
+
+def _mount_tmpfs(path, options):
+    path.mkdir()
+    return subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(path)],
+                          capture_output=True).returncode == 0
+
+
+def test_full_disk_fails_cleanly_and_keeps_the_committed_version(tmp_path):
+    """A write that runs out of space: a clear error, version 0 intact and readable. Uses a tiny tmpfs when
+    this machine lets us mount one, else the engine's injected ENOSPC (NSP_DEBUG_FAIL_WRITES_AFTER)."""
+    params = {"w": jnp.asarray(np.random.default_rng(0).standard_normal(200_000), jnp.float32)}
+    mnt = tmp_path / "tiny"
+    mounted = _mount_tmpfs(mnt, "size=5m")  # version 0 (3.2 MB of p/m/v pages) fits, version 1 does not
+    path = (mnt if mounted else tmp_path) / "store"
+    try:
+        with storage.open(path, tier="file", page_bytes=PAGE * 16) as store:
+            store.initialize(params, SPECS["adam"])
+        if not mounted:
+            os.environ["NSP_DEBUG_FAIL_WRITES_AFTER"] = "3"
+        with storage.open(path, tier="file", page_bytes=PAGE * 16) as store:
+            with pytest.raises(storage.StoreError, match="No space left on device"):
+                store.update(grad_for(1, store.layout), version=0, lr=0.01, step=1)
+            assert store.version == 0
+            np.testing.assert_array_equal(store.read("param")[:200_000], np.asarray(params["w"]))
+        with storage.open(path, tier="file", page_bytes=PAGE * 16) as store:
+            assert store.version == 0
+    finally:
+        os.environ.pop("NSP_DEBUG_FAIL_WRITES_AFTER", None)
+        if mounted:
+            subprocess.run(["umount", str(mnt)])
+
+
+def test_read_only_directory_is_refused(tmp_path):
+    mnt = tmp_path / "ro"
+    if not _mount_tmpfs(mnt, "ro,size=1m"):
+        pytest.skip("cannot mount a read-only tmpfs here (as root, permission bits do not make a directory "
+                    "read-only)")
+    try:
+        with pytest.raises(storage.StoreError, match="Read-only file system"):
+            storage.open(mnt / "store", tier="file")
+    finally:
+        subprocess.run(["umount", str(mnt)])
+
+
+def test_corrupt_page_names_the_state_and_page(tmp_path):
+    with open_store(tmp_path, "file", num_shards=1) as store:
+        store.initialize(make_params(), SPECS["adam"])
+        store.update(grad_for(1, store.layout), version=0, lr=0.01, step=1)
+        page = store.shard_paths[0] / "slot1" / "nu" / "c" / "1"
+        data = bytearray(page.read_bytes())
+        data[10] ^= 0x40
+        page.write_bytes(bytes(data))
+        with pytest.raises(RuntimeError, match=r"checksum mismatch: state 'nu', page 1 of shard"):
+            store.read("nu")
+        with pytest.raises(storage.StoreError, match="checksum mismatch"):
+            store.update(grad_for(2, store.layout), version=1, lr=0.01, step=2)
+        assert store.version == 1
+
+
+_WRITER = textwrap.dedent("""
+    import sys
+    import numpy as np
+    import nsp.storage as storage
+    path, steps = sys.argv[1], int(sys.argv[2])
+    n = 1_500_003
+    store = storage.open(path, tier="file", num_shards=2, page_bytes=64 * 1024)
+    if not store.initialized:
+        store.initialize({"w": np.random.default_rng(0).standard_normal(n).astype(np.float32)},
+                         storage.OptimizerSpec("adamw", weight_decay=0.01))
+    layout = store.layout
+    while store.version < steps:
+        step = store.version + 1
+        g = np.random.default_rng(step).standard_normal(layout.padded_total).astype(np.float32)
+        g[layout.total:] = 0
+        store.update(g, version=step - 1, lr=1e-3, step=step)
+        print(step, flush=True)
+    store.close()
+""")
+
+
+def _reference_after(steps):
+    n = 1_500_003
+    spec = storage.OptimizerSpec("adamw", weight_decay=0.01)
+    layout = storage.Layout.from_tree({"w": jnp.zeros(n)}, num_shards=2, page_bytes=64 * 1024)
+    ref = Reference(layout, {"w": jnp.asarray(np.random.default_rng(0).standard_normal(n).astype(np.float32))},
+                    spec)
+    for step in range(1, steps + 1):
+        g = np.random.default_rng(step).standard_normal(layout.padded_total).astype(np.float32)
+        g[layout.total:] = 0
+        ref.step(g, step, 1e-3)
+    return ref
+
+
+def test_kill_during_updates_leaves_a_whole_committed_version(tmp_path):
+    path = str(tmp_path / "store")
+    rng = np.random.default_rng(7)
+    steps = 12
+    for trial in range(4):
+        proc = subprocess.Popen([sys.executable, "-c", _WRITER, path, str(steps)], stdout=subprocess.PIPE,
+                                text=True)
+        proc.stdout.readline()  # at least one update done in this run
+        time.sleep(float(rng.uniform(0.0, 0.6)))  # then somewhere inside a later update or commit
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+        with storage.open(path, tier="file", num_shards=2, page_bytes=64 * 1024) as store:
+            version = store.version
+            ref = _reference_after(version)
+            np.testing.assert_array_equal(store.read("param"), np.asarray(ref.p), err_msg=f"trial {trial}")
+            np.testing.assert_array_equal(store.read("nu"), np.asarray(ref.v), err_msg=f"trial {trial}")
+    # And the run resumes to the end, landing exactly where an uninterrupted run lands.
+    subprocess.run([sys.executable, "-c", _WRITER, path, str(steps)], check=True, capture_output=True)
+    with storage.open(path, tier="file", num_shards=2, page_bytes=64 * 1024) as store:
+        assert store.version == steps
+        np.testing.assert_array_equal(store.read("param"), np.asarray(_reference_after(steps).p))
+
+
+def test_a_shard_committed_ahead_rolls_back(tmp_path):
+    """A crash between shard commits leaves one shard a version ahead; opening rolls it back."""
+    import json
+
+    with open_store(tmp_path, "file", num_shards=2) as store:
+        store.initialize(make_params(), SPECS["adam"])
+        store.update(grad_for(1, store.layout), version=0, lr=0.01, step=1)
+        v1 = store.read("param")
+        store.update(grad_for(2, store.layout), version=1, lr=0.01, step=2)
+        shard0 = store.shard_paths[0]
+    (shard0 / "MANIFEST.json").write_text(json.dumps({"version": 1}))  # shard 1 still says 2
+    with storage.open(tmp_path / "store", tier="file", num_shards=2, page_bytes=PAGE) as store:
+        assert store.version == 1
+        np.testing.assert_array_equal(store.read("param"), v1)
+
+
+@pytest.mark.parametrize("content, match", [("{trunc", "corrupt or truncated"), (None, "is missing")])
+def test_damaged_metadata_or_manifest_is_a_clear_error(tmp_path, content, match):
+    with open_store(tmp_path, "file", num_shards=1) as store:
+        store.initialize(make_params(), SPECS["adam"])
+        manifest = store.shard_paths[0] / "MANIFEST.json"
+    if content is None:
+        manifest.unlink()
+    else:
+        manifest.write_text(content)
+    with pytest.raises(storage.StoreError, match=match):
+        storage.open(tmp_path / "store", tier="file", num_shards=1, page_bytes=PAGE)
+    # The failed open released its lock.
+    manifest.write_text('{"version": 0}')
+    storage.open(tmp_path / "store", tier="file", num_shards=1, page_bytes=PAGE).close()
