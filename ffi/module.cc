@@ -14,6 +14,7 @@
 #include <type_traits>
 
 #include "backend.h"
+#include "engine_registry.h"
 #include "store_engine.h"
 #include "thread_pool.h"
 #include "update_kernel.h"
@@ -21,6 +22,8 @@
 
 XLA_FFI_DECLARE_HANDLER_SYMBOL(NspFusedUpdateDense);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(NspFusedUpdateSparse);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(NspStoreUpdateDense);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(NspStoreUpdateSparse);
 
 namespace nb = nanobind;
 
@@ -65,6 +68,58 @@ std::unique_ptr<nsp::Backend> MakeBackend(const std::string& tier, const std::st
   throw nb::value_error(("unknown backend tier '" + tier + "' (expected 'memory' or 'file')").c_str());
 }
 
+// Builds one update from Python arguments: a dense gradient (fp32, or bf16 as uint16) or compressed
+// (indices, values), and where the new params go.
+nsp::ShardUpdate MakeUpdate(const nsp::ShardEngine& e, int kind, float lr, int64_t step, double b1, double b2,
+                            double eps, double weight_decay, double momentum, bool nesterov,
+                            const std::optional<F32In>& grad, const std::optional<U16In>& grad_bf16,
+                            const std::optional<I32In>& indices, const std::optional<F32In>& values,
+                            const std::optional<U16In>& values_bf16, std::optional<F32Array>& params_out,
+                            std::optional<U16Array>& params_bf16_out) {
+  nsp::ShardUpdate u;
+  u.hp.kind = static_cast<nsp::OptimizerKind>(kind);
+  u.hp.lr = lr;
+  u.hp.step = step;
+  u.hp.b1 = b1;
+  u.hp.b2 = b2;
+  u.hp.eps = eps;
+  u.hp.weight_decay = weight_decay;
+  u.hp.momentum = momentum;
+  u.hp.nesterov = nesterov;
+  Check(nsp::ValidateHyperParams(u.hp));
+  const int64_t n = e.size();
+  if (grad) {
+    CheckLength("grad", *grad, n);
+    u.grad = grad->data();
+  } else if (grad_bf16) {
+    CheckLength("grad", *grad_bf16, n);
+    u.grad = grad_bf16->data();
+    u.grad_type = nsp::GradType::kBF16;
+  } else if (indices && (values || values_bf16)) {
+    u.indices = indices->data();
+    u.count = static_cast<int64_t>(indices->shape(0));
+    if (values) {
+      CheckLength("values", *values, u.count);
+      u.values = values->data();
+    } else {
+      CheckLength("values", *values_bf16, u.count);
+      u.values = values_bf16->data();
+      u.grad_type = nsp::GradType::kBF16;
+    }
+  } else {
+    throw nb::value_error("update needs a dense gradient or (indices, values)");
+  }
+  if (params_out) {
+    CheckLength("params_out", *params_out, n);
+    u.params_out = params_out->data();
+  }
+  if (params_bf16_out) {
+    CheckLength("params_bf16_out", *params_bf16_out, n);
+    u.params_bf16_out = params_bf16_out->data();
+  }
+  return u;
+}
+
 }  // namespace
 
 NB_MODULE(_nsp_ffi, m) {
@@ -73,8 +128,11 @@ NB_MODULE(_nsp_ffi, m) {
     nb::dict targets;
     targets["nsp_fused_update_dense"] = EncapsulateFfiHandler(NspFusedUpdateDense);
     targets["nsp_fused_update_sparse"] = EncapsulateFfiHandler(NspFusedUpdateSparse);
+    targets["nsp_store_update_dense"] = EncapsulateFfiHandler(NspStoreUpdateDense);
+    targets["nsp_store_update_sparse"] = EncapsulateFfiHandler(NspStoreUpdateSparse);
     return targets;
   });
+  m.def("unregister_engine", &nsp::UnregisterEngine, nb::arg("handle"));
   m.def("kernel_isa", &nsp::KernelIsa, "Instruction set the update kernels use on this CPU.");
   m.def("get_num_threads", &nsp::GetNumThreads, "Threads the update kernels use.");
   m.def(
@@ -100,49 +158,10 @@ NB_MODULE(_nsp_ffi, m) {
              std::optional<U16In> grad_bf16, std::optional<I32In> indices, std::optional<F32In> values,
              std::optional<U16In> values_bf16, std::optional<F32Array> params_out,
              std::optional<U16Array> params_bf16_out) {
-            nsp::ShardUpdate u;
-            u.hp.kind = static_cast<nsp::OptimizerKind>(kind);
-            u.hp.lr = lr;
-            u.hp.step = step;
-            u.hp.b1 = b1;
-            u.hp.b2 = b2;
-            u.hp.eps = eps;
-            u.hp.weight_decay = weight_decay;
-            u.hp.momentum = momentum;
-            u.hp.nesterov = nesterov;
-            Check(nsp::ValidateHyperParams(u.hp));
+            nsp::ShardUpdate u = MakeUpdate(e, kind, lr, step, b1, b2, eps, weight_decay, momentum, nesterov, grad,
+                                            grad_bf16, indices, values, values_bf16, params_out, params_bf16_out);
             u.src_slot = src_slot;
             u.dst_slot = dst_slot;
-            const int64_t n = e.size();
-            if (grad) {
-              CheckLength("grad", *grad, n);
-              u.grad = grad->data();
-            } else if (grad_bf16) {
-              CheckLength("grad", *grad_bf16, n);
-              u.grad = grad_bf16->data();
-              u.grad_type = nsp::GradType::kBF16;
-            } else if (indices && (values || values_bf16)) {
-              u.indices = indices->data();
-              u.count = static_cast<int64_t>(indices->shape(0));
-              if (values) {
-                CheckLength("values", *values, u.count);
-                u.values = values->data();
-              } else {
-                CheckLength("values", *values_bf16, u.count);
-                u.values = values_bf16->data();
-                u.grad_type = nsp::GradType::kBF16;
-              }
-            } else {
-              throw nb::value_error("update needs a dense gradient or (indices, values)");
-            }
-            if (params_out) {
-              CheckLength("params_out", *params_out, n);
-              u.params_out = params_out->data();
-            }
-            if (params_bf16_out) {
-              CheckLength("params_bf16_out", *params_bf16_out, n);
-              u.params_bf16_out = params_bf16_out->data();
-            }
             std::string err;
             {
               nb::gil_scoped_release release;
@@ -198,6 +217,41 @@ NB_MODULE(_nsp_ffi, m) {
              d["updates"] = s.updates;
              return d;
            })
+      .def("step",
+           [](nsp::ShardEngine& e, int64_t version, int kind, float lr, int64_t step, double b1, double b2,
+              double eps, double weight_decay, double momentum, bool nesterov, std::optional<F32In> grad,
+              std::optional<U16In> grad_bf16, std::optional<I32In> indices, std::optional<F32In> values,
+              std::optional<U16In> values_bf16, std::optional<F32Array> params_out,
+              std::optional<U16Array> params_bf16_out) {
+             nsp::ShardUpdate u = MakeUpdate(e, kind, lr, step, b1, b2, eps, weight_decay, momentum, nesterov, grad,
+                                             grad_bf16, indices, values, values_bf16, params_out, params_bf16_out);
+             std::string err;
+             {
+               nb::gil_scoped_release release;
+               err = e.Step(u, version);
+             }
+             Check(err);
+           },
+           nb::arg("version"), nb::arg("kind"), nb::arg("lr"), nb::arg("step"), nb::arg("b1"), nb::arg("b2"),
+           nb::arg("eps"), nb::arg("weight_decay"), nb::arg("momentum"), nb::arg("nesterov"),
+           nb::arg("grad").none() = nb::none(), nb::arg("grad_bf16").none() = nb::none(),
+           nb::arg("indices").none() = nb::none(), nb::arg("values").none() = nb::none(),
+           nb::arg("values_bf16").none() = nb::none(), nb::arg("params_out").none() = nb::none(),
+           nb::arg("params_bf16_out").none() = nb::none(),
+           "Reads `version`, writes, syncs and commits version + 1 (a replay of the one before is allowed).")
+      .def_prop_ro("version", &nsp::ShardEngine::version)
+      .def("set_manifest", &nsp::ShardEngine::SetManifest, nb::arg("path"), nb::arg("version"))
+      .def("commit",
+           [](nsp::ShardEngine& e, int64_t version) {
+             std::string err;
+             {
+               nb::gil_scoped_release release;
+               err = e.Commit(version);
+             }
+             Check(err);
+           })
+      .def("register", [](nsp::ShardEngine& e) { return nsp::RegisterEngine(&e); },
+           "Makes the engine reachable from XLA FFI calls; returns its handle.")
       .def("reset_stats", &nsp::ShardEngine::ResetStats)
       .def_prop_ro("buffer_bytes", &nsp::ShardEngine::buffer_bytes)
       .def_prop_ro("num_pages", &nsp::ShardEngine::num_pages)

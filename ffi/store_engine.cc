@@ -1,8 +1,12 @@
 #include "store_engine.h"
 
+#include <fcntl.h>
+#include <unistd.h>
+
 #include <algorithm>
 #include <atomic>
 #include <condition_variable>
+#include <cerrno>
 #include <cstring>
 #include <deque>
 #include <mutex>
@@ -304,6 +308,49 @@ std::string ShardEngine::UpdateStreamed(const ShardUpdate& u) {
   if (error.failed()) return error.Get();
   if (computed != num_pages_) return "internal error: not every page was updated";
   return {};
+}
+
+std::string ShardEngine::Commit(int64_t version) {
+  if (!manifest_.empty()) {
+    // Write-to-temp, fsync, rename, fsync the directory: the old or the new manifest, never a mix.
+    const std::string tmp = manifest_ + ".tmp";
+    const std::string text = "{\"version\": " + std::to_string(version) + "}";
+    const int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+    if (fd < 0) return "cannot create " + tmp + ": " + std::strerror(errno);
+    const bool ok = ::write(fd, text.data(), text.size()) == static_cast<ssize_t>(text.size()) && ::fsync(fd) == 0;
+    const int err = errno;
+    ::close(fd);
+    if (!ok) {
+      ::unlink(tmp.c_str());
+      return "cannot write " + tmp + ": " + std::strerror(err);
+    }
+    if (::rename(tmp.c_str(), manifest_.c_str()) != 0) return "cannot commit " + manifest_ + ": " + std::strerror(errno);
+    const std::string dir = manifest_.substr(0, manifest_.find_last_of('/'));
+    const int dfd = ::open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+    if (dfd >= 0) {
+      ::fsync(dfd);
+      ::close(dfd);
+    }
+  }
+  version_ = version;
+  return {};
+}
+
+std::string ShardEngine::Step(ShardUpdate u, int64_t version) {
+  std::lock_guard<std::mutex> lock(step_mu_);
+  if (version == version_ - 1 && version >= 0) {
+    // A replay overwrites the slot of the committed version: step the commit back first, so a crash during
+    // the replay still leaves a whole committed version.
+    if (std::string e = Commit(version); !e.empty()) return e;
+  } else if (version != version_) {
+    return "the store no longer holds version " + std::to_string(version) + " (committed: " +
+           std::to_string(version_) + ", the one before it can be replayed)";
+  }
+  u.src_slot = static_cast<int>(version % 2);
+  u.dst_slot = 1 - u.src_slot;
+  if (std::string e = Update(u); !e.empty()) return e;
+  if (std::string e = Sync(u.dst_slot); !e.empty()) return e;
+  return Commit(version + 1);
 }
 
 std::string ShardEngine::ReadState(int slot, int state, float* out) {

@@ -12,6 +12,7 @@
 #include <array>
 #include <cstdint>
 #include <memory>
+#include <mutex>
 #include <string>
 #include <vector>
 
@@ -58,6 +59,19 @@ class ShardEngine {
 
   // Runs one update; returns "" or an error (then slot dst is garbage and must not be committed).
   std::string Update(const ShardUpdate& update);
+
+  // One versioned step: reads `version` (the committed one, or the one before it: a replay), writes
+  // version + 1 into the other slot, syncs it, and commits it. The slots in `update` are ignored. Safe to call
+  // from several threads (steps on one shard are serialised).
+  std::string Step(ShardUpdate update, int64_t version);
+  // The committed version of this shard, and committing one (atomic manifest rename when the shard has a
+  // manifest path; memory-only otherwise).
+  int64_t version() const { return version_; }
+  std::string Commit(int64_t version);
+  void SetManifest(std::string path, int64_t version) {
+    manifest_ = std::move(path);
+    version_ = version;
+  }
   // Makes slot `slot` durable.
   std::string Sync(int slot) { return backend_->Sync(slot); }
 
@@ -83,6 +97,9 @@ class ShardEngine {
   void CountUpdate(const ShardUpdate& u);
 
   std::unique_ptr<Backend> backend_;
+  std::mutex step_mu_;
+  std::string manifest_;  // SHARD/MANIFEST.json, or empty (memory tier)
+  int64_t version_ = 0;
   int64_t size_, page_elems_, num_pages_;
   int pages_in_flight_;
   std::array<bool, kNumStates> used_;

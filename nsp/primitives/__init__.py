@@ -2,13 +2,16 @@
 
 from nsp.primitives._ffi import get_num_threads, kernel_isa, set_num_threads
 from nsp.primitives.fused_update import FusedUpdateResult, fused_update, uses_mu, uses_nu
+from nsp.primitives.store_update import StoreUpdateResult, store_update
 
 __all__ = [
     "FusedUpdateResult",
+    "StoreUpdateResult",
     "fused_update",
     "get_num_threads",
     "kernel_isa",
     "set_num_threads",
+    "store_update",
     "uses_mu",
     "uses_nu",
 ]

@@ -116,8 +116,8 @@ class StateStore:
         self.checksum = checksum
         self.layout: Layout | None = None
         self.optimizer: OptimizerSpec | None = None
-        self.version: int | None = None
         self._engines: list[Any] = []
+        self._handles: list[int] = []
         self._lock_fd: int | None = None
         self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=num_shards, thread_name_prefix="nsp-shard")
         self._closed = False
@@ -148,6 +148,9 @@ class StateStore:
             return
         self._closed = True
         self._pool.shutdown(wait=True)
+        for handle in self._handles:
+            _nsp_ffi.unregister_engine(handle)
+        self._handles = []
         self._engines = []
         if self._lock_fd is not None:
             os.close(self._lock_fd)  # closing the descriptor drops the flock
@@ -166,6 +169,20 @@ class StateStore:
     @property
     def initialized(self) -> bool:
         return self.layout is not None
+
+    @property
+    def version(self) -> int | None:
+        """The committed version (shards commit one by one; the store's version is the lowest)."""
+        return min(e.version for e in self._engines) if self._engines else None
+
+    def ffi_handles(self) -> list[int]:
+        """Handles that name this store's shard engines inside jitted code (``nsp.primitives.store_update``)."""
+        self._check_open()
+        if not self.initialized:
+            raise StoreError("the store holds no state yet: call initialize(params, optimizer) first")
+        if not self._handles:
+            self._handles = [e.register() for e in self._engines]
+        return list(self._handles)
 
     # ---- creation --------------------------------------------------------------------------------------------
 
@@ -203,16 +220,15 @@ class StateStore:
 
         try:
             list(self._pool.map(init_shard, range(self.num_shards)))
+            for engine in self._engines:
+                engine.commit(0)
             if self.root is not None:
-                for shard in self.shard_paths:
-                    _atomic_write_json(shard / MANIFEST, {"version": 0})
                 # Written last: a store without metadata is an empty one, whatever else a crash left behind.
                 _atomic_write_json(self.root / METADATA, self._metadata())
         except (RuntimeError, OSError) as e:
             self.layout = self.optimizer = None
             self._engines = []
             raise StoreError(f"cannot initialize store {self.root or '(memory)'}: {e}") from e
-        self.version = 0
         return 0
 
     def _metadata(self) -> dict:
@@ -227,17 +243,18 @@ class StateStore:
             "optimizer": dataclasses.asdict(self.optimizer),
         }
 
-    def _make_engines(self, create: bool) -> None:
+    def _make_engines(self, create: bool, version: int = 0) -> None:
         used = list(self.optimizer.states_used())
         backend = "memory" if self.tier == "memory" else "file"
         if backend == "file" and create:
             for shard in self.shard_paths:
                 self._create_arrays(shard, used)
-        self._engines = [
-            _nsp_ffi.ShardEngine(backend, str(shard) if shard else "", self.layout.shard_size,
-                                 self.layout.page_elems, self.pages_in_flight, used, self.checksum)
-            for shard in (self.shard_paths or [None] * self.num_shards)
-        ]
+        self._engines = []
+        for shard in self.shard_paths or [None] * self.num_shards:
+            engine = _nsp_ffi.ShardEngine(backend, str(shard) if shard else "", self.layout.shard_size,
+                                          self.layout.page_elems, self.pages_in_flight, used, self.checksum)
+            engine.set_manifest(str(shard / MANIFEST) if shard else "", version)
+            self._engines.append(engine)
 
     def _create_arrays(self, shard: Path, used: list[bool]) -> None:
         """Creates every slot's state arrays through tensorstore (it owns the format; the engine follows it)."""
@@ -290,7 +307,11 @@ class StateStore:
         self._check_open()
         if not self.initialized:
             raise StoreError("the store holds no state yet: call initialize(params, optimizer) first")
-        src_slot, dst_slot = self._begin_update(version)
+        if version not in (self.version, self.version - 1) or version < 0:
+            held = sorted({self.version, max(self.version - 1, 0)})
+            raise StoreError(
+                f"the store no longer holds version {version}: it holds {held} (committed: {self.version})"
+            )
         n, shard_size = self.num_shards, self.layout.shard_size
         kw_shards = self._split_grads(grad, indices, values)
         params = np.empty(n * shard_size, np.float32) if params_out else None
@@ -299,13 +320,13 @@ class StateStore:
         hyper = (KINDS[o.kind], float(lr), int(step), o.b1, o.b2, o.eps, o.weight_decay, o.momentum, o.nesterov)
 
         def run(i):
+            # Each shard reads `version`, writes the other slot, syncs and commits version + 1 on its own.
             sl = slice(i * shard_size, (i + 1) * shard_size)
-            self._engines[i].update(
-                src_slot, dst_slot, *hyper, **kw_shards[i],
+            self._engines[i].step(
+                version, *hyper, **kw_shards[i],
                 params_out=None if params is None else params[sl],
                 params_bf16_out=None if params16 is None else params16[sl],
             )
-            self._engines[i].sync(dst_slot)
 
         futures = [self._pool.submit(run, i) for i in range(n)]
         errors = [f.exception() for f in futures]
@@ -313,7 +334,6 @@ class StateStore:
         if errors:
             raise StoreError(f"update from version {version} failed; version {self.version} is intact: "
                              f"{errors[0]}") from errors[0]
-        self._commit(version + 1)
         out = {}
         if params is not None:
             out["params"] = params
@@ -322,20 +342,6 @@ class StateStore:
 
             out["params_bf16"] = params16.view(ml_dtypes.bfloat16)
         return out
-
-    def _begin_update(self, version: int) -> tuple[int, int]:
-        if version == self.version:
-            pass
-        elif version == self.version - 1 and version >= 0:
-            # A replay overwrites the slot holding the committed version: commit back to `version` first, so a
-            # crash during the replay still leaves a whole committed version behind.
-            self._commit(version)
-        else:
-            held = sorted({self.version, max(self.version - 1, 0)})
-            raise StoreError(
-                f"the store no longer holds version {version}: it holds {held} (committed: {self.version})"
-            )
-        return version % 2, (version + 1) % 2
 
     def _split_grads(self, grad, indices, values) -> list[dict]:
         import ml_dtypes
@@ -372,12 +378,6 @@ class StateStore:
                 raise TypeError(f"indices must be int32, got {idx.dtype}")
             out.append({"indices": np.ascontiguousarray(idx), **as_kw(val, "values")})
         return out
-
-    def _commit(self, version: int) -> None:
-        if self.root is not None:
-            for shard in self.shard_paths:
-                _atomic_write_json(shard / MANIFEST, {"version": version})
-        self.version = version
 
     # ---- reading -----------------------------------------------------------------------------------------------
 
@@ -513,8 +513,7 @@ def _open_existing(root: Path, tier, num_shards, page_bytes, shard_paths, pages_
     try:
         store.layout = Layout.from_json(meta["layout"])
         store.optimizer = OptimizerSpec(**meta["optimizer"])
-        store.version = _recover_version(shards)
-        store._make_engines(create=False)
+        store._make_engines(create=False, version=_recover_version(shards))
     except BaseException:
         store.close()
         raise

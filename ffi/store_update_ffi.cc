@@ -1,0 +1,162 @@
+// XLA FFI handlers that hand one device's gradient shard to its own store shard and return the new params.
+//
+// Called inside shard_map, so each device's call sees only its shard: operand `shard` (from
+// jax.lax.axis_index) picks the engine among the store's `handles`. The call reads committed version `version`,
+// runs the engine (pages streamed through the tier's buffers, params first), syncs, commits version + 1 and
+// returns the new params (fp32, and optionally bf16) plus the new version. It has side effects (the store
+// changes), so JAX must mark it side-effecting.
+//
+// Operands: lr f32[], step s32[], version s32[], shard s32[], then grad (f32|bf16)[n] (dense target) or
+// values (f32|bf16)[k] + indices s32[k] (sparse target; shard positions, sorted).
+// Results: params f32[n], version s32[], [params_bf16 bf16[n]].
+#include <string>
+#include <utility>
+
+#include "engine_registry.h"
+#include "store_engine.h"
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace nsp {
+namespace {
+
+ffi::Error Invalid(const std::string& message) {
+  return ffi::Error::InvalidArgument("nsp.store_update: " + message);
+}
+
+ffi::ErrorOr<GradType> TypeOf(const ffi::AnyBuffer& b) {
+  switch (b.element_type()) {
+    case ffi::DataType::F32: return GradType::kF32;
+    case ffi::DataType::BF16: return GradType::kBF16;
+    default: return ffi::Unexpected(Invalid("gradients must be float32 or bfloat16"));
+  }
+}
+
+struct Call {
+  ShardEngine* engine;
+  ShardUpdate update;
+  int64_t version;
+};
+
+ffi::ErrorOr<Call> Prepare(ffi::Buffer<ffi::F32> lr, ffi::Buffer<ffi::S32> step, ffi::Buffer<ffi::S32> version,
+                           ffi::Buffer<ffi::S32> shard, ffi::ResultBuffer<ffi::F32> params,
+                           ffi::RemainingRets extra, ffi::Span<const int64_t> handles, int32_t kind, double b1,
+                           double b2, double eps, double weight_decay, double momentum, bool nesterov) {
+  const int32_t s = shard.typed_data()[0];
+  if (s < 0 || static_cast<size_t>(s) >= handles.size()) {
+    return ffi::Unexpected(Invalid("shard " + std::to_string(s) + " is not one of the store's " +
+                                   std::to_string(handles.size()) + " shards"));
+  }
+  ShardEngine* engine = FindEngine(handles[s]);
+  if (engine == nullptr) return ffi::Unexpected(Invalid("the store was closed"));
+  Call call{engine, {}, version.typed_data()[0]};
+  UpdateHyperParams& hp = call.update.hp;
+  hp.kind = static_cast<OptimizerKind>(kind);
+  hp.lr = lr.typed_data()[0];
+  hp.step = step.typed_data()[0];
+  hp.b1 = b1;
+  hp.b2 = b2;
+  hp.eps = eps;
+  hp.weight_decay = weight_decay;
+  hp.momentum = momentum;
+  hp.nesterov = nesterov;
+  if (std::string err = ValidateHyperParams(hp); !err.empty()) return ffi::Unexpected(Invalid(err));
+  const int64_t n = engine->size();
+  if (static_cast<int64_t>(params->element_count()) != n) {
+    return ffi::Unexpected(Invalid("the params result has " + std::to_string(params->element_count()) +
+                                   " elements, the shard " + std::to_string(n)));
+  }
+  call.update.params_out = params->typed_data();
+  if (extra.size() > 1) {
+    auto bf16 = extra.get<ffi::AnyBuffer>(1);
+    if (bf16.has_error()) return ffi::Unexpected(bf16.error());
+    ffi::AnyBuffer out16 = **bf16;
+    if (out16.element_type() != ffi::DataType::BF16 || static_cast<int64_t>(out16.element_count()) != n) {
+      return ffi::Unexpected(Invalid("the bf16 params result must be bfloat16 with one element per shard element"));
+    }
+    call.update.params_bf16_out = static_cast<uint16_t*>(out16.untyped_data());
+  }
+  return call;
+}
+
+ffi::Error Finish(Call& call, ffi::RemainingRets extra) {
+  if (std::string err = call.engine->Step(call.update, call.version); !err.empty()) return Invalid(err);
+  auto version_out = extra.get<ffi::Buffer<ffi::S32>>(0);
+  if (version_out.has_error()) return version_out.error();
+  (*version_out)->typed_data()[0] = static_cast<int32_t>(call.engine->version());
+  return ffi::Error::Success();
+}
+
+ffi::Error DenseImpl(ffi::Buffer<ffi::F32> lr, ffi::Buffer<ffi::S32> step, ffi::Buffer<ffi::S32> version,
+                     ffi::Buffer<ffi::S32> shard, ffi::AnyBuffer grad, ffi::ResultBuffer<ffi::F32> params,
+                     ffi::RemainingRets extra, ffi::Span<const int64_t> handles, int32_t kind, double b1, double b2,
+                     double eps, double weight_decay, double momentum, bool nesterov) {
+  auto call = Prepare(lr, step, version, shard, params, extra, handles, kind, b1, b2, eps, weight_decay, momentum,
+                      nesterov);
+  if (call.has_error()) return call.error();
+  auto type = TypeOf(grad);
+  if (type.has_error()) return type.error();
+  if (static_cast<int64_t>(grad.element_count()) != call->engine->size()) {
+    return Invalid("the gradient shard has " + std::to_string(grad.element_count()) + " elements, the store shard " +
+                   std::to_string(call->engine->size()));
+  }
+  call->update.grad = grad.untyped_data();
+  call->update.grad_type = *type;
+  return Finish(*call, extra);
+}
+
+ffi::Error SparseImpl(ffi::Buffer<ffi::F32> lr, ffi::Buffer<ffi::S32> step, ffi::Buffer<ffi::S32> version,
+                      ffi::Buffer<ffi::S32> shard, ffi::AnyBuffer values, ffi::Buffer<ffi::S32> indices,
+                      ffi::ResultBuffer<ffi::F32> params, ffi::RemainingRets extra, ffi::Span<const int64_t> handles,
+                      int32_t kind, double b1, double b2, double eps, double weight_decay, double momentum,
+                      bool nesterov) {
+  auto call = Prepare(lr, step, version, shard, params, extra, handles, kind, b1, b2, eps, weight_decay, momentum,
+                      nesterov);
+  if (call.has_error()) return call.error();
+  auto type = TypeOf(values);
+  if (type.has_error()) return type.error();
+  if (values.element_count() != indices.element_count()) return Invalid("values and indices differ in length");
+  call->update.values = values.untyped_data();
+  call->update.grad_type = *type;
+  call->update.indices = indices.typed_data();
+  call->update.count = static_cast<int64_t>(indices.element_count());
+  return Finish(*call, extra);
+}
+
+template <typename Binding>
+auto WithAttrs(Binding binding) {
+  return std::move(binding)
+      .template Attr<ffi::Span<const int64_t>>("handles")
+      .template Attr<int32_t>("kind")
+      .template Attr<double>("b1")
+      .template Attr<double>("b2")
+      .template Attr<double>("eps")
+      .template Attr<double>("weight_decay")
+      .template Attr<double>("momentum")
+      .template Attr<bool>("nesterov");
+}
+
+}  // namespace
+}  // namespace nsp
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(NspStoreUpdateDense, nsp::DenseImpl,
+                              nsp::WithAttrs(xla::ffi::Ffi::Bind()
+                                                 .Arg<xla::ffi::Buffer<xla::ffi::F32>>()  // lr
+                                                 .Arg<xla::ffi::Buffer<xla::ffi::S32>>()  // step
+                                                 .Arg<xla::ffi::Buffer<xla::ffi::S32>>()  // version
+                                                 .Arg<xla::ffi::Buffer<xla::ffi::S32>>()  // shard
+                                                 .Arg<xla::ffi::AnyBuffer>()              // grad
+                                                 .Ret<xla::ffi::Buffer<xla::ffi::F32>>()  // params
+                                                 .RemainingRets()));                      // version, [bf16]
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(NspStoreUpdateSparse, nsp::SparseImpl,
+                              nsp::WithAttrs(xla::ffi::Ffi::Bind()
+                                                 .Arg<xla::ffi::Buffer<xla::ffi::F32>>()  // lr
+                                                 .Arg<xla::ffi::Buffer<xla::ffi::S32>>()  // step
+                                                 .Arg<xla::ffi::Buffer<xla::ffi::S32>>()  // version
+                                                 .Arg<xla::ffi::Buffer<xla::ffi::S32>>()  // shard
+                                                 .Arg<xla::ffi::AnyBuffer>()              // values
+                                                 .Arg<xla::ffi::Buffer<xla::ffi::S32>>()  // indices
+                                                 .Ret<xla::ffi::Buffer<xla::ffi::F32>>()  // params
+                                                 .RemainingRets()));                      // version, [bf16]

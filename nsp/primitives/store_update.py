@@ -1,0 +1,128 @@
+"""The host-offload primitive: each device hands its gradient shard to its own store shard, inside jit.
+
+``store_update`` is an XLA FFI custom call with side effects, run under ``jax.shard_map`` so that device ``d``
+calls with only its local gradient shard and ``jax.lax.axis_index`` selects store shard ``d``: nothing is
+gathered to one device. The call reads the store's committed ``version``, streams that shard's pages through the
+update kernel, makes the new version durable, commits it, and returns the new params shard (what comes back up
+the shared link) and the new version.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, PartitionSpec as P
+
+from nsp.primitives import _ffi  # noqa: F401  (registers the FFI targets)
+from nsp.primitives.fused_update import KINDS
+
+
+class StoreUpdateResult(NamedTuple):
+    """What ``store_update`` returns.
+
+    Attributes:
+      params: the new fp32 params, flat and padded like the store's layout (sharded like the gradient).
+      version: the version the store committed (an int32 scalar).
+      params_bf16: a bf16 copy of ``params`` when asked for, else None.
+    """
+
+    params: jax.Array
+    version: jax.Array
+    params_bf16: jax.Array | None
+
+
+def store_update(
+    store,
+    grad: jax.Array | None = None,
+    *,
+    version: jax.typing.ArrayLike,
+    lr: jax.typing.ArrayLike,
+    step: jax.typing.ArrayLike,
+    values: jax.Array | None = None,
+    indices: jax.Array | None = None,
+    mesh: Mesh | None = None,
+    axis_name: str | None = None,
+    params_bf16: bool = False,
+) -> StoreUpdateResult:
+    """Runs one optimizer step of ``store`` on a (sharded) gradient, inside or outside ``jax.jit``.
+
+    Args:
+      store: an initialized ``nsp.storage.StateStore``; its shard count equals the mesh axis size.
+      grad: dense gradient: the padded flat vector of ``store.layout`` (fp32 or bf16).
+      version: the store version this step reads (traced is fine; the optax state carries it).
+      lr: learning rate (traced).
+      step: 1-based step number (traced).
+      values, indices: instead of ``grad``: Top-K compressed gradients, ``k`` per shard concatenated in shard
+        order (``num_shards * k`` entries), indices shard-local, sorted within each shard.
+      mesh, axis_name: the mesh and the axis the state is sharded over (one store shard per device on it).
+        Without a mesh the store must have a single shard.
+      params_bf16: also return a bf16 copy of the params (half the bytes up the shared link).
+
+    Returns:
+      ``StoreUpdateResult(params, version, params_bf16)``.
+    """
+    layout, spec = store.layout, store.optimizer
+    if layout is None:
+        raise ValueError("the store holds no state yet: initialize it first")
+    handles = np.asarray(store.ffi_handles(), np.int64)
+    shards = layout.num_shards
+    if (mesh is None) != (axis_name is None):
+        raise ValueError("pass both mesh and axis_name, or neither")
+    if mesh is not None and mesh.shape[axis_name] != shards:
+        raise ValueError(f"mesh axis {axis_name!r} has {mesh.shape[axis_name]} devices; the store has {shards} "
+                         "shards (one per device)")
+    if mesh is None and shards != 1:
+        raise ValueError(f"the store has {shards} shards: pass the mesh and axis they are spread over")
+    dense = grad is not None
+    if dense == (values is not None or indices is not None):
+        raise ValueError("pass either grad, or values and indices")
+    if dense:
+        if grad.shape != (layout.padded_total,):
+            raise ValueError(f"grad must be the padded flat vector of {layout.padded_total} elements, got "
+                             f"{grad.shape} (use store.layout.flatten)")
+        operands = [grad]
+    else:
+        if values is None or indices is None or values.shape != indices.shape or values.ndim != 1:
+            raise ValueError("compressed gradients need 1-D values and indices of equal length")
+        if values.shape[0] % shards:
+            raise ValueError(f"{values.shape[0]} compressed entries do not split evenly over {shards} shards")
+        if indices.dtype != jnp.int32:
+            raise TypeError(f"indices must be int32, got {indices.dtype}")
+        operands = [values, indices]
+    for x in operands[:1]:
+        if x.dtype not in (jnp.float32, jnp.bfloat16):
+            raise TypeError(f"gradients must be float32 or bfloat16, got {x.dtype}")
+
+    out_types = [jax.ShapeDtypeStruct((layout.shard_size,), jnp.float32), jax.ShapeDtypeStruct((), jnp.int32)]
+    if params_bf16:
+        out_types.append(jax.ShapeDtypeStruct((layout.shard_size,), jnp.bfloat16))
+    call = jax.ffi.ffi_call(
+        "nsp_store_update_dense" if dense else "nsp_store_update_sparse", out_types, has_side_effect=True
+    )
+    attrs = dict(
+        handles=handles, kind=np.int32(KINDS[spec.kind]), b1=np.float64(spec.b1), b2=np.float64(spec.b2),
+        eps=np.float64(spec.eps), weight_decay=np.float64(spec.weight_decay), momentum=np.float64(spec.momentum),
+        nesterov=bool(spec.nesterov),
+    )
+    scalars = [jnp.asarray(lr, jnp.float32), jnp.asarray(step, jnp.int32), jnp.asarray(version, jnp.int32)]
+
+    def local(lr_, step_, version_, *ops):
+        shard = jnp.int32(0) if mesh is None else jax.lax.axis_index(axis_name).astype(jnp.int32)
+        outs = call(lr_, step_, version_, shard, *ops, **attrs)
+        return tuple(outs[:1]) + (outs[1][None],) + tuple(outs[2:])
+
+    if mesh is None:
+        outs = local(*scalars, *operands)
+    else:
+        n_out = len(out_types)
+        outs = jax.shard_map(
+            local, mesh=mesh,
+            in_specs=(P(), P(), P()) + (P(axis_name),) * len(operands),
+            out_specs=(P(axis_name),) * n_out,
+            check_vma=False,
+        )(*scalars, *operands)
+    # Every shard commits on its own; the store's version is the lowest they report.
+    return StoreUpdateResult(outs[0], jnp.min(outs[1]), outs[2] if params_bf16 else None)
