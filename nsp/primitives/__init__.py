@@ -1,17 +1,21 @@
-"""JAX-facing operations: the fused near-storage update kernel and Top-K gradient compression."""
+"""JAX-facing operations: the fused near-storage update kernel, the store update, Top-K compression."""
 
 from nsp.primitives._ffi import get_num_threads, kernel_isa, set_num_threads
 from nsp.primitives.fused_update import FusedUpdateResult, fused_update, uses_mu, uses_nu
 from nsp.primitives.store_update import StoreUpdateResult, store_update
+from nsp.primitives.topk import kept_count, topk_compress, topk_decompress
 
 __all__ = [
     "FusedUpdateResult",
     "StoreUpdateResult",
     "fused_update",
     "get_num_threads",
+    "kept_count",
     "kernel_isa",
     "set_num_threads",
     "store_update",
+    "topk_compress",
+    "topk_decompress",
     "uses_mu",
     "uses_nu",
 ]
