@@ -1,0 +1,29 @@
+"""Optax transforms with optimizer state in a storage tier (``nsp.storage``) and Top-K compression."""
+
+from nsp.optim.alias import adagrad, adam, adamw, sgd
+from nsp.optim.compress import Compressed, TopK, TopKState, topk_compress
+from nsp.optim.storage import (
+    StorageState,
+    scale_by_storage,
+    scale_by_storage_adagrad,
+    scale_by_storage_adam,
+    scale_by_storage_adamw,
+    scale_by_storage_sgd,
+)
+
+__all__ = [
+    "Compressed",
+    "StorageState",
+    "TopK",
+    "TopKState",
+    "adagrad",
+    "adam",
+    "adamw",
+    "scale_by_storage",
+    "scale_by_storage_adagrad",
+    "scale_by_storage_adam",
+    "scale_by_storage_adamw",
+    "scale_by_storage_sgd",
+    "sgd",
+    "topk_compress",
+]

@@ -148,6 +148,12 @@ class StateStore:
             return
         self._closed = True
         self._pool.shutdown(wait=True)
+        if self._handles:
+            # Jitted steps that name this store may still be queued (JAX dispatches asynchronously): let every
+            # side-effecting computation finish before the engines go away.
+            import jax
+
+            jax.effects_barrier()
         for handle in self._handles:
             _nsp_ffi.unregister_engine(handle)
         self._handles = []

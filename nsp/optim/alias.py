@@ -1,0 +1,71 @@
+"""Optimizers with their state in a store, optionally with Top-K compression fused into the update pass.
+
+``nsp.optim.adamw(1e-3, store=store, compression=nsp.optim.TopK(0.01))`` is
+``optax.chain(topk_compress(0.01, ...), scale_by_storage_adamw(store, 1e-3))``: the kernel decompresses the kept
+entries block by block while it updates, so no dense gradient is ever rebuilt.
+"""
+
+from __future__ import annotations
+
+import optax
+from jax.sharding import Mesh
+
+from nsp.optim.compress import TopK, topk_compress
+from nsp.optim.storage import (
+    scale_by_storage_adagrad,
+    scale_by_storage_adam,
+    scale_by_storage_adamw,
+    scale_by_storage_sgd,
+)
+from nsp.storage import StateStore
+
+
+def _with_compression(tx, store, compression: TopK | None, mesh, axis_name):
+    if compression is None:
+        return tx
+    if not isinstance(compression, TopK):
+        raise TypeError(f"compression must be None or nsp.optim.TopK(ratio), got {compression!r}")
+    compress = topk_compress(compression.ratio, error_feedback=compression.error_feedback,
+                             method=compression.method, num_shards=store.num_shards, mesh=mesh,
+                             axis_name=axis_name)
+    return optax.chain(compress, tx)
+
+
+def adam(learning_rate: optax.ScalarOrSchedule, b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8, *,
+         store: StateStore, compression: TopK | None = None, weight_decay: float = 0.0,
+         mesh: Mesh | None = None, axis_name: str | None = None) -> optax.GradientTransformationExtraArgs:
+    """Adam with its state in ``store`` (see ``optax.adam``).
+
+    Example::
+
+      store = nsp.storage.open("/nvme/run/store", tier="file")
+      tx = nsp.optim.adam(1e-3, store=store, compression=nsp.optim.TopK(0.01))
+    """
+    tx = scale_by_storage_adam(store, learning_rate, b1, b2, eps, weight_decay, mesh=mesh, axis_name=axis_name)
+    return _with_compression(tx, store, compression, mesh, axis_name)
+
+
+def adamw(learning_rate: optax.ScalarOrSchedule, b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8,
+          weight_decay: float = 1e-4, *, store: StateStore, compression: TopK | None = None,
+          mesh: Mesh | None = None, axis_name: str | None = None) -> optax.GradientTransformationExtraArgs:
+    """AdamW with its state in ``store`` (see ``optax.adamw``)."""
+    tx = scale_by_storage_adamw(store, learning_rate, b1, b2, eps, weight_decay, mesh=mesh, axis_name=axis_name)
+    return _with_compression(tx, store, compression, mesh, axis_name)
+
+
+def sgd(learning_rate: optax.ScalarOrSchedule, momentum: float | None = None, nesterov: bool = False, *,
+        store: StateStore, compression: TopK | None = None, weight_decay: float = 0.0,
+        mesh: Mesh | None = None, axis_name: str | None = None) -> optax.GradientTransformationExtraArgs:
+    """SGD (optionally with momentum) with its state in ``store`` (see ``optax.sgd``)."""
+    tx = scale_by_storage_sgd(store, learning_rate, momentum, nesterov, weight_decay, mesh=mesh,
+                              axis_name=axis_name)
+    return _with_compression(tx, store, compression, mesh, axis_name)
+
+
+def adagrad(learning_rate: optax.ScalarOrSchedule, initial_accumulator_value: float = 0.1, eps: float = 1e-7, *,
+            store: StateStore, compression: TopK | None = None, mesh: Mesh | None = None,
+            axis_name: str | None = None) -> optax.GradientTransformationExtraArgs:
+    """AdaGrad with its state in ``store`` (see ``optax.adagrad``)."""
+    tx = scale_by_storage_adagrad(store, learning_rate, initial_accumulator_value, eps, mesh=mesh,
+                                  axis_name=axis_name)
+    return _with_compression(tx, store, compression, mesh, axis_name)

@@ -1,0 +1,197 @@
+"""Optax transforms whose optimizer state lives in an ``nsp.storage`` store and is updated near it.
+
+The optax state holds only small things (the step count and the store version it refers to); the fp32 master
+params and moments stay in the store. The learning rate is traced (schedules and ``optax.inject_hyperparams``
+change it without recompiling); the other hyperparameters are fixed when the store is initialized. ``update`` hands the (possibly compressed) gradient to the store through
+``nsp.primitives.store_update`` — one side-effecting XLA FFI call per device shard, inside your jitted step — and
+returns updates such that ``optax.apply_updates(params, updates)`` gives the store's new params in the params'
+own dtype. Calling ``update`` twice with the same state gives the same result (the store replays the version);
+a state older than that is a clear error.
+"""
+
+from __future__ import annotations
+
+import numbers
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax.sharding import Mesh
+
+from nsp.optim._shards import shard_flat
+from nsp.optim.compress import Compressed
+from nsp.primitives.store_update import store_update
+from nsp.storage import OptimizerSpec, StateStore
+
+
+class StorageState(NamedTuple):
+    """State of the storage transforms.
+
+    Attributes:
+      count: updates applied so far (int32); the next update is step ``count + 1``.
+      version: the store version this state refers to (int32).
+    """
+
+    count: jax.Array
+    version: jax.Array
+
+
+def _static(name: str, value: Any) -> float | None:
+    """Hyperparameters other than the learning rate are compile-time constants of the update kernel, fixed when
+    the store is initialized. Under ``optax.inject_hyperparams`` they arrive traced inside ``update``: then
+    None, and the update uses the values the store was initialized with."""
+    if isinstance(value, jax.core.Tracer):
+        return None
+    return float(np.asarray(value))
+
+
+def _spec(kind: str, **hyper) -> OptimizerSpec | None:
+    if any(v is None for v in hyper.values()):
+        return None
+    return OptimizerSpec(kind, **hyper)
+
+
+def scale_by_storage(
+    store: StateStore,
+    optimizer: OptimizerSpec | None,
+    learning_rate: optax.ScalarOrSchedule,
+    *,
+    mesh: Mesh | None = None,
+    axis_name: str | None = None,
+) -> optax.GradientTransformationExtraArgs:
+    """The general storage transform: ``optimizer``'s update of ``store``, at ``learning_rate``.
+
+    The learning rate is applied inside the kernel, so this transform is the whole optimizer: do not chain
+    ``optax.scale_by_learning_rate`` after it. Transforms that rescale gradients (clipping, ``optax.masked``,
+    ``topk_compress``) go before it.
+
+    Args:
+      store: an opened ``nsp.storage`` store; ``init`` writes the params into it (or checks that the store
+        already holds this layout and optimizer, when resuming).
+      optimizer: which update and its static hyperparameters (None inside a traced ``update`` when they were
+        injected: the store's own are used; only the learning rate can change after init).
+      learning_rate: a scalar or an optax schedule of the step count (traced: changing it never recompiles).
+      mesh, axis_name: the mesh axis the store's shards are spread over (one shard per device).
+
+    Returns:
+      An optax transform; its ``update`` needs ``params``.
+    """
+
+    def init_fn(params):
+        if any(isinstance(x, jax.core.Tracer) for x in jax.tree_util.tree_leaves(params)):
+            raise TypeError("init writes the params into the store: call it outside jax.jit")
+        if optimizer is None:
+            raise TypeError("the optimizer's hyperparameters must be concrete numbers at init")
+        version = store.initialize(params, optimizer)
+        return StorageState(jnp.asarray(version, jnp.int32), jnp.asarray(version, jnp.int32))
+
+    def update_fn(updates, state, params=None):
+        if params is None:
+            raise ValueError("nsp storage transforms need params: call tx.update(grads, state, params)")
+        layout = store.layout
+        lr = learning_rate(state.count) if callable(learning_rate) else learning_rate
+        if isinstance(updates, Compressed):
+            if updates.values.shape[0] % layout.num_shards:
+                raise ValueError(f"{updates.values.shape[0]} compressed entries do not split over the store's "
+                                 f"{layout.num_shards} shards (topk_compress(num_shards=...) must match)")
+            out = store_update(store, values=updates.values.astype(jnp.float32), indices=updates.indices,
+                               version=state.version, lr=lr, step=state.count + 1, mesh=mesh, axis_name=axis_name)
+        else:
+            leaves = jax.tree_util.tree_leaves(updates)
+            # bf16 gradients travel as bf16 (half the bytes); anything else as fp32.
+            dtype = jnp.bfloat16 if leaves and all(x.dtype == jnp.bfloat16 for x in leaves) else jnp.float32
+            flat = shard_flat(layout.flatten(updates, dtype=dtype), mesh, axis_name)
+            out = store_update(store, flat, version=state.version, lr=lr, step=state.count + 1, mesh=mesh,
+                               axis_name=axis_name)
+        new_params = layout.unflatten(out.params, params, dtype=jnp.float32)
+        # p + (new - p) recovers new exactly whenever the subtraction is exact (Sterbenz: new and p are close).
+        new_updates = jax.tree_util.tree_map(lambda n, p: n - p.astype(jnp.float32), new_params, params)
+        return new_updates, StorageState(state.count + 1, out.version)
+
+    return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+
+
+def _check_lr(learning_rate):
+    if not callable(learning_rate) and not isinstance(learning_rate, (numbers.Real, jax.Array, np.ndarray)):
+        raise TypeError(f"learning_rate must be a number or a schedule, got {learning_rate!r}")
+
+
+def scale_by_storage_adam(
+    store: StateStore,
+    learning_rate: optax.ScalarOrSchedule,
+    b1: float = 0.9,
+    b2: float = 0.999,
+    eps: float = 1e-8,
+    weight_decay: float = 0.0,
+    *,
+    mesh: Mesh | None = None,
+    axis_name: str | None = None,
+) -> optax.GradientTransformationExtraArgs:
+    """Adam on state kept in ``store`` (``weight_decay`` as L2 on the gradient, like
+    ``optax.chain(optax.add_decayed_weights(wd), optax.adam(...))``).
+
+    Example::
+
+      store = nsp.storage.open(tier="memory")
+      tx = nsp.optim.scale_by_storage_adam(store, learning_rate=1e-3)
+      state = tx.init(params)
+      updates, state = tx.update(grads, state, params)
+      params = optax.apply_updates(params, updates)
+    """
+    _check_lr(learning_rate)
+    spec = _spec("adam", b1=_static("b1", b1), b2=_static("b2", b2), eps=_static("eps", eps),
+                 weight_decay=_static("weight_decay", weight_decay))
+    return scale_by_storage(store, spec, learning_rate, mesh=mesh, axis_name=axis_name)
+
+
+def scale_by_storage_adamw(
+    store: StateStore,
+    learning_rate: optax.ScalarOrSchedule,
+    b1: float = 0.9,
+    b2: float = 0.999,
+    eps: float = 1e-8,
+    weight_decay: float = 1e-4,
+    *,
+    mesh: Mesh | None = None,
+    axis_name: str | None = None,
+) -> optax.GradientTransformationExtraArgs:
+    """AdamW (decoupled weight decay, optax's default 1e-4) on state kept in ``store``."""
+    _check_lr(learning_rate)
+    spec = _spec("adamw", b1=_static("b1", b1), b2=_static("b2", b2), eps=_static("eps", eps),
+                 weight_decay=_static("weight_decay", weight_decay))
+    return scale_by_storage(store, spec, learning_rate, mesh=mesh, axis_name=axis_name)
+
+
+def scale_by_storage_sgd(
+    store: StateStore,
+    learning_rate: optax.ScalarOrSchedule,
+    momentum: float | None = None,
+    nesterov: bool = False,
+    weight_decay: float = 0.0,
+    *,
+    mesh: Mesh | None = None,
+    axis_name: str | None = None,
+) -> optax.GradientTransformationExtraArgs:
+    """SGD, optionally with (Nesterov) momentum, on state kept in ``store`` (like ``optax.sgd``)."""
+    _check_lr(learning_rate)
+    spec = _spec("sgd", momentum=_static("momentum", 0.0 if momentum is None else momentum),
+                 nesterov=bool(nesterov), weight_decay=_static("weight_decay", weight_decay))
+    return scale_by_storage(store, spec, learning_rate, mesh=mesh, axis_name=axis_name)
+
+
+def scale_by_storage_adagrad(
+    store: StateStore,
+    learning_rate: optax.ScalarOrSchedule,
+    initial_accumulator_value: float = 0.1,
+    eps: float = 1e-7,
+    *,
+    mesh: Mesh | None = None,
+    axis_name: str | None = None,
+) -> optax.GradientTransformationExtraArgs:
+    """AdaGrad on state kept in ``store`` (like ``optax.adagrad``)."""
+    _check_lr(learning_rate)
+    spec = _spec("adagrad", eps=_static("eps", eps),
+                 initial_nu=_static("initial_accumulator_value", initial_accumulator_value))
+    return scale_by_storage(store, spec, learning_rate, mesh=mesh, axis_name=axis_name)
