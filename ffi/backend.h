@@ -36,10 +36,17 @@ class Backend {
   // no copies. Null when pages must be read into and written from buffers.
   virtual float* PageAddress(int /*slot*/, int /*state*/, int64_t /*page*/) { return nullptr; }
 
+  // Bytes a page buffer the engine hands to ReadPage/WritePage with `scratch` set holds: room for the page plus
+  // whatever the backend adds on the way (a checksum trailer, alignment padding).
+  virtual size_t PageBufferBytes(int64_t page_elems) const { return static_cast<size_t>(page_elems) * 4; }
+
   // Reads `n` elements of page `page` of `state` in version slot `slot` into `dst`. Returns "" or an error.
-  virtual std::string ReadPage(int slot, int state, int64_t page, float* dst, int64_t n) = 0;
+  // `scratch`: dst is an engine page buffer (PageBufferBytes, 4 KiB aligned) the backend may fill beyond n
+  // (direct I/O); otherwise exactly n elements are written to dst.
+  virtual std::string ReadPage(int slot, int state, int64_t page, float* dst, int64_t n, bool scratch) = 0;
   // Replaces page `page` (never overwrites it in place: snapshots may share the old one). Returns "" or an error.
-  virtual std::string WritePage(int slot, int state, int64_t page, const float* src, int64_t n) = 0;
+  // `scratch`: src is an engine page buffer whose tail beyond n the backend may overwrite.
+  virtual std::string WritePage(int slot, int state, int64_t page, float* src, int64_t n, bool scratch) = 0;
   // Makes everything written to `slot` durable. Returns "" or an error.
   virtual std::string Sync(int slot) = 0;
 

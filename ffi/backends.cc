@@ -8,7 +8,9 @@
 #include <cerrno>
 #include <cstdlib>
 #include <cstring>
+#include <memory>
 #include <mutex>
+#include <new>
 #include <vector>
 
 #include "backend.h"
@@ -37,20 +39,25 @@ class MemoryBackend final : public Backend {
       : page_elems_(page_elems) {
     for (int slot = 0; slot < 2; ++slot) {
       for (int s = 0; s < kNumStates; ++s) {
-        if (states_used[s]) data_[slot][s].assign(static_cast<size_t>(size), 0.0f);
+        if (!states_used[s]) continue;
+        // 64-byte aligned, so the kernel can stream its out-of-place writes into the other slot.
+        void* p = nullptr;
+        if (::posix_memalign(&p, 64, sizeof(float) * static_cast<size_t>(size)) != 0) throw std::bad_alloc();
+        std::memset(p, 0, sizeof(float) * static_cast<size_t>(size));
+        data_[slot][s].reset(static_cast<float*>(p));
       }
     }
   }
   std::string name() const override { return "memory"; }
   float* PageAddress(int slot, int state, int64_t page) override {
-    auto& v = data_[slot][state];
-    return v.empty() ? nullptr : v.data() + page * page_elems_;
+    float* base = data_[slot][state].get();
+    return base == nullptr ? nullptr : base + page * page_elems_;
   }
-  std::string ReadPage(int slot, int state, int64_t page, float* dst, int64_t n) override {
+  std::string ReadPage(int slot, int state, int64_t page, float* dst, int64_t n, bool) override {
     std::memcpy(dst, PageAddress(slot, state, page), sizeof(float) * n);
     return {};
   }
-  std::string WritePage(int slot, int state, int64_t page, const float* src, int64_t n) override {
+  std::string WritePage(int slot, int state, int64_t page, float* src, int64_t n, bool) override {
     float* dst = PageAddress(slot, state, page);
     if (dst != src) std::memcpy(dst, src, sizeof(float) * n);
     return {};
@@ -58,8 +65,11 @@ class MemoryBackend final : public Backend {
   std::string Sync(int) override { return {}; }
 
  private:
+  struct Free {
+    void operator()(float* p) const { std::free(p); }
+  };
   int64_t page_elems_;
-  std::vector<float> data_[2][kNumStates];
+  std::unique_ptr<float, Free> data_[2][kNumStates];
 };
 
 std::string ErrnoMessage(const std::string& what, const std::string& path) {
@@ -80,7 +90,15 @@ class FileBackend final : public Backend {
   }
   std::string name() const override { return "file"; }
 
-  std::string ReadPage(int slot, int state, int64_t page, float* dst, int64_t n) override {
+  size_t PageBufferBytes(int64_t page_elems) const override {
+    return RoundUp(static_cast<size_t>(page_elems) * sizeof(float) + 4);
+  }
+
+  std::string ReadPage(int slot, int state, int64_t page, float* dst, int64_t n, bool scratch) override {
+    if (scratch && direct_.load()) {
+      std::string err;
+      if (ReadDirect(slot, state, page, dst, n, &err)) return err;
+    }
     const std::string path = PagePath(slot, state, page);
     const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
     if (fd < 0) {
@@ -90,7 +108,8 @@ class FileBackend final : public Backend {
       }
       return ErrnoMessage("cannot open", path);
     }
-    // Straight into the engine's buffer; the last page's padding and the CRC trailer go to a side buffer.
+    // Straight into the caller's buffer; the last page's padding and the CRC trailer go to a side buffer.
+    std::lock_guard<std::mutex> pad_lock(read_mu_);
     const size_t data_bytes = sizeof(float) * static_cast<size_t>(n);
     const size_t pad_bytes = chunk_bytes_ - data_bytes;
     uint32_t stored_crc = 0;
@@ -108,18 +127,21 @@ class FileBackend final : public Backend {
              std::to_string(file_bytes_);
     }
     if (checksum_ && Crc32cExtend(Crc32c(dst, data_bytes), read_pad_.data(), pad_bytes) != stored_crc) {
-      return std::string("checksum mismatch: state '") + StateName(state) + "', page " + std::to_string(page) +
-             " of shard " + root_ + " (" + path + ") is corrupt";
+      return CorruptMessage(state, page, path);
     }
     return {};
   }
 
-  std::string WritePage(int slot, int state, int64_t page, const float* src, int64_t n) override {
+  std::string WritePage(int slot, int state, int64_t page, float* src, int64_t n, bool scratch) override {
     const std::string path = PagePath(slot, state, page);
     const std::string tmp = path + ".nsp-tmp";
     if (fail_writes_after_ >= 0 && writes_done_.fetch_add(1) >= fail_writes_after_) {
       errno = ENOSPC;  // debug fault injection (NSP_DEBUG_FAIL_WRITES_AFTER), off unless that variable is set
       return ErrnoMessage("cannot write", tmp);
+    }
+    if (scratch && direct_.load()) {
+      std::string err;
+      if (WriteDirect(path, tmp, slot, src, n, &err)) return err;
     }
     const size_t data_bytes = sizeof(float) * static_cast<size_t>(n);
     const size_t pad_bytes = chunk_bytes_ - data_bytes;  // the last chunk is padded with the fill value (0)
@@ -144,12 +166,95 @@ class FileBackend final : public Backend {
       return err;
     }
     std::lock_guard<std::mutex> lock(written_mu_);
-    written_[slot].push_back(path);
+    written_[slot].push_back({path, /*cached=*/true});
     return {};
   }
 
+  // Direct I/O (O_DIRECT) straight between the engine's aligned page buffers and the disk: no page-cache copy,
+  // no cache pollution. Returns false when the file system refuses O_DIRECT (tmpfs, some network file
+  // systems); the caller then takes the buffered path, and so do all later calls.
+  bool ReadDirect(int slot, int state, int64_t page, float* dst, int64_t n, std::string* err) {
+    if (reinterpret_cast<uintptr_t>(dst) % kAlign != 0) return false;
+    const std::string path = PagePath(slot, state, page);
+    const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC | O_DIRECT);
+    if (fd < 0) {
+      if (errno == EINVAL) {
+        direct_.store(false);
+        return false;
+      }
+      if (errno == ENOENT) {
+        std::memset(dst, 0, sizeof(float) * n);
+        return true;
+      }
+      *err = ErrnoMessage("cannot open", path);
+      return true;
+    }
+    iovec iov{dst, RoundUp(file_bytes_)};
+    const ssize_t got = TransferV(::readv, fd, &iov, 1);
+    const int read_errno = errno;
+    ::close(fd);
+    if (got < 0) {
+      errno = read_errno;
+      *err = ErrnoMessage("cannot read", path);
+    } else if (static_cast<size_t>(got) != file_bytes_) {
+      *err = "page file " + path + " is truncated: " + std::to_string(got) + " bytes, expected " +
+             std::to_string(file_bytes_);
+    } else if (checksum_) {
+      uint32_t stored;
+      std::memcpy(&stored, reinterpret_cast<char*>(dst) + chunk_bytes_, 4);
+      if (Crc32c(dst, chunk_bytes_) != stored) *err = CorruptMessage(state, page, path);
+    }
+    return true;
+  }
+
+  bool WriteDirect(const std::string& path, const std::string& tmp, int slot, float* src, int64_t n,
+                   std::string* err) {
+    if (reinterpret_cast<uintptr_t>(src) % kAlign != 0) return false;
+    char* bytes = reinterpret_cast<char*>(src);
+    const size_t data_bytes = sizeof(float) * static_cast<size_t>(n);
+    const size_t total = RoundUp(file_bytes_);
+    std::memset(bytes + data_bytes, 0, total - data_bytes);  // chunk padding (fill value) and block padding
+    if (checksum_) {
+      const uint32_t crc = Crc32c(bytes, chunk_bytes_);
+      std::memcpy(bytes + chunk_bytes_, &crc, 4);
+    }
+    const int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC | O_DIRECT, 0644);
+    if (fd < 0) {
+      if (errno == EINVAL) {
+        direct_.store(false);
+        return false;
+      }
+      *err = ErrnoMessage("cannot create", tmp);
+      return true;
+    }
+    iovec iov{bytes, total};
+    const ssize_t put = TransferV([](int f, const iovec* v, int c) { return ::writev(f, v, c); }, fd, &iov, 1);
+    int write_errno = errno;
+    // Direct writes move whole blocks: cut the file back to the zarr chunk (+ checksum) it holds.
+    bool ok = put == static_cast<ssize_t>(total) && ::ftruncate(fd, static_cast<off_t>(file_bytes_)) == 0;
+    if (!ok && put == static_cast<ssize_t>(total)) write_errno = errno;
+    if (::close(fd) != 0 && ok) {
+      ok = false;
+      write_errno = errno;
+    }
+    if (!ok) {
+      ::unlink(tmp.c_str());
+      errno = put >= 0 && put < static_cast<ssize_t>(total) ? ENOSPC : write_errno;
+      *err = ErrnoMessage("cannot write", tmp);
+      return true;
+    }
+    if (::rename(tmp.c_str(), path.c_str()) != 0) {
+      *err = ErrnoMessage("cannot rename into", path);
+      ::unlink(tmp.c_str());
+      return true;
+    }
+    std::lock_guard<std::mutex> lock(written_mu_);
+    written_[slot].push_back({path, /*cached=*/false});
+    return true;
+  }
+
   std::string Sync(int slot) override {
-    std::vector<std::string> paths;
+    std::vector<Written> paths;
     {
       std::lock_guard<std::mutex> lock(written_mu_);
       paths.swap(written_[slot]);
@@ -165,8 +270,9 @@ class FileBackend final : public Backend {
       errno = sync_errno;
       return ErrnoMessage("cannot sync", root_);
     }
-    for (const std::string& path : paths) {  // now clean: drop them from the page cache
-      const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+    for (const Written& w : paths) {  // buffered writes are clean now: drop them from the page cache
+      if (!w.cached) continue;
+      const int fd = ::open(w.path.c_str(), O_RDONLY | O_CLOEXEC);
       if (fd >= 0) {
         ::posix_fadvise(fd, 0, 0, POSIX_FADV_DONTNEED);
         ::close(fd);
@@ -176,6 +282,14 @@ class FileBackend final : public Backend {
   }
 
  private:
+  static constexpr size_t kAlign = 4096;  // O_DIRECT alignment of buffers, offsets and sizes
+  static size_t RoundUp(size_t bytes) { return (bytes + kAlign - 1) / kAlign * kAlign; }
+
+  std::string CorruptMessage(int state, int64_t page, const std::string& path) const {
+    return std::string("checksum mismatch: state '") + StateName(state) + "', page " + std::to_string(page) +
+           " of shard " + root_ + " (" + path + ") is corrupt";
+  }
+
   std::string PagePath(int slot, int state, int64_t page) const {
     return root_ + "/slot" + std::to_string(slot) + "/" + StateName(state) + "/c/" + std::to_string(page);
   }
@@ -217,9 +331,15 @@ class FileBackend final : public Backend {
   int64_t fail_writes_after_ = -1;
   std::atomic<int64_t> writes_done_{0};
   std::vector<char> zeros_;     // written as the last page's padding
-  std::vector<char> read_pad_;  // receives the last page's padding on reads (one reader thread per shard)
+  std::vector<char> read_pad_;  // receives the last page's padding on buffered reads (guarded by read_mu_)
+  std::mutex read_mu_;
+  std::atomic<bool> direct_{std::getenv("NSP_NO_DIRECT_IO") == nullptr};
+  struct Written {
+    std::string path;
+    bool cached;  // written through the page cache (to be dropped from it after the sync)
+  };
   std::mutex written_mu_;
-  std::vector<std::string> written_[2];
+  std::vector<Written> written_[2];
 };
 
 }  // namespace

@@ -28,9 +28,25 @@ inline void StoreBf16(uint16_t* dst, __m256 x) {
   _mm_storeu_si128(reinterpret_cast<__m128i*>(dst), _mm256_castsi256_si128(packed));
 }
 
+// Out-of-place outputs (a store writing the other version slot, the params copy) are written with streaming
+// stores when aligned: the destination lines are not read first, which saves a third of the memory traffic.
+inline bool Streamable(const float* out, const float* in) {
+  return out != nullptr && out != in && (reinterpret_cast<unsigned long>(out) & 31) == 0;
+}
+
+inline void Store(float* dst, __m256 v, bool stream) {
+  if (stream) {
+    _mm256_stream_ps(dst, v);
+  } else {
+    _mm256_storeu_ps(dst, v);
+  }
+}
+
 template <int KIND, bool GRAD_BF16>
 void Avx2Block(const Coefficients& c, const Block& b) {
   const int64_t n8 = b.n & ~int64_t{7};
+  const bool nt_p = Streamable(b.p_out, b.p_in), nt_m = Streamable(b.m_out, b.m_in);
+  const bool nt_v = Streamable(b.v_out, b.v_in), nt_copy = Streamable(b.p32_copy, b.p_in);
   const float* gf = static_cast<const float*>(b.grad);
   const uint16_t* gh = static_cast<const uint16_t*>(b.grad);
   const __m256 lr = _mm256_set1_ps(c.lr);
@@ -53,14 +69,14 @@ void Avx2Block(const Coefficients& c, const Block& b) {
       const __m256 denom = _mm256_add_ps(_mm256_sqrt_ps(_mm256_mul_ps(v, inv_bc2)), eps);
       update = _mm256_div_ps(_mm256_mul_ps(m, inv_bc1), denom);
       if (KIND == kAdamW) update = _mm256_fmadd_ps(wd, p, update);
-      _mm256_storeu_ps(b.m_out + i, m);
-      _mm256_storeu_ps(b.v_out + i, v);
+      Store(b.m_out + i, m, nt_m);
+      Store(b.v_out + i, v, nt_v);
     } else if constexpr (KIND == kSgd) {
       if (has_l2) g = _mm256_fmadd_ps(l2, p, g);
       update = g;
       if (c.sgd_has_momentum) {
         const __m256 m = _mm256_fmadd_ps(momentum, _mm256_loadu_ps(b.m_in + i), g);
-        _mm256_storeu_ps(b.m_out + i, m);
+        Store(b.m_out + i, m, nt_m);
         update = c.nesterov ? _mm256_fmadd_ps(momentum, m, g) : m;
       }
     } else {
@@ -69,13 +85,14 @@ void Avx2Block(const Coefficients& c, const Block& b) {
       const __m256 v = _mm256_fmadd_ps(g, g, _mm256_loadu_ps(b.v_in + i));
       const __m256 scaled = _mm256_div_ps(g, _mm256_sqrt_ps(_mm256_add_ps(v, eps)));
       update = _mm256_and_ps(_mm256_cmp_ps(v, zero, _CMP_GT_OQ), scaled);
-      _mm256_storeu_ps(b.v_out + i, v);
+      Store(b.v_out + i, v, nt_v);
     }
     const __m256 new_p = _mm256_fnmadd_ps(lr, update, p);
-    _mm256_storeu_ps(b.p_out + i, new_p);
+    Store(b.p_out + i, new_p, nt_p);
     if (b.p16_out != nullptr) StoreBf16(b.p16_out + i, new_p);
-    if (b.p32_copy != nullptr) _mm256_storeu_ps(b.p32_copy + i, new_p);
+    if (b.p32_copy != nullptr) Store(b.p32_copy + i, new_p, nt_copy);
   }
+  if (nt_p || nt_m || nt_v || nt_copy) _mm_sfence();  // order the streaming stores before anyone reads them
   if (n8 < b.n) {
     // The last < 8 elements go through the same vector code on a zero-padded copy, so every element is
     // computed identically wherever it sits (a store's pages and an in-memory update agree bit for bit).

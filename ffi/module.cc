@@ -215,6 +215,7 @@ NB_MODULE(_nsp_ffi, m) {
              d["pages_read"] = s.pages_read;
              d["pages_written"] = s.pages_written;
              d["updates"] = s.updates;
+             d["update_ns"] = s.update_ns;
              return d;
            })
       .def("step",

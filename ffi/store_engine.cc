@@ -4,12 +4,14 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <chrono>
 #include <atomic>
 #include <condition_variable>
 #include <cerrno>
 #include <cstring>
 #include <deque>
 #include <mutex>
+#include <new>
 #include <thread>
 
 namespace nsp {
@@ -127,6 +129,15 @@ ShardEngine::ShardEngine(std::unique_ptr<Backend> backend, int64_t size, int64_t
 
 ShardEngine::~ShardEngine() = default;
 
+ShardEngine::AlignedBuffer::AlignedBuffer(size_t n) : bytes(n) {
+  void* p = nullptr;
+  if (::posix_memalign(&p, 4096, n) != 0) throw std::bad_alloc();
+  std::memset(p, 0, n);
+  data = static_cast<float*>(p);
+}
+
+ShardEngine::AlignedBuffer::~AlignedBuffer() { std::free(data); }
+
 bool ShardEngine::Addressable() const {
   for (int s = 0; s < kNumStates; ++s) {
     if (used_[s] && (backend_->PageAddress(0, s, 0) == nullptr || backend_->PageAddress(1, s, 0) == nullptr)) {
@@ -139,7 +150,7 @@ bool ShardEngine::Addressable() const {
 int64_t ShardEngine::buffer_bytes() const {
   int64_t total = 0;
   for (const auto& set : buffers_) {
-    for (const auto& b : set) total += static_cast<int64_t>(b.size() * sizeof(float));
+    for (const auto& b : set) total += static_cast<int64_t>(b.bytes);
   }
   return total;
 }
@@ -217,10 +228,11 @@ std::string ShardEngine::UpdateAddressable(const ShardUpdate& u) {
 
 std::string ShardEngine::UpdateStreamed(const ShardUpdate& u) {
   if (buffers_.empty()) {  // allocated once, reused by every later update
+    const size_t bytes = backend_->PageBufferBytes(page_elems_);
     buffers_.resize(static_cast<size_t>(pages_in_flight_));
     for (auto& set : buffers_) {
       for (int s = 0; s < kNumStates; ++s) {
-        if (used_[s]) set[s].assign(static_cast<size_t>(page_elems_), 0.0f);
+        if (used_[s]) set[s] = AlignedBuffer(bytes);
       }
     }
   }
@@ -236,7 +248,7 @@ std::string ShardEngine::UpdateStreamed(const ShardUpdate& u) {
       if (!free_sets.Pop(&w)) break;
       for (int s = 0; s < kNumStates && !error.failed(); ++s) {
         if (!used_[s]) continue;
-        if (std::string e = backend_->ReadPage(u.src_slot, s, page, buffers_[w.set][s].data(), page_len(page));
+        if (std::string e = backend_->ReadPage(u.src_slot, s, page, buffers_[w.set][s].data, page_len(page), true);
             !e.empty()) {
           error.Set(e);
         }
@@ -256,9 +268,10 @@ std::string ShardEngine::UpdateStreamed(const ShardUpdate& u) {
       }
       const int64_t n = page_len(w.page);
       if (is_param) {
-        const float* src = u.params_out != nullptr ? u.params_out + w.page * page_elems_
-                                                   : buffers_[w.set][kParamState].data();
-        if (std::string e = backend_->WritePage(u.dst_slot, kParamState, w.page, src, n); !e.empty()) error.Set(e);
+        float* src = buffers_[w.set][kParamState].data;
+        if (std::string e = backend_->WritePage(u.dst_slot, kParamState, w.page, src, n, true); !e.empty()) {
+          error.Set(e);
+        }
         if (used_[kMuState] || used_[kNuState]) {
           writes.PushState(w);  // m/v can wait: the next forward pass needs only params
         } else {
@@ -267,7 +280,8 @@ std::string ShardEngine::UpdateStreamed(const ShardUpdate& u) {
       } else {
         for (int s : {kMuState, kNuState}) {
           if (!used_[s] || error.failed()) continue;
-          if (std::string e = backend_->WritePage(u.dst_slot, s, w.page, buffers_[w.set][s].data(), n); !e.empty()) {
+          if (std::string e = backend_->WritePage(u.dst_slot, s, w.page, buffers_[w.set][s].data, n, true);
+              !e.empty()) {
             error.Set(e);
           }
         }
@@ -285,11 +299,13 @@ std::string ShardEngine::UpdateStreamed(const ShardUpdate& u) {
     const int64_t begin = w.page * page_elems_;
     StateSpan span;
     span.size = page_len(w.page);
-    float* pbuf = buffers_[w.set][kParamState].data();
-    span.param_in = pbuf;
-    span.param_out = u.params_out != nullptr ? u.params_out + begin : pbuf;
-    if (used_[kMuState]) span.mu_in = span.mu_out = buffers_[w.set][kMuState].data();
-    if (used_[kNuState]) span.nu_in = span.nu_out = buffers_[w.set][kNuState].data();
+    // The new params land in the page buffer (written to storage from there) and, in the same pass, in the
+    // caller's output.
+    float* pbuf = buffers_[w.set][kParamState].data;
+    span.param_in = span.param_out = pbuf;
+    if (u.params_out != nullptr) span.param_copy_out = u.params_out + begin;
+    if (used_[kMuState]) span.mu_in = span.mu_out = buffers_[w.set][kMuState].data;
+    if (used_[kNuState]) span.nu_in = span.nu_out = buffers_[w.set][kNuState].data;
     if (u.params_bf16_out != nullptr) span.param_bf16_out = u.params_bf16_out + begin;
     backend_->Compute(u.hp, span, GradForPage(u, w.page, &cursor));
     writes.PushParam(w);
@@ -338,6 +354,14 @@ std::string ShardEngine::Commit(int64_t version) {
 
 std::string ShardEngine::Step(ShardUpdate u, int64_t version) {
   std::lock_guard<std::mutex> lock(step_mu_);
+  const auto start = std::chrono::steady_clock::now();
+  struct Timer {  // counts the step's wall time however it returns
+    std::chrono::steady_clock::time_point start;
+    int64_t* total;
+    ~Timer() {
+      *total += std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - start).count();
+    }
+  } timer{start, &stats_.update_ns};
   if (version == version_ - 1 && version >= 0) {
     // A replay overwrites the slot of the committed version: step the commit back first, so a crash during
     // the replay still leaves a whole committed version.
@@ -356,7 +380,9 @@ std::string ShardEngine::Step(ShardUpdate u, int64_t version) {
 std::string ShardEngine::ReadState(int slot, int state, float* out) {
   for (int64_t page = 0; page < num_pages_; ++page) {
     const int64_t n = std::min(page_elems_, size_ - page * page_elems_);
-    if (std::string e = backend_->ReadPage(slot, state, page, out + page * page_elems_, n); !e.empty()) return e;
+    if (std::string e = backend_->ReadPage(slot, state, page, out + page * page_elems_, n, false); !e.empty()) {
+      return e;
+    }
   }
   return {};
 }
@@ -364,7 +390,10 @@ std::string ShardEngine::ReadState(int slot, int state, float* out) {
 std::string ShardEngine::WriteState(int slot, int state, const float* in) {
   for (int64_t page = 0; page < num_pages_; ++page) {
     const int64_t n = std::min(page_elems_, size_ - page * page_elems_);
-    if (std::string e = backend_->WritePage(slot, state, page, in + page * page_elems_, n); !e.empty()) return e;
+    if (std::string e = backend_->WritePage(slot, state, page, const_cast<float*>(in) + page * page_elems_, n, false);
+        !e.empty()) {
+      return e;
+    }
   }
   return {};
 }

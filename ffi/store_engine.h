@@ -14,6 +14,7 @@
 #include <memory>
 #include <mutex>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "backend.h"
@@ -31,6 +32,7 @@ struct TrafficStats {
   int64_t pages_read = 0;
   int64_t pages_written = 0;
   int64_t updates = 0;
+  int64_t update_ns = 0;  // wall time inside Step (update + sync + commit)
 };
 
 struct ShardUpdate {
@@ -103,8 +105,22 @@ class ShardEngine {
   int64_t size_, page_elems_, num_pages_;
   int pages_in_flight_;
   std::array<bool, kNumStates> used_;
+  // A page buffer: 4 KiB aligned (direct I/O), sized by the backend (page + checksum + padding).
+  struct AlignedBuffer {
+    float* data = nullptr;
+    size_t bytes = 0;
+    AlignedBuffer() = default;
+    explicit AlignedBuffer(size_t n);
+    AlignedBuffer(AlignedBuffer&& o) noexcept : data(o.data), bytes(o.bytes) { o.data = nullptr; }
+    AlignedBuffer& operator=(AlignedBuffer&& o) noexcept {
+      std::swap(data, o.data);
+      std::swap(bytes, o.bytes);
+      return *this;
+    }
+    ~AlignedBuffer();
+  };
   // buffers_[set][state]: page buffers, allocated once (lazily, on the first streamed update).
-  std::vector<std::array<std::vector<float>, kNumStates>> buffers_;
+  std::vector<std::array<AlignedBuffer, kNumStates>> buffers_;
   TrafficStats stats_;
 };
 

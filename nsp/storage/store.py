@@ -410,7 +410,9 @@ class StateStore:
         for engine in self._engines:
             for key, value in engine.stats().items():
                 totals[key] = totals.get(key, 0) + value
+        # Shards update in parallel: a step takes as long as its slowest shard.
         totals["updates"] = max((e.stats()["updates"] for e in self._engines), default=0)
+        totals["update_ns"] = max((e.stats()["update_ns"] for e in self._engines), default=0)
         totals["buffer_bytes"] = sum(e.buffer_bytes for e in self._engines)
         return totals
 
