@@ -1,0 +1,295 @@
+"""Training a Flax GPT with its optimizer state in a storage tier: ``train_and_evaluate(config)``.
+
+One jitted step: forward/backward on the accelerator, then the optax chain (clipping, optional Top-K
+compression, the nsp storage optimizer) whose update runs in the store's C++ engine through the XLA FFI. The
+store holds the fp32 master params and moments; the model's params come back from it every step. Checkpoints
+are snapshots of the store (hard links) plus the small train state, through an orbax CheckpointManager.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+import math
+import signal
+import sys
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+import nsp.optim
+import nsp.storage
+from nsp.models import GPT, cross_entropy_loss, get_config
+from nsp.storage import checkpoint as ckpt
+from nsp.train import data as data_lib
+from nsp.train.config import TrainConfig
+
+
+class TrainError(RuntimeError):
+    """The run cannot start or continue as configured (the message says why; nothing was overwritten)."""
+
+
+@dataclasses.dataclass
+class Run:
+    """Everything a training run holds while it runs."""
+
+    config: TrainConfig
+    graphdef: Any
+    params: Any
+    opt_state: Any
+    store: nsp.storage.StateStore
+    tx: optax.GradientTransformation
+    train_batches: data_lib.Batcher
+    eval_batches: list[np.ndarray]
+    mesh: Any
+    step: int
+    tokens_per_step: int
+
+
+def learning_rate_schedule(config: TrainConfig) -> optax.Schedule:
+    return optax.warmup_cosine_decay_schedule(
+        init_value=0.0, peak_value=config.lr, warmup_steps=min(config.warmup_steps, config.steps),
+        decay_steps=max(config.steps, config.warmup_steps + 1), end_value=config.lr * config.min_lr_ratio)
+
+
+def make_optimizer(config: TrainConfig, store, mesh) -> optax.GradientTransformation:
+    schedule = learning_rate_schedule(config)
+    kw = dict(store=store, mesh=mesh, axis_name="data" if mesh is not None else None)
+    if config.topk:
+        kw["compression"] = nsp.optim.TopK(config.topk, error_feedback=config.error_feedback)
+    if config.optimizer == "adamw":
+        tx = nsp.optim.adamw(schedule, config.b1, config.b2, weight_decay=config.weight_decay, **kw)
+    elif config.optimizer == "adam":
+        tx = nsp.optim.adam(schedule, config.b1, config.b2, weight_decay=config.weight_decay, **kw)
+    elif config.optimizer == "sgd":
+        tx = nsp.optim.sgd(schedule, momentum=config.b1, weight_decay=config.weight_decay, **kw)
+    else:
+        tx = nsp.optim.adagrad(schedule, **kw)
+    return optax.chain(optax.clip_by_global_norm(config.clip), tx) if config.clip else tx
+
+
+def _loss_fn(graphdef, params, tokens):
+    logits = nnx.merge(graphdef, params)(tokens[:, :-1])
+    return cross_entropy_loss(logits, tokens[:, 1:])
+
+
+def _build(config: TrainConfig, log: Callable[[str], None]) -> Run:
+    run_dir = Path(config.run_dir)
+    ckpt_dir = run_dir / "ckpt"
+    has_checkpoints = ckpt_dir.exists() and any(ckpt_dir.iterdir())
+    if config.resume and not has_checkpoints:
+        raise TrainError(f"--resume: {ckpt_dir} holds no checkpoint to resume from")
+    if not config.resume and has_checkpoints:
+        raise TrainError(f"{run_dir} already holds a run (checkpoints in {ckpt_dir}); pass --resume to continue "
+                         "it or choose another --run-dir")
+    if not config.resume and config.tier != "memory" and (config.store_path / nsp.storage.store.METADATA).exists():
+        raise TrainError(f"{config.store_path} already holds a store; pass --resume or choose another --store-dir")
+
+    try:
+        tokens = data_lib.load_tokens(config.data or None, seq_len=config.seq)
+    except data_lib.DataError as e:
+        raise TrainError(str(e)) from None
+    model_cfg = get_config(config.model, vocab_size=tokens.vocab_size,
+                           dtype=jnp.bfloat16 if config.bf16 else jnp.float32)
+    if config.seq > model_cfg.block_size:
+        raise TrainError(f"--seq {config.seq} exceeds the block size {model_cfg.block_size} of model "
+                         f"{config.model!r}")
+    try:
+        train_tokens, held_out = data_lib.split(tokens, held_out_fraction=0.05, seq_len=config.seq)
+    except data_lib.DataError as e:
+        raise TrainError(str(e)) from None
+
+    devices = jax.devices()
+    mesh = None
+    if len(devices) > 1:
+        if config.batch % len(devices):
+            raise TrainError(f"--batch {config.batch} must be a multiple of the {len(devices)} devices")
+        mesh = jax.make_mesh((len(devices),), ("data",), axis_types=(jax.sharding.AxisType.Auto,))
+    num_shards = len(devices)
+
+    model = GPT(model_cfg, rngs=nnx.Rngs(config.seed))
+    graphdef, params = nnx.split(model, nnx.Param)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    store_kw = dict(tier=config.tier, num_shards=num_shards, page_bytes=config.page_bytes)
+    step = 0
+    if config.resume:
+        manager = ckpt.make_checkpoint_manager(ckpt_dir, max_to_keep=config.keep_checkpoints)
+        step = manager.latest_step()
+        store = ckpt.restore_store_from_checkpoint(
+            manager, step, None if config.tier == "memory" else config.store_path, **store_kw)
+        tx = make_optimizer(config, store, mesh)
+        template = {"params": params, "opt_state": tx.init(params)}
+        state, meta = ckpt.restore_train_state(manager, step, template)
+        params, opt_state = state["params"], state["opt_state"]
+        if meta.get("config", {}).get("model") != config.model:
+            raise TrainError(f"the checkpoint is of model {meta.get('config', {}).get('model')!r}, "
+                             f"not {config.model!r}")
+        log(f"resumed {run_dir} at step {step} (store version {store.version})")
+    else:
+        store = nsp.storage.open(None if config.tier == "memory" else config.store_path, **store_kw)
+        tx = make_optimizer(config, store, mesh)
+        opt_state = tx.init(params)
+        (run_dir / "config.json").write_text(config.to_json())
+
+    n_params = sum(x.size for x in jax.tree_util.tree_leaves(params))
+    log(f"model {config.model}: {n_params / 1e6:.2f}M params, vocab {tokens.vocab_size}; data: {tokens.source} "
+        f"({tokens.num_tokens / 1e6:.2f}M tokens); store: {config.tier} tier"
+        f"{'' if config.tier == 'memory' else ' at ' + str(config.store_path)}, {num_shards} shard(s)"
+        f"{f', Top-K {config.topk:.1%}' if config.topk else ''}")
+    eval_batcher = data_lib.Batcher(held_out, config.batch, config.seq, seed=config.seed + 1)
+    return Run(config, graphdef, params, opt_state, store, tx,
+               data_lib.Batcher(train_tokens, config.batch, config.seq, seed=config.seed),
+               [eval_batcher.batch(i) for i in range(config.eval_batches)], mesh, step,
+               config.batch * config.seq)
+
+
+def _make_steps(run: Run):
+    graphdef, tx = run.graphdef, run.tx
+    loss_fn = functools.partial(_loss_fn, graphdef)
+
+    @functools.partial(jax.jit, donate_argnums=(0, 1))
+    def train_step(params, opt_state, tokens):
+        loss, grads = jax.value_and_grad(loss_fn)(params, tokens)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, loss
+
+    eval_step = jax.jit(loss_fn)
+    return train_step, eval_step
+
+
+def _put_batch(run: Run, batch: np.ndarray):
+    if run.mesh is None:
+        return jnp.asarray(batch)
+    return jax.device_put(batch, NamedSharding(run.mesh, P("data")))
+
+
+def _evaluate(run: Run, eval_step) -> float:
+    return float(np.mean([float(eval_step(run.params, _put_batch(run, b))) for b in run.eval_batches]))
+
+
+class _MetricsWriter:
+    def __init__(self, run_dir: Path):
+        self.jsonl = open(run_dir / "metrics.jsonl", "a")
+        try:
+            from tensorboardX import SummaryWriter
+
+            self.tb = SummaryWriter(str(run_dir / "tb"))
+        except ImportError:  # tensorboardX is a dependency; tolerate its absence in odd installs
+            self.tb = None
+
+    def write(self, row: dict) -> None:
+        self.jsonl.write(json.dumps(row) + "\n")
+        self.jsonl.flush()
+        if self.tb is not None:
+            for key, value in row.items():
+                if key != "step" and isinstance(value, (int, float)):
+                    self.tb.add_scalar(key, value, row["step"])
+
+    def close(self) -> None:
+        self.jsonl.close()
+        if self.tb is not None:
+            self.tb.close()
+
+
+def _bar(step: int, total: int, width: int = 20) -> str:
+    done = int(width * step / total)
+    return "[" + "=" * done + ">" * (done < width) + " " * (width - done - (done < width)) + "]"
+
+
+def _fmt_bytes(n: float) -> str:
+    for unit in ("B", "KB", "MB", "GB"):
+        if abs(n) < 1000:
+            return f"{n:.1f} {unit}"
+        n /= 1000
+    return f"{n:.1f} TB"
+
+
+def _save_checkpoint(run: Run, manager) -> None:
+    jax.block_until_ready(run.params)
+    ckpt.save_checkpoint(manager, run.step, run.store, {"params": run.params, "opt_state": run.opt_state},
+                         {"step": run.step, "config": dataclasses.asdict(run.config)})
+
+
+def train_and_evaluate(config: TrainConfig, *, log: Callable[[str], None] = print) -> dict:
+    """Trains ``config.model`` for ``config.steps`` steps; returns the final metrics.
+
+    Writes ``metrics.jsonl``, ``tb/`` (TensorBoard), ``config.json`` and ``ckpt/`` into ``config.run_dir``.
+    Ctrl-C finishes the step in flight, checkpoints, and leaves a run that ``resume=True`` continues.
+    """
+    run = _build(config, log)
+    train_step, eval_step = _make_steps(run)
+    manager = ckpt.make_checkpoint_manager(Path(config.run_dir) / "ckpt", max_to_keep=config.keep_checkpoints)
+    metrics = _MetricsWriter(Path(config.run_dir))
+    schedule = learning_rate_schedule(config)
+    interrupted = []
+    previous_handler = signal.getsignal(signal.SIGINT)
+
+    def on_sigint(signum, frame):  # finish the step in flight, then stop cleanly
+        if interrupted:
+            previous_handler(signum, frame) if callable(previous_handler) else None
+        interrupted.append(True)
+        log("\ninterrupt: finishing the step in flight, then checkpointing (Ctrl-C again to abort)")
+
+    signal.signal(signal.SIGINT, on_sigint)
+    last = {"time": time.perf_counter(), "step": run.step, "stats": run.store.stats()}
+    summary: dict = {}
+    try:
+        if run.step >= config.steps:
+            log(f"the run already has {run.step} of {config.steps} steps")
+        while run.step < config.steps and not interrupted:
+            tokens = _put_batch(run, run.train_batches.batch(run.step))
+            run.params, run.opt_state, loss = train_step(run.params, run.opt_state, tokens)
+            run.step += 1
+            final = run.step == config.steps
+            if run.step % config.log_every == 0 or final:
+                loss = float(loss)  # waits for the step
+                now, stats = time.perf_counter(), run.store.stats()
+                steps = run.step - last["step"]
+                delta = {k: (stats[k] - last["stats"].get(k, 0)) / steps for k in stats if k != "buffer_bytes"}
+                step_s = (now - last["time"]) / steps
+                update_s = delta.get("update_ns", 0) / 1e9
+                row = {
+                    "step": run.step, "loss": loss, "lr": float(schedule(run.step - 1)),
+                    "tokens_per_s": run.tokens_per_step / step_s, "step_s": step_s,
+                    "update_s": update_s, "fwd_bwd_s": max(step_s - update_s, 0.0),
+                    "shared_in_bytes": delta["shared_in_bytes"], "shared_out_bytes": delta["shared_out_bytes"],
+                    "internal_read_bytes": delta["internal_read_bytes"],
+                    "internal_write_bytes": delta["internal_write_bytes"],
+                }
+                if config.eval_every and (run.step % config.eval_every == 0 or final) or final:
+                    row["eval_loss"] = _evaluate(run, eval_step)
+                metrics.write(row)
+                log(f"step {run.step:>5}/{config.steps} {_bar(run.step, config.steps)} loss {loss:.4f}"
+                    + (f" eval {row['eval_loss']:.4f}" if "eval_loss" in row else "")
+                    + f" | {row['tokens_per_s'] / 1e3:.1f}k tok/s | step {step_s * 1e3:.0f} ms (fwd/bwd "
+                    f"{row['fwd_bwd_s'] * 1e3:.0f}, update {update_s * 1e3:.0f}) | link in "
+                    f"{_fmt_bytes(row['shared_in_bytes'])} out {_fmt_bytes(row['shared_out_bytes'])} | store r "
+                    f"{_fmt_bytes(row['internal_read_bytes'])} w {_fmt_bytes(row['internal_write_bytes'])}"
+                    f" | lr {row['lr']:.2e}")
+                last = {"time": time.perf_counter(), "step": run.step, "stats": stats}
+                summary = row
+            elif config.eval_every and run.step % config.eval_every == 0:
+                metrics.write({"step": run.step, "eval_loss": _evaluate(run, eval_step)})
+            if config.ckpt_every and run.step % config.ckpt_every == 0 and not final:
+                _save_checkpoint(run, manager)
+        _save_checkpoint(run, manager)
+        if interrupted:
+            log(f"stopped at step {run.step}; continue with the same command and --resume")
+            summary["interrupted"] = True
+        summary["step"] = run.step
+        summary["params"] = run.params
+        return summary
+    finally:
+        signal.signal(signal.SIGINT, previous_handler)
+        manager.wait_until_finished() if hasattr(manager, "wait_until_finished") else None
+        manager.close() if hasattr(manager, "close") else None
+        metrics.close()
+        run.store.close()
