@@ -326,11 +326,12 @@ std::string ShardEngine::UpdateStreamed(const ShardUpdate& u) {
   return {};
 }
 
-std::string ShardEngine::Commit(int64_t version) {
+std::string ShardEngine::Commit(int64_t version, bool previous_valid) {
   if (!manifest_.empty()) {
     // Write-to-temp, fsync, rename, fsync the directory: the old or the new manifest, never a mix.
     const std::string tmp = manifest_ + ".tmp";
-    const std::string text = "{\"version\": " + std::to_string(version) + "}";
+    const std::string text = "{\"version\": " + std::to_string(version) +
+                             ", \"previous\": " + (previous_valid ? "true" : "false") + "}";
     const int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
     if (fd < 0) return "cannot create " + tmp + ": " + std::strerror(errno);
     const bool ok = ::write(fd, text.data(), text.size()) == static_cast<ssize_t>(text.size()) && ::fsync(fd) == 0;
@@ -349,6 +350,7 @@ std::string ShardEngine::Commit(int64_t version) {
     }
   }
   version_ = version;
+  previous_valid_ = previous_valid;
   return {};
 }
 
@@ -362,19 +364,24 @@ std::string ShardEngine::Step(ShardUpdate u, int64_t version) {
       *total += std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - start).count();
     }
   } timer{start, &stats_.update_ns};
-  if (version == version_ - 1 && version >= 0) {
-    // A replay overwrites the slot of the committed version: step the commit back first, so a crash during
-    // the replay still leaves a whole committed version.
-    if (std::string e = Commit(version); !e.empty()) return e;
-  } else if (version != version_) {
+  // Writing the other slot destroys what it holds, so the manifest first says so: a crash (or an error)
+  // during the write then leaves a committed version whose neighbour slot is known not to be replayable.
+  if (version == version_ - 1 && version >= 0 && previous_valid_) {
+    // A replay overwrites the slot of the committed version: step the commit back first.
+    if (std::string e = Commit(version, false); !e.empty()) return e;
+  } else if (version == version_) {
+    if (previous_valid_) {
+      if (std::string e = Commit(version, false); !e.empty()) return e;
+    }
+  } else {
     return "the store no longer holds version " + std::to_string(version) + " (committed: " +
-           std::to_string(version_) + ", the one before it can be replayed)";
+           std::to_string(version_) + (previous_valid_ ? ", and the one before it" : "") + ")";
   }
   u.src_slot = static_cast<int>(version % 2);
   u.dst_slot = 1 - u.src_slot;
   if (std::string e = Update(u); !e.empty()) return e;
   if (std::string e = Sync(u.dst_slot); !e.empty()) return e;
-  return Commit(version + 1);
+  return Commit(version + 1, true);
 }
 
 std::string ShardEngine::ReadState(int slot, int state, float* out) {

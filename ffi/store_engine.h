@@ -66,13 +66,16 @@ class ShardEngine {
   // version + 1 into the other slot, syncs it, and commits it. The slots in `update` are ignored. Safe to call
   // from several threads (steps on one shard are serialised).
   std::string Step(ShardUpdate update, int64_t version);
-  // The committed version of this shard, and committing one (atomic manifest rename when the shard has a
-  // manifest path; memory-only otherwise).
+  // The committed version of this shard, whether the slot beside it still holds the version before (a replay
+  // of the last step needs it), and committing (atomic manifest rename when the shard has a manifest path;
+  // memory-only otherwise).
   int64_t version() const { return version_; }
-  std::string Commit(int64_t version);
-  void SetManifest(std::string path, int64_t version) {
+  bool previous_valid() const { return previous_valid_; }
+  std::string Commit(int64_t version, bool previous_valid);
+  void SetManifest(std::string path, int64_t version, bool previous_valid) {
     manifest_ = std::move(path);
     version_ = version;
+    previous_valid_ = previous_valid;
   }
   // Makes slot `slot` durable.
   std::string Sync(int slot) { return backend_->Sync(slot); }
@@ -102,6 +105,7 @@ class ShardEngine {
   std::mutex step_mu_;
   std::string manifest_;  // SHARD/MANIFEST.json, or empty (memory tier)
   int64_t version_ = 0;
+  bool previous_valid_ = false;
   int64_t size_, page_elems_, num_pages_;
   int pages_in_flight_;
   std::array<bool, kNumStates> used_;

@@ -423,3 +423,33 @@ def test_damaged_metadata_or_manifest_is_a_clear_error(tmp_path, content, match)
     # The failed open released its lock.
     manifest.write_text('{"version": 0}')
     storage.open(tmp_path / "store", tier="file", num_shards=1, page_bytes=PAGE).close()
+
+
+def test_after_a_failed_update_the_version_before_is_no_longer_replayable(tmp_path):
+    """An update from v overwrites the slot that held v - 1; once it has started, v - 1 is gone even if the
+    update fails, and the store must say so rather than replay from a half-written slot."""
+    params = make_params()
+    with open_store(tmp_path, "file") as store:
+        store.initialize(params, SPECS["adam"])
+        for step in (1, 2):
+            store.update(grad_for(step, store.layout), version=step - 1, lr=0.01, step=step)
+        assert store.held_versions() == [1, 2]
+        v2 = store.read("param")
+    os.environ["NSP_DEBUG_FAIL_WRITES_AFTER"] = "3"
+    try:
+        with open_store(tmp_path, "file") as store:
+            assert store.held_versions() == [1, 2]  # the manifests remember it across a reopen
+            with pytest.raises(storage.StoreError, match="No space left"):
+                store.update(grad_for(3, store.layout), version=2, lr=0.01, step=3)
+            assert store.version == 2 and store.held_versions() == [2]
+            with pytest.raises(storage.StoreError, match="no longer holds version 1"):
+                store.update(grad_for(2, store.layout), version=1, lr=0.01, step=2)
+            with pytest.raises(storage.StoreError, match="no longer holds version 1"):
+                store.read("param", version=1)
+            np.testing.assert_array_equal(store.read("param"), v2)
+    finally:
+        os.environ.pop("NSP_DEBUG_FAIL_WRITES_AFTER")
+    with open_store(tmp_path, "file") as store:
+        assert store.held_versions() == [2]
+        store.update(grad_for(3, store.layout), version=2, lr=0.01, step=3)
+        assert store.held_versions() == [2, 3]

@@ -264,7 +264,10 @@ def _clear_dir(path: Path, existed: bool) -> None:
         return
     if existed:
         for child in path.iterdir():
-            shutil.rmtree(child, ignore_errors=True) if child.is_dir() else child.unlink(missing_ok=True)
+            if child.is_dir() and not child.is_symlink():
+                shutil.rmtree(child, ignore_errors=True)
+            else:
+                child.unlink(missing_ok=True)
     else:
         shutil.rmtree(path, ignore_errors=True)
 
@@ -343,19 +346,20 @@ def _snapshot_files(store: StateStore, dest: Path, mode: str) -> tuple[list[dict
             (dst / "c").mkdir(parents=True)
             made_dirs += [dst, dst / "c"]
             shutil.copyfile(src / "zarr.json", dst / "zarr.json")  # tiny; copied so nothing can share it
-            _fsync_file(dst / "zarr.json")
             files.append({"path": str((dst / "zarr.json").relative_to(dest)),
                           "bytes": (dst / "zarr.json").stat().st_size})
             for name, size in _page_files(src):
                 placer.place(src / "c" / name, dst / "c" / name, size)
                 files.append({"path": f"{dst.relative_to(dest)}/c/{name}", "bytes": size})
-    if placer.copied or placer.reflinked:  # copied bytes are not durable yet; links point at synced pages
-        for f in files:
+    shutil.copyfile(store.root / METADATA, dest / METADATA)
+    # Durability, once everything is in place (one journal commit covers most of it): the copied files' data,
+    # then the new directory entries. Linked pages point at data the store synced when it committed them.
+    for f in files:
+        if placer.copied or placer.reflinked or f["path"].endswith("zarr.json"):
             _fsync_file(dest / f["path"])
+    _fsync_file(dest / METADATA)
     for d in reversed(made_dirs):
         _fsync_dir(d)
-    shutil.copyfile(store.root / METADATA, dest / METADATA)
-    _fsync_file(dest / METADATA)
     return files, placer.info()
 
 
@@ -379,7 +383,8 @@ def _snapshot_memory(store: StateStore, dest: Path) -> tuple[list[dict], dict]:
                 _fsync_file(path / name)
                 files.append({"path": str((path / name).relative_to(dest)), "bytes": fsize})
                 nbytes += fsize
-            _fsync_dir(path / "c") if (path / "c").exists() else None
+            if (path / "c").exists():
+                _fsync_dir(path / "c")
             _fsync_dir(path)
         del flat
     for i in range(store.num_shards):

@@ -181,6 +181,15 @@ class StateStore:
         """The committed version (shards commit one by one; the store's version is the lowest)."""
         return min(e.version for e in self._engines) if self._engines else None
 
+    def held_versions(self) -> list[int]:
+        """Versions the store can read or update from: the committed one, and the one before it while every
+        shard's other slot still holds it (it is gone once an update from the committed version starts)."""
+        v = self.version
+        if v is None:
+            return []
+        previous_ok = v > 0 and all(e.version == v and e.previous_valid for e in self._engines)
+        return [v - 1, v] if previous_ok else [v]
+
     def ffi_handles(self) -> list[int]:
         """Handles that name this store's shard engines inside jitted code (``nsp.primitives.store_update``)."""
         self._check_open()
@@ -227,7 +236,7 @@ class StateStore:
         try:
             list(self._pool.map(init_shard, range(self.num_shards)))
             for engine in self._engines:
-                engine.commit(0)
+                engine.commit(0, False)
             if self.root is not None:
                 # Written last: a store without metadata is an empty one, whatever else a crash left behind.
                 _atomic_write_json(self.root / METADATA, self._metadata())
@@ -249,17 +258,17 @@ class StateStore:
             "optimizer": dataclasses.asdict(self.optimizer),
         }
 
-    def _make_engines(self, create: bool, version: int = 0) -> None:
+    def _make_engines(self, create: bool, version: int = 0, previous: list[bool] | None = None) -> None:
         used = list(self.optimizer.states_used())
         backend = "memory" if self.tier == "memory" else "file"
         if backend == "file" and create:
             for shard in self.shard_paths:
                 self._create_arrays(shard, used)
         self._engines = []
-        for shard in self.shard_paths or [None] * self.num_shards:
+        for i, shard in enumerate(self.shard_paths or [None] * self.num_shards):
             engine = _nsp_ffi.ShardEngine(backend, str(shard) if shard else "", self.layout.shard_size,
                                           self.layout.page_elems, self.pages_in_flight, used, self.checksum)
-            engine.set_manifest(str(shard / MANIFEST) if shard else "", version)
+            engine.set_manifest(str(shard / MANIFEST) if shard else "", version, bool(previous and previous[i]))
             self._engines.append(engine)
 
     def _create_arrays(self, shard: Path, used: list[bool]) -> None:
@@ -313,11 +322,9 @@ class StateStore:
         self._check_open()
         if not self.initialized:
             raise StoreError("the store holds no state yet: call initialize(params, optimizer) first")
-        if version not in (self.version, self.version - 1) or version < 0:
-            held = sorted({self.version, max(self.version - 1, 0)})
-            raise StoreError(
-                f"the store no longer holds version {version}: it holds {held} (committed: {self.version})"
-            )
+        if version not in self.held_versions():
+            raise StoreError(f"the store no longer holds version {version}: it holds {self.held_versions()} "
+                             f"(committed: {self.version})")
         n, shard_size = self.num_shards, self.layout.shard_size
         kw_shards = self._split_grads(grad, indices, values)
         params = np.empty(n * shard_size, np.float32) if params_out else None
@@ -395,8 +402,8 @@ class StateStore:
         if state not in STATES or not self.optimizer.states_used()[STATES.index(state)]:
             raise ValueError(f"{self.optimizer.kind} keeps no state {state!r}")
         version = self.version if version is None else version
-        if version not in (self.version, self.version - 1) or version < 0:
-            raise StoreError(f"the store no longer holds version {version} (committed: {self.version})")
+        if version not in self.held_versions():
+            raise StoreError(f"the store no longer holds version {version} (it holds {self.held_versions()})")
         out = np.empty(self.layout.padded_total, np.float32)
         size = self.layout.shard_size
         list(self._pool.map(
@@ -521,27 +528,36 @@ def _open_existing(root: Path, tier, num_shards, page_bytes, shard_paths, pages_
     try:
         store.layout = Layout.from_json(meta["layout"])
         store.optimizer = OptimizerSpec(**meta["optimizer"])
-        store._make_engines(create=False, version=_recover_version(shards))
+        version, previous = _recover_version(shards)
+        store._make_engines(create=False, version=version, previous=previous)
     except BaseException:
         store.close()
         raise
     return store
 
 
-def _recover_version(shards: list[Path]) -> int:
-    """The committed version: every shard commits on its own, so a crash between shard commits leaves some one
-    version ahead. Their previous slot still holds the older version whole, so all roll back to the minimum."""
-    versions = []
+def _recover_version(shards: list[Path]) -> tuple[int, list[bool]]:
+    """The committed version, and per shard whether the version before it is still whole.
+
+    Every shard commits on its own, so a crash between shard commits leaves some one version ahead. Their other
+    slot still holds the older version whole (their manifest says so: "previous"), so they roll back to it.
+    """
+    versions, previous = [], []
     for shard in shards:
         manifest = _read_json(shard / MANIFEST, "shard manifest")
         version = manifest.get("version")
         if not isinstance(version, int) or version < 0:
             raise StoreError(f"shard manifest {shard / MANIFEST} holds no valid version: {manifest}")
         versions.append(version)
+        previous.append(bool(manifest.get("previous", False)))
     low, high = min(versions), max(versions)
     if high - low > 1:
         raise StoreError(f"shard versions {versions} differ by more than one step: the store is inconsistent")
-    for shard, version in zip(shards, versions):
+    for i, (shard, version) in enumerate(zip(shards, versions)):
         if version != low:
-            _atomic_write_json(shard / MANIFEST, {"version": low})
-    return low
+            if not previous[i]:
+                raise StoreError(f"shard {shard} is at version {version} and no longer holds version {low}, "
+                                 f"which the other shards are at: the store is inconsistent")
+            _atomic_write_json(shard / MANIFEST, {"version": low, "previous": False})
+            previous[i] = False
+    return low, previous

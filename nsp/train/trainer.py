@@ -22,6 +22,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+import orbax.checkpoint as ocp
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
@@ -123,15 +124,18 @@ def _build(config: TrainConfig, log: Callable[[str], None]) -> Run:
     if config.resume:
         manager = ckpt.make_checkpoint_manager(ckpt_dir, max_to_keep=config.keep_checkpoints)
         step = manager.latest_step()
-        store = ckpt.restore_store_from_checkpoint(
-            manager, step, None if config.tier == "memory" else config.store_path, **store_kw)
-        tx = make_optimizer(config, store, mesh)
-        template = {"params": params, "opt_state": tx.init(params)}
-        state, meta = ckpt.restore_train_state(manager, step, template)
-        params, opt_state = state["params"], state["opt_state"]
+        meta = manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
         if meta.get("config", {}).get("model") != config.model:
             raise TrainError(f"the checkpoint is of model {meta.get('config', {}).get('model')!r}, "
                              f"not {config.model!r}")
+        # The store goes back to the checkpoint's version (steps after it are redone, bit for bit).
+        store, _, _ = ckpt.restore_checkpoint(manager, step, None if config.tier == "memory" else config.store_path,
+                                              tier=config.tier, overwrite=True)
+        tx = make_optimizer(config, store, mesh)
+        template = {"params": params, "opt_state": tx.init(params)}  # checks the layout; writes nothing
+        state = manager.restore(step, args=ocp.args.Composite(train_state=ocp.args.StandardRestore(template)))
+        params, opt_state = state["train_state"]["params"], state["train_state"]["opt_state"]
+        manager.close()
         log(f"resumed {run_dir} at step {step} (store version {store.version})")
     else:
         store = nsp.storage.open(None if config.tier == "memory" else config.store_path, **store_kw)
@@ -244,11 +248,12 @@ def train_and_evaluate(config: TrainConfig, *, log: Callable[[str], None] = prin
     try:
         if run.step >= config.steps:
             log(f"the run already has {run.step} of {config.steps} steps")
-        while run.step < config.steps and not interrupted:
+        end = min(config.steps, config.stop_after or config.steps)
+        while run.step < end and not interrupted:
             tokens = _put_batch(run, run.train_batches.batch(run.step))
             run.params, run.opt_state, loss = train_step(run.params, run.opt_state, tokens)
             run.step += 1
-            final = run.step == config.steps
+            final = run.step == end
             if run.step % config.log_every == 0 or final:
                 loss = float(loss)  # waits for the step
                 now, stats = time.perf_counter(), run.store.stats()
@@ -281,15 +286,15 @@ def train_and_evaluate(config: TrainConfig, *, log: Callable[[str], None] = prin
             if config.ckpt_every and run.step % config.ckpt_every == 0 and not final:
                 _save_checkpoint(run, manager)
         _save_checkpoint(run, manager)
-        if interrupted:
-            log(f"stopped at step {run.step}; continue with the same command and --resume")
-            summary["interrupted"] = True
+        if interrupted or run.step < config.steps:
+            log(f"stopped at step {run.step} of {config.steps}; continue with the same command and --resume")
+            summary["interrupted"] = bool(interrupted)
         summary["step"] = run.step
         summary["params"] = run.params
         return summary
     finally:
         signal.signal(signal.SIGINT, previous_handler)
-        manager.wait_until_finished() if hasattr(manager, "wait_until_finished") else None
-        manager.close() if hasattr(manager, "close") else None
+        manager.wait_until_finished()
+        manager.close()
         metrics.close()
         run.store.close()

@@ -1,0 +1,162 @@
+"""The ``nsp`` command: ``nsp train``, ``nsp sample``, ``nsp ckpt list|show|export``.
+
+``nsp train`` with no arguments trains the ``small`` GPT on the Python standard library's source files with
+its optimizer state on disk (RUN_DIR/store), printing progress and writing metrics and checkpoints to
+``runs/default``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+from pathlib import Path
+
+from nsp.train.config import TrainConfig
+
+
+def _add_train_args(parser: argparse.ArgumentParser) -> None:
+    helps = TrainConfig.fields_help()
+    for field in dataclasses.fields(TrainConfig):
+        flag = "--" + field.name.replace("_", "-")
+        text = helps.get(field.name, "")
+        if field.type in ("bool", bool):
+            if field.default:
+                parser.add_argument("--no-" + field.name.replace("_", "-"), dest=field.name, action="store_false",
+                                    help=f"turn off: {text}")
+            else:
+                parser.add_argument(flag, dest=field.name, action="store_true", help=text)
+        else:
+            kind = {"int": int, "float": float, "str": str}[str(field.type)]
+            parser.add_argument(flag, dest=field.name, type=kind, default=field.default,
+                                help=f"{text} (default: {field.default!r})")
+
+
+def _train(args: argparse.Namespace) -> int:
+    from nsp.train.trainer import TrainError, train_and_evaluate
+
+    values = {f.name: getattr(args, f.name) for f in dataclasses.fields(TrainConfig)}
+    try:
+        config = TrainConfig(**values)
+        summary = train_and_evaluate(config)
+    except (TrainError, ValueError) as e:
+        print(f"nsp train: error: {e}", file=sys.stderr)
+        return 2
+    return 130 if summary.get("interrupted") else 0
+
+
+def _checkpoint_step(manager, run_dir: Path, step: int | None) -> int:
+    steps = sorted(manager.all_steps())
+    if not steps:
+        raise SystemExit(f"nsp: {run_dir / 'ckpt'} holds no checkpoint")
+    if step is None:
+        return steps[-1]
+    if step not in steps:
+        raise SystemExit(f"nsp: no checkpoint at step {step}; have {steps}")
+    return step
+
+
+def _restore_params(run_dir: Path, step: int | None, abstract_params):
+    """The model params saved with a checkpoint (the train state's ``params``), shaped like ``abstract_params``."""
+    import jax
+    import orbax.checkpoint as ocp
+
+    from nsp.storage import checkpoint as ckpt
+
+    manager = ckpt.make_checkpoint_manager(run_dir / "ckpt", max_to_keep=None)
+    step = _checkpoint_step(manager, run_dir, step)
+    raw = manager.restore(step, args=ocp.args.Composite(train_state=ocp.args.StandardRestore(None)))
+    saved = raw["train_state"]["params"]
+    leaves = jax.tree_util.tree_leaves(saved)
+    treedef = jax.tree_util.tree_structure(abstract_params)
+    if len(leaves) != treedef.num_leaves:
+        raise SystemExit(f"nsp: the checkpoint's params do not match the model in {run_dir / 'config.json'}")
+    manager.close()
+    return jax.tree_util.tree_unflatten(treedef, leaves), step
+
+
+def _sample(args: argparse.Namespace) -> int:
+    import jax
+    from flax import nnx
+
+    from nsp.models import GPT, generate, get_config
+    from nsp.train.data import ByteTokenizer
+
+    run_dir = Path(args.run_dir)
+    config = json.loads((run_dir / "config.json").read_text()) if (run_dir / "config.json").exists() else None
+    if config is None:
+        raise SystemExit(f"nsp sample: {run_dir} holds no run (no config.json)")
+    tokenizer = ByteTokenizer()
+    model_cfg = get_config(config["model"], vocab_size=tokenizer.vocab_size)
+    graphdef, abstract_params = nnx.split(nnx.eval_shape(lambda: GPT(model_cfg, rngs=nnx.Rngs(0))), nnx.Param)
+    params, step = _restore_params(run_dir, args.step, abstract_params)
+    model = nnx.merge(graphdef, params)
+    prompt = tokenizer.encode(args.prompt).astype("int32")
+    out = generate(model, prompt, args.tokens, temperature=args.temperature, top_k=args.top_k, rng=args.seed)
+    print(f"# {config['model']} at step {step}", file=sys.stderr)
+    print(tokenizer.decode(jax.device_get(out)))
+    return 0
+
+
+def _ckpt(args: argparse.Namespace) -> int:
+    from nsp.storage import checkpoint as ckpt
+
+    run_dir = Path(args.run_dir)
+    if not (run_dir / "ckpt").is_dir():
+        raise SystemExit(f"nsp ckpt: {run_dir} holds no checkpoints (no {run_dir / 'ckpt'})")
+    manager = ckpt.make_checkpoint_manager(run_dir / "ckpt", max_to_keep=None)
+    steps = sorted(manager.all_steps())
+    if args.action == "list":
+        if not steps:
+            print(f"no checkpoints in {run_dir / 'ckpt'}")
+        for step in steps:
+            info = ckpt.load_snapshot_info(run_dir / "ckpt" / str(step) / "store", check_files=False)
+            print(f"step {step}: store version {info['version']}, {run_dir / 'ckpt' / str(step)}")
+        return 0
+    step = _checkpoint_step(manager, run_dir, args.step)
+    if args.action == "show":
+        info = ckpt.load_snapshot_info(run_dir / "ckpt" / str(step) / "store", check_files=False)
+        files = info.pop("files", [])
+        info["files"] = len(files)
+        info["bytes"] = sum(f.get("size", 0) for f in files)
+        print(json.dumps({"step": step, "path": str(run_dir / "ckpt" / str(step)), "store": info}, indent=1))
+        return 0
+    if not args.out:
+        raise SystemExit("nsp ckpt export: --out DIR is required")
+    ckpt.export_checkpoint(run_dir / "ckpt" / str(step), Path(args.out))
+    print(f"exported step {step} to {args.out}")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="nsp", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="command", required=True)
+    train = sub.add_parser("train", help="train a GPT with its optimizer state in a storage tier")
+    _add_train_args(train)
+    train.set_defaults(func=_train)
+
+    sample = sub.add_parser("sample", help="generate text from a run's latest (or given) checkpoint")
+    sample.add_argument("--run-dir", default="runs/default")
+    sample.add_argument("--step", type=int, default=None)
+    sample.add_argument("--prompt", default="def ")
+    sample.add_argument("--tokens", type=int, default=200)
+    sample.add_argument("--temperature", type=float, default=0.8)
+    sample.add_argument("--top-k", type=int, default=40)
+    sample.add_argument("--seed", type=int, default=0)
+    sample.set_defaults(func=_sample)
+
+    ck = sub.add_parser("ckpt", help="list, show or export a run's checkpoints")
+    ck.add_argument("action", choices=["list", "show", "export"])
+    ck.add_argument("--run-dir", default="runs/default")
+    ck.add_argument("--step", type=int, default=None)
+    ck.add_argument("--out", default=None, help="export: directory of the plain orbax checkpoint")
+    ck.set_defaults(func=_ckpt)
+
+    args = parser.parse_args(argv)
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,116 @@
+"""Configuration of a training run: one dataclass, every field overridable from the command line."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+
+@dataclasses.dataclass
+class TrainConfig:
+    # Model config name from nsp.models.CONFIGS (tiny, small, gpt2-124m, ...); vocab comes from the data.
+    model: str = "small"
+    # Directory for metrics (metrics.jsonl, tb/), checkpoints (ckpt/) and, by default, the store.
+    run_dir: str = "runs/default"
+    # Training text: a text file, a directory of text files, or a token file; empty = the Python stdlib sources.
+    data: str = ""
+    # Where the optimizer state lives: "file" (disk), "memory" (host RAM) or "csd".
+    tier: str = "file"
+    # Directory of the state store; empty = RUN_DIR/store.
+    store_dir: str = ""
+    # Store page size in MiB (also the zarr chunk size on disk).
+    page_mib: float = 4.0
+    # Optimizer whose state the store keeps: adamw, adam, sgd or adagrad.
+    optimizer: str = "adamw"
+    # Peak learning rate (linear warmup, then cosine decay to lr * min_lr_ratio).
+    lr: float = 3e-3
+    # Warmup steps of the learning-rate schedule.
+    warmup_steps: int = 20
+    # Final learning rate as a fraction of the peak.
+    min_lr_ratio: float = 0.1
+    # Decoupled weight decay (AdamW) or L2 (others).
+    weight_decay: float = 0.01
+    # Adam first-moment decay (or SGD momentum).
+    b1: float = 0.9
+    # Adam second-moment decay.
+    b2: float = 0.99
+    # Global gradient-norm clipping threshold (0 = off).
+    clip: float = 1.0
+    # Top-K gradient compression ratio (0 = dense gradients).
+    topk: float = 0.0
+    # Keep what Top-K drops for the next step (error feedback).
+    error_feedback: bool = True
+    # Training steps (the total, also when resuming).
+    steps: int = 200
+    # Sequences per step (split over the devices).
+    batch: int = 8
+    # Tokens per sequence (at most the model's block size).
+    seq: int = 128
+    # Seed of the model init and of the data stream (batches are a function of seed and step).
+    seed: int = 0
+    # Compute in bfloat16 (the store keeps fp32 master params either way).
+    bf16: bool = False
+    # Print and log metrics every this many steps.
+    log_every: int = 10
+    # Held-out loss every this many steps (0 = only at the end).
+    eval_every: int = 50
+    # Held-out batches averaged per evaluation.
+    eval_batches: int = 4
+    # Checkpoint every this many steps (0 = only at the end).
+    ckpt_every: int = 100
+    # Checkpoints kept (older ones are deleted).
+    keep_checkpoints: int = 3
+    # Continue the run in RUN_DIR from its latest checkpoint.
+    resume: bool = False
+    # Stop early, checkpointed and resumable, after this many steps (0 = run to --steps; the schedule still
+    # spans --steps).
+    stop_after: int = 0
+
+    def __post_init__(self):
+        checks = [
+            (self.steps >= 1, "steps must be >= 1"),
+            (self.batch >= 1, "batch must be >= 1"),
+            (self.seq >= 1, "seq must be >= 1"),
+            (self.lr > 0, "lr must be > 0"),
+            (0 <= self.topk < 1, "topk must be in [0, 1) (0 = dense)"),
+            (self.page_mib > 0, "page_mib must be > 0"),
+            (self.log_every >= 1, "log_every must be >= 1"),
+            (self.eval_every >= 0 and self.ckpt_every >= 0, "eval_every and ckpt_every must be >= 0"),
+            (self.keep_checkpoints >= 1, "keep_checkpoints must be >= 1"),
+            (self.stop_after >= 0, "stop_after must be >= 0"),
+            (self.optimizer in ("adamw", "adam", "sgd", "adagrad"),
+             f"unknown optimizer {self.optimizer!r} (adamw, adam, sgd, adagrad)"),
+            (self.tier in ("file", "memory", "csd"), f"unknown tier {self.tier!r} (file, memory, csd)"),
+        ]
+        for ok, message in checks:
+            if not ok:
+                raise ValueError(message)
+
+    @property
+    def store_path(self) -> Path:
+        return Path(self.store_dir) if self.store_dir else Path(self.run_dir) / "store"
+
+    @property
+    def page_bytes(self) -> int:
+        return max(4096, int(self.page_mib * 2**20) // 4096 * 4096)
+
+    def to_json(self) -> str:
+        return json.dumps(dataclasses.asdict(self), indent=1)
+
+    @classmethod
+    def fields_help(cls) -> dict[str, str]:
+        """Each field's comment from the source, for --help."""
+        import inspect
+
+        help_text, pending = {}, []
+        for line in inspect.getsource(cls).splitlines():
+            stripped = line.strip()
+            if stripped.startswith("# "):
+                pending.append(stripped[2:])
+            elif ":" in stripped and pending and not stripped.startswith(("def", "@", "class")):
+                help_text[stripped.split(":")[0]] = " ".join(pending)
+                pending = []
+            else:
+                pending = []
+        return help_text
