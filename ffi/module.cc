@@ -242,19 +242,18 @@ NB_MODULE(_nsp_ffi, m) {
            "Reads `version`, writes, syncs and commits version + 1 (a replay of the one before is allowed).")
       .def_prop_ro("version", &nsp::ShardEngine::version)
       .def_prop_ro("previous_valid", &nsp::ShardEngine::previous_valid)
-      .def("set_manifest", &nsp::ShardEngine::SetManifest, nb::arg("path"), nb::arg("version"),
-           nb::arg("previous_valid"))
+      .def("set_manifest", &nsp::ShardEngine::SetManifest, nb::arg("path"), nb::arg("version"))
       .def(
           "commit",
-          [](nsp::ShardEngine& e, int64_t version, bool previous_valid) {
+          [](nsp::ShardEngine& e, int64_t version) {
             std::string err;
             {
               nb::gil_scoped_release release;
-              err = e.Commit(version, previous_valid);
+              err = e.Commit(version);
             }
             Check(err);
           },
-          nb::arg("version"), nb::arg("previous_valid") = false)
+          nb::arg("version"))
       .def("register", [](nsp::ShardEngine& e) { return nsp::RegisterEngine(&e); },
            "Makes the engine reachable from XLA FFI calls; returns its handle.")
       .def("reset_stats", &nsp::ShardEngine::ResetStats)

@@ -326,12 +326,11 @@ std::string ShardEngine::UpdateStreamed(const ShardUpdate& u) {
   return {};
 }
 
-std::string ShardEngine::Commit(int64_t version, bool previous_valid) {
+std::string ShardEngine::Commit(int64_t version) {
   if (!manifest_.empty()) {
     // Write-to-temp, fsync, rename, fsync the directory: the old or the new manifest, never a mix.
     const std::string tmp = manifest_ + ".tmp";
-    const std::string text = "{\"version\": " + std::to_string(version) +
-                             ", \"previous\": " + (previous_valid ? "true" : "false") + "}";
+    const std::string text = "{\"version\": " + std::to_string(version) + "}";
     const int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
     if (fd < 0) return "cannot create " + tmp + ": " + std::strerror(errno);
     const bool ok = ::write(fd, text.data(), text.size()) == static_cast<ssize_t>(text.size()) && ::fsync(fd) == 0;
@@ -350,7 +349,6 @@ std::string ShardEngine::Commit(int64_t version, bool previous_valid) {
     }
   }
   version_ = version;
-  previous_valid_ = previous_valid;
   return {};
 }
 
@@ -364,24 +362,22 @@ std::string ShardEngine::Step(ShardUpdate u, int64_t version) {
       *total += std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - start).count();
     }
   } timer{start, &stats_.update_ns};
-  // Writing the other slot destroys what it holds, so the manifest first says so: a crash (or an error)
-  // during the write then leaves a committed version whose neighbour slot is known not to be replayable.
   if (version == version_ - 1 && version >= 0 && previous_valid_) {
-    // A replay overwrites the slot of the committed version: step the commit back first.
-    if (std::string e = Commit(version, false); !e.empty()) return e;
-  } else if (version == version_) {
-    if (previous_valid_) {
-      if (std::string e = Commit(version, false); !e.empty()) return e;
-    }
-  } else {
+    // A replay overwrites the slot of the committed version: step the commit back first, so a crash during
+    // the replay still leaves a whole committed version.
+    if (std::string e = Commit(version); !e.empty()) return e;
+  } else if (version != version_) {
     return "the store no longer holds version " + std::to_string(version) + " (committed: " +
            std::to_string(version_) + (previous_valid_ ? ", and the one before it" : "") + ")";
   }
+  previous_valid_ = false;  // the other slot is about to be overwritten
   u.src_slot = static_cast<int>(version % 2);
   u.dst_slot = 1 - u.src_slot;
   if (std::string e = Update(u); !e.empty()) return e;
   if (std::string e = Sync(u.dst_slot); !e.empty()) return e;
-  return Commit(version + 1, true);
+  if (std::string e = Commit(version + 1); !e.empty()) return e;
+  previous_valid_ = true;
+  return {};
 }
 
 std::string ShardEngine::ReadState(int slot, int state, float* out) {

@@ -66,16 +66,17 @@ class ShardEngine {
   // version + 1 into the other slot, syncs it, and commits it. The slots in `update` are ignored. Safe to call
   // from several threads (steps on one shard are serialised).
   std::string Step(ShardUpdate update, int64_t version);
-  // The committed version of this shard, whether the slot beside it still holds the version before (a replay
-  // of the last step needs it), and committing (atomic manifest rename when the shard has a manifest path;
-  // memory-only otherwise).
+  // The committed version of this shard; whether the slot beside it still holds the version before (a replay
+  // of the last step needs it: true only after a step this engine completed, until the next one starts, so a
+  // failed or killed update, or a reopen, never replays from a half-written slot); and committing (atomic
+  // manifest rename when the shard has a manifest path; memory-only otherwise).
   int64_t version() const { return version_; }
   bool previous_valid() const { return previous_valid_; }
-  std::string Commit(int64_t version, bool previous_valid);
-  void SetManifest(std::string path, int64_t version, bool previous_valid) {
+  std::string Commit(int64_t version);
+  void SetManifest(std::string path, int64_t version) {
     manifest_ = std::move(path);
     version_ = version;
-    previous_valid_ = previous_valid;
+    previous_valid_ = false;
   }
   // Makes slot `slot` durable.
   std::string Sync(int slot) { return backend_->Sync(slot); }

@@ -183,7 +183,8 @@ class StateStore:
 
     def held_versions(self) -> list[int]:
         """Versions the store can read or update from: the committed one, and the one before it while every
-        shard's other slot still holds it (it is gone once an update from the committed version starts)."""
+        shard's other slot still holds it (only after a step completed in this process: an update that starts,
+        fails or is killed overwrites it, and a reopened store does not vouch for it)."""
         v = self.version
         if v is None:
             return []
@@ -236,7 +237,7 @@ class StateStore:
         try:
             list(self._pool.map(init_shard, range(self.num_shards)))
             for engine in self._engines:
-                engine.commit(0, False)
+                engine.commit(0)
             if self.root is not None:
                 # Written last: a store without metadata is an empty one, whatever else a crash left behind.
                 _atomic_write_json(self.root / METADATA, self._metadata())
@@ -258,17 +259,17 @@ class StateStore:
             "optimizer": dataclasses.asdict(self.optimizer),
         }
 
-    def _make_engines(self, create: bool, version: int = 0, previous: list[bool] | None = None) -> None:
+    def _make_engines(self, create: bool, version: int = 0) -> None:
         used = list(self.optimizer.states_used())
         backend = "memory" if self.tier == "memory" else "file"
         if backend == "file" and create:
             for shard in self.shard_paths:
                 self._create_arrays(shard, used)
         self._engines = []
-        for i, shard in enumerate(self.shard_paths or [None] * self.num_shards):
+        for shard in self.shard_paths or [None] * self.num_shards:
             engine = _nsp_ffi.ShardEngine(backend, str(shard) if shard else "", self.layout.shard_size,
                                           self.layout.page_elems, self.pages_in_flight, used, self.checksum)
-            engine.set_manifest(str(shard / MANIFEST) if shard else "", version, bool(previous and previous[i]))
+            engine.set_manifest(str(shard / MANIFEST) if shard else "", version)
             self._engines.append(engine)
 
     def _create_arrays(self, shard: Path, used: list[bool]) -> None:
@@ -528,36 +529,28 @@ def _open_existing(root: Path, tier, num_shards, page_bytes, shard_paths, pages_
     try:
         store.layout = Layout.from_json(meta["layout"])
         store.optimizer = OptimizerSpec(**meta["optimizer"])
-        version, previous = _recover_version(shards)
-        store._make_engines(create=False, version=version, previous=previous)
+        store._make_engines(create=False, version=_recover_version(shards))
     except BaseException:
         store.close()
         raise
     return store
 
 
-def _recover_version(shards: list[Path]) -> tuple[int, list[bool]]:
-    """The committed version, and per shard whether the version before it is still whole.
-
-    Every shard commits on its own, so a crash between shard commits leaves some one version ahead. Their other
-    slot still holds the older version whole (their manifest says so: "previous"), so they roll back to it.
-    """
-    versions, previous = [], []
+def _recover_version(shards: list[Path]) -> int:
+    """The committed version. Every shard commits on its own, so a crash between shard commits leaves some one
+    version ahead. Those never started another update (the next one needs every shard's commit first), so their
+    other slot still holds the older version whole: they roll back to it."""
+    versions = []
     for shard in shards:
         manifest = _read_json(shard / MANIFEST, "shard manifest")
         version = manifest.get("version")
         if not isinstance(version, int) or version < 0:
             raise StoreError(f"shard manifest {shard / MANIFEST} holds no valid version: {manifest}")
         versions.append(version)
-        previous.append(bool(manifest.get("previous", False)))
     low, high = min(versions), max(versions)
     if high - low > 1:
         raise StoreError(f"shard versions {versions} differ by more than one step: the store is inconsistent")
-    for i, (shard, version) in enumerate(zip(shards, versions)):
+    for shard, version in zip(shards, versions):
         if version != low:
-            if not previous[i]:
-                raise StoreError(f"shard {shard} is at version {version} and no longer holds version {low}, "
-                                 f"which the other shards are at: the store is inconsistent")
-            _atomic_write_json(shard / MANIFEST, {"version": low, "previous": False})
-            previous[i] = False
-    return low, previous
+            _atomic_write_json(shard / MANIFEST, {"version": low})
+    return low

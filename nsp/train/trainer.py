@@ -94,15 +94,15 @@ def _build(config: TrainConfig, log: Callable[[str], None]) -> Run:
     if not config.resume and config.tier != "memory" and (config.store_path / nsp.storage.store.METADATA).exists():
         raise TrainError(f"{config.store_path} already holds a store; pass --resume or choose another --store-dir")
 
+    block_size = get_config(config.model).block_size  # checks the model name before any data work
+    if config.seq > block_size:
+        raise TrainError(f"--seq {config.seq} exceeds the block size {block_size} of model {config.model!r}")
     try:
         tokens = data_lib.load_tokens(config.data or None, seq_len=config.seq)
     except data_lib.DataError as e:
         raise TrainError(str(e)) from None
     model_cfg = get_config(config.model, vocab_size=tokens.vocab_size,
                            dtype=jnp.bfloat16 if config.bf16 else jnp.float32)
-    if config.seq > model_cfg.block_size:
-        raise TrainError(f"--seq {config.seq} exceeds the block size {model_cfg.block_size} of model "
-                         f"{config.model!r}")
     try:
         train_tokens, held_out = data_lib.split(tokens, held_out_fraction=0.05, seq_len=config.seq)
     except data_lib.DataError as e:
@@ -143,6 +143,8 @@ def _build(config: TrainConfig, log: Callable[[str], None]) -> Run:
         opt_state = tx.init(params)
         (run_dir / "config.json").write_text(config.to_json())
 
+    if mesh is not None:  # the step keeps params and optax state replicated over the mesh
+        params, opt_state = jax.device_put((params, opt_state), NamedSharding(mesh, P()))
     n_params = sum(x.size for x in jax.tree_util.tree_leaves(params))
     log(f"model {config.model}: {n_params / 1e6:.2f}M params, vocab {tokens.vocab_size}; data: {tokens.source} "
         f"({tokens.num_tokens / 1e6:.2f}M tokens); store: {config.tier} tier"
@@ -159,14 +161,20 @@ def _make_steps(run: Run):
     graphdef, tx = run.graphdef, run.tx
     loss_fn = functools.partial(_loss_fn, graphdef)
 
-    @functools.partial(jax.jit, donate_argnums=(0, 1))
     def train_step(params, opt_state, tokens):
         loss, grads = jax.value_and_grad(loss_fn)(params, tokens)
         updates, opt_state = tx.update(grads, opt_state, params)
         return optax.apply_updates(params, updates), opt_state, loss
 
-    eval_step = jax.jit(loss_fn)
-    return train_step, eval_step
+    if run.mesh is None:
+        return jax.jit(train_step, donate_argnums=(0, 1)), jax.jit(loss_fn)
+    # Data parallel: params and the small optax state replicated, the batch split over the devices. Fixing the
+    # shardings (rather than letting XLA pick them) keeps the compiled step, and so its float rounding, the same
+    # in a fresh and in a resumed run: resume stays bit-exact.
+    replicated, batch = NamedSharding(run.mesh, P()), NamedSharding(run.mesh, P("data"))
+    step = jax.jit(train_step, donate_argnums=(0, 1), in_shardings=(replicated, replicated, batch),
+                   out_shardings=(replicated, replicated, replicated))
+    return step, jax.jit(loss_fn, in_shardings=(replicated, batch))
 
 
 def _put_batch(run: Run, batch: np.ndarray):

@@ -1,0 +1,142 @@
+"""The `nsp` command end to end on the tiny GPT: smoke, resume bit-exactness, keep-N, bad input."""
+
+from __future__ import annotations
+
+import inspect
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import orbax.checkpoint as ocp
+import pytest
+
+from nsp.cli import main
+
+
+@pytest.fixture(autouse=True)
+def _isolated_cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("NSP_CACHE_DIR", str(tmp_path / "cache"))
+
+
+@pytest.fixture
+def corpus(tmp_path):
+    """A few hundred KB of real text (stdlib sources), so runs stay fast."""
+    import collections
+    import json as json_mod
+
+    path = tmp_path / "corpus.txt"
+    path.write_text(inspect.getsource(collections) + inspect.getsource(json_mod.decoder))
+    return str(path)
+
+
+def train(run_dir, corpus, *extra):
+    args = ["train", "--model", "tiny", "--run-dir", str(run_dir), "--data", corpus, "--seq", "32", "--batch",
+            "4", "--log-every", "2", "--eval-batches", "1", *map(str, extra)]
+    return main(args)
+
+
+def metrics(run_dir):
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def final_params(run_dir):
+    manager = ocp.CheckpointManager(run_dir / "ckpt", item_names=("store", "train_state", "meta"))
+    step = manager.latest_step()
+    restored = manager.restore(step, args=ocp.args.Composite(train_state=ocp.args.StandardRestore(None)))
+    manager.close()
+    return step, restored["train_state"]["params"]
+
+
+def test_one_step_smoke(tmp_path, corpus):
+    run = tmp_path / "run"
+    assert train(run, corpus, "--steps", "1", "--ckpt-every", "0") == 0
+    rows = metrics(run)
+    assert rows[-1]["step"] == 1
+    for key in ("loss", "tokens_per_s", "lr", "shared_in_bytes", "shared_out_bytes", "internal_read_bytes",
+                "internal_write_bytes", "update_s", "fwd_bwd_s", "eval_loss"):
+        assert key in rows[-1], key
+    # SmartUpdate traffic: fp32 grads in and params out, 4 bytes per (padded) parameter each way.
+    assert rows[-1]["shared_in_bytes"] == rows[-1]["shared_out_bytes"] > 0
+    assert (run / "store" / "nsp_store.json").exists() and (run / "ckpt" / "1").is_dir()
+    assert any((run / "tb").iterdir())
+
+
+def test_resume_is_bit_exact(tmp_path, corpus):
+    straight, split = tmp_path / "straight", tmp_path / "split"
+    assert train(straight, corpus, "--steps", "12", "--ckpt-every", "6") == 0
+    assert train(split, corpus, "--steps", "12", "--stop-after", "6") == 0
+    assert train(split, corpus, "--steps", "12", "--resume") == 0
+    a, b = metrics(straight), metrics(split)
+    assert [r["loss"] for r in a if r["step"] > 6 and "loss" in r] == [r["loss"] for r in b if r["step"] > 6
+                                                                       and "loss" in r]
+    (step_a, pa), (step_b, pb) = final_params(straight), final_params(split)
+    assert step_a == step_b == 12
+    import jax
+
+    for x, y in zip(jax.tree_util.tree_leaves(pa), jax.tree_util.tree_leaves(pb)):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+
+def test_topk_memory_tier_and_keep_n(tmp_path, corpus):
+    run = tmp_path / "run"
+    assert train(run, corpus, "--steps", "8", "--ckpt-every", "2", "--keep-checkpoints", "2", "--tier", "memory",
+                 "--topk", "0.05") == 0
+    assert sorted(int(p.name) for p in (run / "ckpt").iterdir() if p.name.isdigit()) == [6, 8]
+    rows = [r for r in metrics(run) if "loss" in r]
+    # Top-K: only the kept values and their indices go down the link.
+    assert rows[-1]["shared_in_bytes"] < 0.2 * rows[-1]["shared_out_bytes"]
+
+
+def test_ckpt_and_sample_commands(tmp_path, corpus, capsys):
+    run = tmp_path / "run"
+    assert train(run, corpus, "--steps", "4", "--ckpt-every", "2") == 0
+    capsys.readouterr()
+    assert main(["ckpt", "list", "--run-dir", str(run)]) == 0
+    listed = capsys.readouterr().out
+    assert "step 2: store version 2" in listed and "step 4: store version 4" in listed
+    assert main(["ckpt", "show", "--run-dir", str(run), "--step", "2"]) == 0
+    assert json.loads(capsys.readouterr().out)["store"]["version"] == 2
+    assert main(["ckpt", "export", "--run-dir", str(run), "--out", str(tmp_path / "export")]) == 0
+    assert (tmp_path / "export" / "params").is_dir()
+    capsys.readouterr()
+    assert main(["sample", "--run-dir", str(run), "--prompt", "def ", "--tokens", "8"]) == 0
+    assert capsys.readouterr().out.startswith("def ")
+
+
+@pytest.mark.parametrize(
+    "extra, message",
+    [
+        (["--data", "/nonexistent/corpus.txt"], "does not exist"),
+        (["--model", "gpt5"], "unknown"),
+        (["--seq", "100000"], "exceeds the block size"),
+        (["--topk", "2"], "topk must be in"),
+    ],
+)
+def test_bad_input_is_a_clear_error(tmp_path, corpus, extra, message):
+    args = [sys.executable, "-m", "nsp.cli", "train", "--model", "tiny", "--run-dir", str(tmp_path / "run"),
+            "--data", corpus, "--steps", "1", "--seq", "32", *extra]
+    proc = subprocess.run(args, capture_output=True, text=True, env={**os.environ})
+    assert proc.returncode != 0
+    assert message in proc.stderr, proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+def test_empty_corpus_and_existing_runs_are_refused_without_overwriting(tmp_path, corpus, capsys):
+    empty = tmp_path / "empty.txt"
+    empty.write_text("")
+    assert train(tmp_path / "r0", str(empty), "--steps", "1") == 2
+    assert "empty" in capsys.readouterr().err
+    run = tmp_path / "run"
+    assert train(run, corpus, "--steps", "2") == 0
+    before = (run / "store" / "shards" / "00000" / "MANIFEST.json").read_text()
+    assert train(run, corpus, "--steps", "2") == 2  # a run is there: --resume or another --run-dir
+    assert "already holds a run" in capsys.readouterr().err
+    # A store of another layout at --store-dir: refused, untouched.
+    other = tmp_path / "other"
+    assert train(other, corpus, "--steps", "1", "--store-dir", str(run / "store")) == 2
+    assert "already holds a store" in capsys.readouterr().err
+    assert (run / "store" / "shards" / "00000" / "MANIFEST.json").read_text() == before
+    assert train(tmp_path / "fresh", corpus, "--steps", "1", "--resume") == 2
+    assert "no checkpoint to resume from" in capsys.readouterr().err
