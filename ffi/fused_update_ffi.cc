@@ -7,6 +7,7 @@
 #include <string>
 #include <utility>
 
+#include "ffi_common.h"
 #include "update_kernel.h"
 #include "xla/ffi/api/ffi.h"
 
@@ -15,17 +16,9 @@ namespace ffi = xla::ffi;
 namespace nsp {
 namespace {
 
-ffi::Error InvalidArgument(const std::string& message) {
-  return ffi::Error::InvalidArgument("nsp.fused_update: " + message);
-}
+constexpr char kOp[] = "nsp.fused_update";
 
-ffi::ErrorOr<GradType> GradTypeOf(const ffi::AnyBuffer& grad) {
-  switch (grad.element_type()) {
-    case ffi::DataType::F32: return GradType::kF32;
-    case ffi::DataType::BF16: return GradType::kBF16;
-    default: return ffi::Unexpected(InvalidArgument("gradients must be float32 or bfloat16"));
-  }
-}
+ffi::Error InvalidArgument(const std::string& message) { return ffi_common::Invalid(kOp, message); }
 
 struct Prepared {
   UpdateHyperParams hp;
@@ -38,21 +31,11 @@ ffi::ErrorOr<Prepared> Prepare(ffi::Buffer<ffi::F32> lr, ffi::Buffer<ffi::S32> s
                                ffi::ResultBuffer<ffi::F32> param_out, ffi::ResultBuffer<ffi::F32> mu_out,
                                ffi::ResultBuffer<ffi::F32> nu_out, ffi::RemainingRets extra, int32_t kind, double b1,
                                double b2, double eps, double weight_decay, double momentum, bool nesterov) {
-  if (lr.element_count() != 1 || step.element_count() != 1) {
-    return ffi::Unexpected(InvalidArgument("lr and step must be scalars"));
-  }
+  auto hyper = ffi_common::HyperParams(kOp, lr, step, kind, b1, b2, eps, weight_decay, momentum, nesterov);
+  if (hyper.has_error()) return ffi::Unexpected(hyper.error());
   Prepared out;
-  UpdateHyperParams& hp = out.hp;
-  hp.kind = static_cast<OptimizerKind>(kind);
-  hp.lr = lr.typed_data()[0];
-  hp.step = step.typed_data()[0];
-  hp.b1 = b1;
-  hp.b2 = b2;
-  hp.eps = eps;
-  hp.weight_decay = weight_decay;
-  hp.momentum = momentum;
-  hp.nesterov = nesterov;
-  if (std::string err = ValidateHyperParams(hp); !err.empty()) return ffi::Unexpected(InvalidArgument(err));
+  out.hp = *hyper;
+  const UpdateHyperParams& hp = out.hp;
 
   const int64_t n = static_cast<int64_t>(param.element_count());
   if (static_cast<int64_t>(param_out->element_count()) != n) {
@@ -96,7 +79,7 @@ ffi::Error DenseImpl(ffi::Buffer<ffi::F32> lr, ffi::Buffer<ffi::S32> step, ffi::
   auto prepared = Prepare(lr, step, param, mu, nu, param_out, mu_out, nu_out, extra, kind, b1, b2, eps,
                           weight_decay, momentum, nesterov);
   if (prepared.has_error()) return prepared.error();
-  auto grad_type = GradTypeOf(grad);
+  auto grad_type = ffi_common::GradTypeOf(kOp, grad);
   if (grad_type.has_error()) return grad_type.error();
   if (static_cast<int64_t>(grad.element_count()) != prepared->span.size) {
     return InvalidArgument("grad must have as many elements as param");
@@ -114,7 +97,7 @@ ffi::Error SparseImpl(ffi::Buffer<ffi::F32> lr, ffi::Buffer<ffi::S32> step, ffi:
   auto prepared = Prepare(lr, step, param, mu, nu, param_out, mu_out, nu_out, extra, kind, b1, b2, eps,
                           weight_decay, momentum, nesterov);
   if (prepared.has_error()) return prepared.error();
-  auto value_type = GradTypeOf(values);
+  auto value_type = ffi_common::GradTypeOf(kOp, values);
   if (value_type.has_error()) return value_type.error();
   const int64_t count = static_cast<int64_t>(indices.element_count());
   if (static_cast<int64_t>(values.element_count()) != count) {
@@ -128,22 +111,11 @@ ffi::Error SparseImpl(ffi::Buffer<ffi::F32> lr, ffi::Buffer<ffi::S32> step, ffi:
   return ffi::Error::Success();
 }
 
-template <typename Binding>
-auto WithAttrs(Binding binding) {
-  return std::move(binding).template Attr<int32_t>("kind")
-      .template Attr<double>("b1")
-      .template Attr<double>("b2")
-      .template Attr<double>("eps")
-      .template Attr<double>("weight_decay")
-      .template Attr<double>("momentum")
-      .template Attr<bool>("nesterov");
-}
-
 }  // namespace
 }  // namespace nsp
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(NspFusedUpdateDense, nsp::DenseImpl,
-                              nsp::WithAttrs(xla::ffi::Ffi::Bind()
+                              nsp::ffi_common::WithHyperParamAttrs(xla::ffi::Ffi::Bind()
                                                  .Arg<xla::ffi::Buffer<xla::ffi::F32>>()  // lr
                                                  .Arg<xla::ffi::Buffer<xla::ffi::S32>>()  // step
                                                  .Arg<xla::ffi::Buffer<xla::ffi::F32>>()  // param
@@ -156,7 +128,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(NspFusedUpdateDense, nsp::DenseImpl,
                                                  .RemainingRets()));                      // [param_bf16]
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(NspFusedUpdateSparse, nsp::SparseImpl,
-                              nsp::WithAttrs(xla::ffi::Ffi::Bind()
+                              nsp::ffi_common::WithHyperParamAttrs(xla::ffi::Ffi::Bind()
                                                  .Arg<xla::ffi::Buffer<xla::ffi::F32>>()  // lr
                                                  .Arg<xla::ffi::Buffer<xla::ffi::S32>>()  // step
                                                  .Arg<xla::ffi::Buffer<xla::ffi::F32>>()  // param

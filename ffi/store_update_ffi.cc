@@ -13,6 +13,7 @@
 #include <utility>
 
 #include "engine_registry.h"
+#include "ffi_common.h"
 #include "store_engine.h"
 #include "xla/ffi/api/ffi.h"
 
@@ -21,17 +22,9 @@ namespace ffi = xla::ffi;
 namespace nsp {
 namespace {
 
-ffi::Error Invalid(const std::string& message) {
-  return ffi::Error::InvalidArgument("nsp.store_update: " + message);
-}
+constexpr char kOp[] = "nsp.store_update";
 
-ffi::ErrorOr<GradType> TypeOf(const ffi::AnyBuffer& b) {
-  switch (b.element_type()) {
-    case ffi::DataType::F32: return GradType::kF32;
-    case ffi::DataType::BF16: return GradType::kBF16;
-    default: return ffi::Unexpected(Invalid("gradients must be float32 or bfloat16"));
-  }
-}
+ffi::Error Invalid(const std::string& message) { return ffi_common::Invalid(kOp, message); }
 
 struct Call {
   ShardEngine* engine;
@@ -50,18 +43,10 @@ ffi::ErrorOr<Call> Prepare(ffi::Buffer<ffi::F32> lr, ffi::Buffer<ffi::S32> step,
   }
   ShardEngine* engine = FindEngine(handles[s]);
   if (engine == nullptr) return ffi::Unexpected(Invalid("the store was closed"));
+  auto hyper = ffi_common::HyperParams(kOp, lr, step, kind, b1, b2, eps, weight_decay, momentum, nesterov);
+  if (hyper.has_error()) return ffi::Unexpected(hyper.error());
   Call call{engine, {}, version.typed_data()[0]};
-  UpdateHyperParams& hp = call.update.hp;
-  hp.kind = static_cast<OptimizerKind>(kind);
-  hp.lr = lr.typed_data()[0];
-  hp.step = step.typed_data()[0];
-  hp.b1 = b1;
-  hp.b2 = b2;
-  hp.eps = eps;
-  hp.weight_decay = weight_decay;
-  hp.momentum = momentum;
-  hp.nesterov = nesterov;
-  if (std::string err = ValidateHyperParams(hp); !err.empty()) return ffi::Unexpected(Invalid(err));
+  call.update.hp = *hyper;
   const int64_t n = engine->size();
   if (static_cast<int64_t>(params->element_count()) != n) {
     return ffi::Unexpected(Invalid("the params result has " + std::to_string(params->element_count()) +
@@ -95,7 +80,7 @@ ffi::Error DenseImpl(ffi::Buffer<ffi::F32> lr, ffi::Buffer<ffi::S32> step, ffi::
   auto call = Prepare(lr, step, version, shard, params, extra, handles, kind, b1, b2, eps, weight_decay, momentum,
                       nesterov);
   if (call.has_error()) return call.error();
-  auto type = TypeOf(grad);
+  auto type = ffi_common::GradTypeOf(kOp, grad);
   if (type.has_error()) return type.error();
   if (static_cast<int64_t>(grad.element_count()) != call->engine->size()) {
     return Invalid("the gradient shard has " + std::to_string(grad.element_count()) + " elements, the store shard " +
@@ -114,7 +99,7 @@ ffi::Error SparseImpl(ffi::Buffer<ffi::F32> lr, ffi::Buffer<ffi::S32> step, ffi:
   auto call = Prepare(lr, step, version, shard, params, extra, handles, kind, b1, b2, eps, weight_decay, momentum,
                       nesterov);
   if (call.has_error()) return call.error();
-  auto type = TypeOf(values);
+  auto type = ffi_common::GradTypeOf(kOp, values);
   if (type.has_error()) return type.error();
   if (values.element_count() != indices.element_count()) return Invalid("values and indices differ in length");
   call->update.values = values.untyped_data();
@@ -126,15 +111,7 @@ ffi::Error SparseImpl(ffi::Buffer<ffi::F32> lr, ffi::Buffer<ffi::S32> step, ffi:
 
 template <typename Binding>
 auto WithAttrs(Binding binding) {
-  return std::move(binding)
-      .template Attr<ffi::Span<const int64_t>>("handles")
-      .template Attr<int32_t>("kind")
-      .template Attr<double>("b1")
-      .template Attr<double>("b2")
-      .template Attr<double>("eps")
-      .template Attr<double>("weight_decay")
-      .template Attr<double>("momentum")
-      .template Attr<bool>("nesterov");
+  return ffi_common::WithHyperParamAttrs(std::move(binding).template Attr<ffi::Span<const int64_t>>("handles"));
 }
 
 }  // namespace

@@ -10,7 +10,6 @@ import numpy as np
 import optax
 import pytest
 from flax import nnx
-from jax.sharding import NamedSharding, PartitionSpec as P
 
 import nsp.optim
 import nsp.storage

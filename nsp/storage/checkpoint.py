@@ -34,7 +34,6 @@ fp32 master params and the moments, shaped like the original parameter tree.
 from __future__ import annotations
 
 import ast
-import builtins
 import dataclasses
 import errno
 import fcntl
@@ -53,7 +52,17 @@ import tensorstore as ts
 
 from nsp.storage import store as store_lib
 from nsp.storage.layout import Layout
-from nsp.storage.store import METADATA, MANIFEST, STATES, OptimizerSpec, StateStore, StoreError
+from nsp.storage.store import (
+    MANIFEST,
+    METADATA,
+    STATES,
+    OptimizerSpec,
+    StateStore,
+    StoreError,
+    _atomic_write_json,
+    _fsync_dir,
+    _read_json,
+)
 
 SNAPSHOT = "SNAPSHOT.json"
 SNAPSHOT_FORMAT = "nsp-snapshot"
@@ -73,41 +82,12 @@ __all__ = [
 # ---- small file helpers --------------------------------------------------------------------------------------
 
 
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def _fsync_file(path: Path) -> None:
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
     finally:
         os.close(fd)
-
-
-def _write_json_atomic(path: Path, data: dict) -> None:
-    """Temp file, fsync, rename, fsync the directory: readers see the whole file or none."""
-    tmp = path.with_name(path.name + ".tmp")
-    with builtins.open(tmp, "w") as f:
-        json.dump(data, f, indent=1)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    _fsync_dir(path.parent)
-
-
-def _read_json(path: Path, what: str) -> dict:
-    try:
-        with builtins.open(path) as f:
-            return json.load(f)
-    except FileNotFoundError:
-        raise StoreError(f"{what} {path} is missing") from None
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise StoreError(f"{what} {path} is corrupt or truncated ({e})") from None
 
 
 class _Placer:
@@ -390,7 +370,7 @@ def _snapshot_memory(store: StateStore, dest: Path) -> tuple[list[dict], dict]:
     for i in range(store.num_shards):
         _fsync_dir(dest / "shards" / f"{i:05d}")
     _fsync_dir(dest / "shards")
-    _write_json_atomic(dest / METADATA, _store_metadata(store))
+    _atomic_write_json(dest / METADATA, _store_metadata(store))
     return files, {"method": "tensorstore", "fallback_reason": None, "linked_files": 0, "linked_bytes": 0,
                    "reflinked_files": 0, "reflinked_bytes": 0, "copied_files": len(files), "copied_bytes": nbytes}
 
@@ -416,7 +396,7 @@ def _finish_snapshot(store: StateStore, dest: Path, files: list[dict], placer_in
         "files": files,
     }
     _fsync_dir(dest)
-    _write_json_atomic(dest / SNAPSHOT, record)  # last: its presence is what makes the snapshot valid
+    _atomic_write_json(dest / SNAPSHOT, record)  # last: its presence is what makes the snapshot valid
     info = {k: v for k, v in record.items() if k != "files"}
     info["path"] = str(dest)
     return info
@@ -598,7 +578,7 @@ def restore_store(
     root.mkdir(exist_ok=True)
     # While this marker exists the directory is an unfinished restore (nsp.storage.open would see no store:
     # the metadata is written last) and restore_store(..., overwrite=True) may clear it.
-    _write_json_atomic(root / RESTORING, {"snapshot": str(snap), "shard_paths": [str(s) for s in shards]})
+    _atomic_write_json(root / RESTORING, {"snapshot": str(snap), "shard_paths": [str(s) for s in shards]})
     made_shards: list[tuple[Path, bool]] = []
     try:
         for shard in shards:
@@ -620,12 +600,12 @@ def restore_store(
                         _fsync_file(dst / "c" / name)
                 other = shard / f"slot{1 - slot}" / state
                 (other / "c").mkdir(parents=True)
-                _write_json_atomic(other / "zarr.json", _other_slot_metadata(zarr_json, 1 - slot))
+                _atomic_write_json(other / "zarr.json", _other_slot_metadata(zarr_json, 1 - slot))
                 for d in (dst / "c", dst, other / "c", other, dst.parent, other.parent):
                     _fsync_dir(d)
-            _write_json_atomic(shard / MANIFEST, {"version": version})
+            _atomic_write_json(shard / MANIFEST, {"version": version})
         meta = dict(meta, tier=tier, shard_paths=[str(s) for s in shards])
-        _write_json_atomic(root / METADATA, meta)  # last: from here on it is a store
+        _atomic_write_json(root / METADATA, meta)  # last: from here on it is a store
         (root / RESTORING).unlink()
         _fsync_dir(root)
     except BaseException:
@@ -862,7 +842,7 @@ def export_checkpoint(checkpoint_dir: str | os.PathLike, out_dir: str | os.PathL
             "params": "params", "opt_state": "opt_state" if moments else None,
             "meta": step_meta,
         }
-        _write_json_atomic(out / "export.json", record)
+        _atomic_write_json(out / "export.json", record)
     except BaseException:
         shutil.rmtree(out, ignore_errors=True)
         raise

@@ -11,9 +11,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
-import math
 import signal
-import sys
 import time
 from pathlib import Path
 from typing import Any, Callable

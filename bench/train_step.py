@@ -1,0 +1,137 @@
+"""Train-step time: optax.adamw in RAM vs nsp (memory tier, file tier, file tier + Top-K 1%), same run.
+
+    python bench/train_step.py            # tiny and gpt2-124m (batch 1 x 128 tokens), median of 5
+    python bench/train_step.py --quick    # tiny only
+
+Each contender runs the same jitted step (forward/backward of a Flax GPT, clipping, the optimizer) on the same
+batches; steps are interleaved across contenders, median of >= 5 after a warm-up. Next to each nsp row: the
+bytes its store moved over the shared link per step (gradients in, params out) and the Smart-Infinity Table I
+prediction (M = 2 bytes x params: SmartUpdate moves 2M in and 2M out with fp32 transport; SmartComp moves the
+kept fraction c of 2M in, plus 4-byte indices). Staleness (overlapping step t+1's forward/backward with step
+t's update) is not implemented yet, so it has no row.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import os
+import shutil
+import sys
+import tempfile
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _common import median, print_table, time_interleaved, write_json  # noqa: E402
+
+import nsp.optim  # noqa: E402
+import nsp.storage  # noqa: E402
+from nsp.models import GPT, cross_entropy_loss, get_config  # noqa: E402
+
+
+def contenders_for(model_name: str, batch: int, seq: int, workdir: str):
+    cfg = get_config(model_name, vocab_size=256, block_size=max(seq, 64))
+    graphdef, params = nnx.split(GPT(cfg, rngs=nnx.Rngs(0)), nnx.Param)
+    n_params = sum(x.size for x in jax.tree_util.tree_leaves(params))
+    rng = np.random.default_rng(0)
+    tokens = jnp.asarray(rng.integers(0, 256, size=(batch, seq + 1)), jnp.int32)
+
+    def loss_fn(p):
+        return cross_entropy_loss(nnx.merge(graphdef, p)(tokens[:, :-1]), tokens[:, 1:])
+
+    def make(tx):
+        @functools.partial(jax.jit, donate_argnums=(0, 1))
+        def step(p, s):
+            loss, g = jax.value_and_grad(loss_fn)(p)
+            u, s = tx.update(g, s, p)
+            return optax.apply_updates(p, u), s, loss
+
+        box = {"p": jax.tree_util.tree_map(jnp.copy, params)}
+        box["s"] = tx.init(box["p"])
+
+        def run():
+            box["p"], box["s"], loss = step(box["p"], box["s"])
+            jax.block_until_ready(loss)
+
+        return run
+
+    stores = {
+        "nsp memory tier": nsp.storage.open(tier="memory"),
+        "nsp file tier": nsp.storage.open(os.path.join(workdir, f"{model_name}-file"), tier="file"),
+        "nsp file tier + Top-K 1%": nsp.storage.open(os.path.join(workdir, f"{model_name}-topk"), tier="file"),
+    }
+    clip = optax.clip_by_global_norm(1.0)
+    runs = {"optax.adamw (RAM)": make(optax.chain(clip, optax.adamw(1e-3, weight_decay=0.01)))}
+    for name, store in stores.items():
+        compression = nsp.optim.TopK(0.01) if "Top-K" in name else None
+        runs[name] = make(optax.chain(clip, nsp.optim.adamw(1e-3, weight_decay=0.01, store=store,
+                                                            compression=compression)))
+    return runs, stores, n_params
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="tiny model only")
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--dir", default=None, help="where the file-tier stores go (default: a temp dir here)")
+    parser.add_argument("--json", default=None)
+    args = parser.parse_args()
+    if args.repeats < 5:
+        parser.error("--repeats must be >= 5")
+    models = [("tiny", 8, 64)] + ([] if args.quick else [("gpt2-124m", 1, 128)])
+    workdir = tempfile.mkdtemp(prefix="nsp-bench-", dir=args.dir or os.getcwd())
+    record = {"models": {}}
+    try:
+        for model_name, batch, seq in models:
+            runs, stores, n = contenders_for(model_name, batch, seq, workdir)
+            for store in stores.values():
+                store.reset_stats()
+            times = time_interleaved(runs, repeats=args.repeats, warmup=2)
+            med = {k: median(v) for k, v in times.items()}
+            ref = med["optax.adamw (RAM)"]
+            M = 2 * n
+            rows = []
+            for name, t in med.items():
+                row = {"contender": name, "ms": t * 1e3, "ratio": t / ref}
+                store = stores.get(name)
+                if store is not None:
+                    s = store.stats()
+                    steps = s["updates"]
+                    row["update_ms"] = s["update_ns"] / steps / 1e6 if steps else None
+                    row["in"] = s["shared_in_bytes"] / steps
+                    row["out"] = s["shared_out_bytes"] / steps
+                    padded = store.layout.padded_total
+                    if "Top-K" in name:
+                        k = nsp.primitives.kept_count(padded // store.num_shards, ratio=0.01) * store.num_shards
+                        row["table1_in"] = k * 4 + k * 4  # c x 2M of values + 4-byte indices
+                    else:
+                        row["table1_in"] = 2 * M * padded / n
+                    row["table1_out"] = 2 * M * padded / n
+                rows.append(row)
+            print_table(
+                f"{model_name}: {n / 1e6:.2f}M params, batch {batch} x {seq} tokens, median of {args.repeats}",
+                rows,
+                [("contender", "contender", ""), ("ms", "step ms", ".1f"), ("ratio", "x optax", ".2f"),
+                 ("update_ms", "update ms", ".1f"), ("in", "link in B/step", ".0f"),
+                 ("table1_in", "Table I in", ".0f"), ("out", "link out B/step", ".0f"),
+                 ("table1_out", "Table I out", ".0f")],
+            )
+            memory_ratio = med["nsp memory tier"] / ref
+            print(f"  nsp memory tier: {memory_ratio:.2f}x optax step time (target <= 1.10x) "
+                  f"{'ok' if memory_ratio <= 1.10 else 'MISSED'}")
+            record["models"][model_name] = {"params": n, "median_s": med, "times_s": times, "rows": rows}
+            for store in stores.values():
+                store.close()
+        path = write_json("train_step", record, args.json)
+        print(f"\nwrote {path}")
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
