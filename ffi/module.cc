@@ -240,6 +240,17 @@ NB_MODULE(_nsp_ffi, m) {
            nb::arg("values_bf16").none() = nb::none(), nb::arg("params_out").none() = nb::none(),
            nb::arg("params_bf16_out").none() = nb::none(),
            "Reads `version`, writes, syncs and commits version + 1 (a replay of the one before is allowed).")
+      .def("wait",
+           [](nsp::ShardEngine& e) {
+             std::string err;
+             {
+               nb::gil_scoped_release release;
+               err = e.Wait();
+             }
+             Check(err);
+           },
+           "Waits for a background (staleness 1) step; raises its error.")
+      .def_prop_ro("pending", &nsp::ShardEngine::pending)
       .def_prop_ro("version", &nsp::ShardEngine::version)
       .def_prop_ro("previous_valid", &nsp::ShardEngine::previous_valid)
       .def("set_manifest", &nsp::ShardEngine::SetManifest, nb::arg("path"), nb::arg("version"))

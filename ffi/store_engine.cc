@@ -127,7 +127,7 @@ ShardEngine::ShardEngine(std::unique_ptr<Backend> backend, int64_t size, int64_t
       pages_in_flight_(std::max(2, pages_in_flight)),
       used_(states_used) {}
 
-ShardEngine::~ShardEngine() = default;
+ShardEngine::~ShardEngine() { Wait(); }
 
 ShardEngine::AlignedBuffer::AlignedBuffer(size_t n) : bytes(n) {
   void* p = nullptr;
@@ -377,6 +377,65 @@ std::string ShardEngine::Step(ShardUpdate u, int64_t version) {
   if (std::string e = Sync(u.dst_slot); !e.empty()) return e;
   if (std::string e = Commit(version + 1); !e.empty()) return e;
   previous_valid_ = true;
+  return {};
+}
+
+std::string ShardEngine::Wait() {
+  if (pending_.joinable()) pending_.join();
+  return std::exchange(pending_error_, std::string());
+}
+
+std::string ShardEngine::StepAsync(const ShardUpdate& update, int64_t version) {
+  if (std::string e = Wait(); !e.empty()) {
+    async_params_valid_ = false;
+    return "the previous (background) step failed: " + e;
+  }
+  if (!async_params_valid_ || version != version_) {
+    // First step, or the caller moved on without us: start from the committed params.
+    if (version != version_) {
+      return "the store no longer holds version " + std::to_string(version) + " (committed: " +
+             std::to_string(version_) + ")";
+    }
+    async_params_.resize(static_cast<size_t>(size_));
+    if (std::string e = ReadState(static_cast<int>(version % 2), kParamState, async_params_.data()); !e.empty()) {
+      return e;
+    }
+    async_params_valid_ = true;
+  }
+  // Params one step old for the caller (bf16 copy too, rounded as the kernel rounds).
+  if (update.params_out != nullptr) std::memcpy(update.params_out, async_params_.data(), sizeof(float) * size_);
+  if (update.params_bf16_out != nullptr) {
+    for (int64_t i = 0; i < size_; ++i) {
+      uint32_t bits;
+      std::memcpy(&bits, &async_params_[static_cast<size_t>(i)], 4);
+      if ((bits & 0x7fffffffu) > 0x7f800000u) {
+        update.params_bf16_out[i] = static_cast<uint16_t>((bits >> 16) | 0x40u);
+      } else {
+        update.params_bf16_out[i] = static_cast<uint16_t>((bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16);
+      }
+    }
+  }
+  // The caller's buffers live only for this call: copy what the background step reads.
+  ShardUpdate u = update;
+  const size_t gbytes = update.grad_type == GradType::kF32 ? 4 : 2;
+  if (update.grad != nullptr) {
+    async_grad_.resize(gbytes * static_cast<size_t>(size_));
+    std::memcpy(async_grad_.data(), update.grad, async_grad_.size());
+    u.grad = async_grad_.data();
+  } else {
+    if (std::string e = ValidateSparseIndices(update.indices, update.count, size_); !e.empty()) return e;
+    async_grad_.resize(gbytes * static_cast<size_t>(update.count));
+    std::memcpy(async_grad_.data(), update.values, async_grad_.size());
+    async_indices_.assign(update.indices, update.indices + update.count);
+    u.values = async_grad_.data();
+    u.indices = async_indices_.data();
+  }
+  u.params_out = async_params_.data();
+  u.params_bf16_out = nullptr;
+  pending_ = std::thread([this, u, version] {
+    pending_error_ = Step(u, version);
+    if (!pending_error_.empty()) async_params_valid_ = false;
+  });
   return {};
 }
 

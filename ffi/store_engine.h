@@ -14,6 +14,7 @@
 #include <memory>
 #include <mutex>
 #include <string>
+#include <thread>
 #include <utility>
 #include <vector>
 
@@ -73,6 +74,17 @@ class ShardEngine {
   int64_t version() const { return version_; }
   bool previous_valid() const { return previous_valid_; }
   std::string Commit(int64_t version);
+
+  // Bounded staleness 1 (Angel-PTM's lock-free updating): finishes the step in the background and returns at
+  // once. Waits for the previous background step, hands the caller that step's new params (so the caller's
+  // next forward/backward runs on params one step old while this step streams), copies the gradient, and
+  // starts Step(update, version) on a worker thread. An error of a background step is returned by the next
+  // StepAsync or Wait. Costs one params copy and one gradient copy of this shard in host memory.
+  std::string StepAsync(const ShardUpdate& update, int64_t version);
+  // Waits for the background step, if any; returns its error.
+  std::string Wait();
+  bool pending() const { return pending_.joinable(); }
+
   void SetManifest(std::string path, int64_t version) {
     manifest_ = std::move(path);
     version_ = version;
@@ -104,6 +116,13 @@ class ShardEngine {
 
   std::unique_ptr<Backend> backend_;
   std::mutex step_mu_;
+  // Background step (StepAsync): its thread, its error, and the buffers it reads and fills.
+  std::thread pending_;
+  std::string pending_error_;
+  std::vector<float> async_params_;  // params of the newest version (valid when async_params_valid_)
+  bool async_params_valid_ = false;
+  std::vector<char> async_grad_;     // the gradient (dense) or compressed values the background step reads
+  std::vector<int32_t> async_indices_;
   std::string manifest_;  // SHARD/MANIFEST.json, or empty (memory tier)
   int64_t version_ = 0;
   bool previous_valid_ = false;

@@ -65,18 +65,21 @@ ffi::ErrorOr<Call> Prepare(ffi::Buffer<ffi::F32> lr, ffi::Buffer<ffi::S32> step,
   return call;
 }
 
-ffi::Error Finish(Call& call, ffi::RemainingRets extra) {
-  if (std::string err = call.engine->Step(call.update, call.version); !err.empty()) return Invalid(err);
+ffi::Error Finish(Call& call, ffi::RemainingRets extra, int32_t staleness) {
+  std::string err = staleness > 0 ? call.engine->StepAsync(call.update, call.version)
+                                  : call.engine->Step(call.update, call.version);
+  if (!err.empty()) return Invalid(err);
   auto version_out = extra.get<ffi::Buffer<ffi::S32>>(0);
   if (version_out.has_error()) return version_out.error();
-  (*version_out)->typed_data()[0] = static_cast<int32_t>(call.engine->version());
+  // With staleness the step commits in the background; the version it will commit is what the caller reads next.
+  (*version_out)->typed_data()[0] = static_cast<int32_t>(call.version + 1);
   return ffi::Error::Success();
 }
 
 ffi::Error DenseImpl(ffi::Buffer<ffi::F32> lr, ffi::Buffer<ffi::S32> step, ffi::Buffer<ffi::S32> version,
                      ffi::Buffer<ffi::S32> shard, ffi::AnyBuffer grad, ffi::ResultBuffer<ffi::F32> params,
-                     ffi::RemainingRets extra, ffi::Span<const int64_t> handles, int32_t kind, double b1, double b2,
-                     double eps, double weight_decay, double momentum, bool nesterov) {
+                     ffi::RemainingRets extra, ffi::Span<const int64_t> handles, int32_t staleness, int32_t kind,
+                     double b1, double b2, double eps, double weight_decay, double momentum, bool nesterov) {
   auto call = Prepare(lr, step, version, shard, params, extra, handles, kind, b1, b2, eps, weight_decay, momentum,
                       nesterov);
   if (call.has_error()) return call.error();
@@ -88,14 +91,14 @@ ffi::Error DenseImpl(ffi::Buffer<ffi::F32> lr, ffi::Buffer<ffi::S32> step, ffi::
   }
   call->update.grad = grad.untyped_data();
   call->update.grad_type = *type;
-  return Finish(*call, extra);
+  return Finish(*call, extra, staleness);
 }
 
 ffi::Error SparseImpl(ffi::Buffer<ffi::F32> lr, ffi::Buffer<ffi::S32> step, ffi::Buffer<ffi::S32> version,
                       ffi::Buffer<ffi::S32> shard, ffi::AnyBuffer values, ffi::Buffer<ffi::S32> indices,
                       ffi::ResultBuffer<ffi::F32> params, ffi::RemainingRets extra, ffi::Span<const int64_t> handles,
-                      int32_t kind, double b1, double b2, double eps, double weight_decay, double momentum,
-                      bool nesterov) {
+                      int32_t staleness, int32_t kind, double b1, double b2, double eps, double weight_decay,
+                      double momentum, bool nesterov) {
   auto call = Prepare(lr, step, version, shard, params, extra, handles, kind, b1, b2, eps, weight_decay, momentum,
                       nesterov);
   if (call.has_error()) return call.error();
@@ -106,12 +109,14 @@ ffi::Error SparseImpl(ffi::Buffer<ffi::F32> lr, ffi::Buffer<ffi::S32> step, ffi:
   call->update.grad_type = *type;
   call->update.indices = indices.typed_data();
   call->update.count = static_cast<int64_t>(indices.element_count());
-  return Finish(*call, extra);
+  return Finish(*call, extra, staleness);
 }
 
 template <typename Binding>
 auto WithAttrs(Binding binding) {
-  return ffi_common::WithHyperParamAttrs(std::move(binding).template Attr<ffi::Span<const int64_t>>("handles"));
+  return ffi_common::WithHyperParamAttrs(std::move(binding)
+                                             .template Attr<ffi::Span<const int64_t>>("handles")
+                                             .template Attr<int32_t>("staleness"));
 }
 
 }  // namespace

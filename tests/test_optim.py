@@ -275,3 +275,38 @@ def test_bad_input_is_refused_before_anything_is_written(tmp_path):
         assert not store.initialized
         with pytest.raises(TypeError, match="outside jax.jit"):
             jax.jit(nsp.optim.adam(1e-3, store=store).init)(params)
+
+
+@pytest.mark.parametrize("tier", ["memory", "file"])
+def test_staleness_one_updates_with_params_one_step_old(tmp_path, tier):
+    """With staleness=1 the step returns the previous update's params at once and this update streams in the
+    background: the gradient of step t is taken at the params of step t - 2 (bounded staleness)."""
+    params, loss = mlp_problem()
+    path = None if tier == "memory" else tmp_path / "s"
+    with nsp.storage.open(path, tier=tier, page_bytes=PAGE) as store:
+        tx = nsp.optim.adam(1e-2, store=store, staleness=1)
+        step = make_step(tx, loss)
+        p, s = params, tx.init(params)
+        ref = optax.adam(1e-2)
+        master, ref_state = params, ref.init(params)
+        history = [params, params]  # master params P_{t-2}, P_{t-1}
+        for t in range(1, 16):
+            p, s, _ = step(p, s)
+            # The model now holds P_{t-1}; the store is computing P_t from g_t = grad at P_{t-2}.
+            assert max_rel_err(p, history[-1]) <= 1e-5, f"step {t}"
+            g = jax.grad(loss)(history[-2])
+            u, ref_state = ref.update(g, ref_state, master)
+            master = optax.apply_updates(master, u)
+            history = [history[-1], master]
+        store.barrier()
+        assert store.version == 15
+        final = store.layout.unflatten(store.read("param"), params)
+        assert max_rel_err(final, master) <= 1e-5
+
+
+def test_staleness_is_zero_or_one():
+    with nsp.storage.open(tier="memory") as store:
+        with pytest.raises(ValueError, match="staleness must be 0 or 1"):
+            tx = nsp.optim.adam(1e-2, store=store, staleness=2)
+            params, loss = mlp_problem()
+            tx.update(jax.grad(loss)(params), tx.init(params), params)

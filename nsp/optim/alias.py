@@ -2,7 +2,8 @@
 
 ``nsp.optim.adamw(1e-3, store=store, compression=nsp.optim.TopK(0.01))`` is
 ``optax.chain(topk_compress(0.01, ...), scale_by_storage_adamw(store, 1e-3))``: the kernel decompresses the kept
-entries block by block while it updates, so no dense gradient is ever rebuilt.
+entries block by block while it updates, so no dense gradient is ever rebuilt. ``staleness=1`` lets the update
+stream in the background while the next step's forward/backward runs on params one step old.
 """
 
 from __future__ import annotations
@@ -33,7 +34,8 @@ def _with_compression(tx, store, compression: TopK | None, mesh, axis_name):
 
 def adam(learning_rate: optax.ScalarOrSchedule, b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8, *,
          store: StateStore, compression: TopK | None = None, weight_decay: float = 0.0,
-         mesh: Mesh | None = None, axis_name: str | None = None) -> optax.GradientTransformationExtraArgs:
+         mesh: Mesh | None = None, axis_name: str | None = None,
+         staleness: int = 0) -> optax.GradientTransformationExtraArgs:
     """Adam with its state in ``store`` (see ``optax.adam``).
 
     Example::
@@ -41,31 +43,35 @@ def adam(learning_rate: optax.ScalarOrSchedule, b1: float = 0.9, b2: float = 0.9
       store = nsp.storage.open("/nvme/run/store", tier="file")
       tx = nsp.optim.adam(1e-3, store=store, compression=nsp.optim.TopK(0.01))
     """
-    tx = scale_by_storage_adam(store, learning_rate, b1, b2, eps, weight_decay, mesh=mesh, axis_name=axis_name)
+    tx = scale_by_storage_adam(store, learning_rate, b1, b2, eps, weight_decay, mesh=mesh, axis_name=axis_name,
+                               staleness=staleness)
     return _with_compression(tx, store, compression, mesh, axis_name)
 
 
 def adamw(learning_rate: optax.ScalarOrSchedule, b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8,
           weight_decay: float = 1e-4, *, store: StateStore, compression: TopK | None = None,
-          mesh: Mesh | None = None, axis_name: str | None = None) -> optax.GradientTransformationExtraArgs:
+          mesh: Mesh | None = None, axis_name: str | None = None,
+          staleness: int = 0) -> optax.GradientTransformationExtraArgs:
     """AdamW with its state in ``store`` (see ``optax.adamw``)."""
-    tx = scale_by_storage_adamw(store, learning_rate, b1, b2, eps, weight_decay, mesh=mesh, axis_name=axis_name)
+    tx = scale_by_storage_adamw(store, learning_rate, b1, b2, eps, weight_decay, mesh=mesh, axis_name=axis_name,
+                              staleness=staleness)
     return _with_compression(tx, store, compression, mesh, axis_name)
 
 
 def sgd(learning_rate: optax.ScalarOrSchedule, momentum: float | None = None, nesterov: bool = False, *,
         store: StateStore, compression: TopK | None = None, weight_decay: float = 0.0,
-        mesh: Mesh | None = None, axis_name: str | None = None) -> optax.GradientTransformationExtraArgs:
+        mesh: Mesh | None = None, axis_name: str | None = None,
+         staleness: int = 0) -> optax.GradientTransformationExtraArgs:
     """SGD (optionally with momentum) with its state in ``store`` (see ``optax.sgd``)."""
     tx = scale_by_storage_sgd(store, learning_rate, momentum, nesterov, weight_decay, mesh=mesh,
-                              axis_name=axis_name)
+                              axis_name=axis_name, staleness=staleness)
     return _with_compression(tx, store, compression, mesh, axis_name)
 
 
 def adagrad(learning_rate: optax.ScalarOrSchedule, initial_accumulator_value: float = 0.1, eps: float = 1e-7, *,
             store: StateStore, compression: TopK | None = None, mesh: Mesh | None = None,
-            axis_name: str | None = None) -> optax.GradientTransformationExtraArgs:
+            axis_name: str | None = None, staleness: int = 0) -> optax.GradientTransformationExtraArgs:
     """AdaGrad with its state in ``store`` (see ``optax.adagrad``)."""
     tx = scale_by_storage_adagrad(store, learning_rate, initial_accumulator_value, eps, mesh=mesh,
-                                  axis_name=axis_name)
+                                  axis_name=axis_name, staleness=staleness)
     return _with_compression(tx, store, compression, mesh, axis_name)

@@ -60,6 +60,7 @@ def scale_by_storage(
     *,
     mesh: Mesh | None = None,
     axis_name: str | None = None,
+    staleness: int = 0,
 ) -> optax.GradientTransformationExtraArgs:
     """The general storage transform: ``optimizer``'s update of ``store``, at ``learning_rate``.
 
@@ -74,6 +75,8 @@ def scale_by_storage(
         injected: the store's own are used; only the learning rate can change after init).
       learning_rate: a scalar or an optax schedule of the step count (traced: changing it never recompiles).
       mesh, axis_name: the mesh axis the store's shards are spread over (one shard per device).
+      staleness: 0 = exact; 1 = the update streams in the background while the next step's forward/backward
+        runs, which therefore sees params one step old (Angel-PTM's bounded staleness). Not replayable.
 
     Returns:
       An optax transform; its ``update`` needs ``params``.
@@ -97,14 +100,15 @@ def scale_by_storage(
                 raise ValueError(f"{updates.values.shape[0]} compressed entries do not split over the store's "
                                  f"{layout.num_shards} shards (topk_compress(num_shards=...) must match)")
             out = store_update(store, values=updates.values.astype(jnp.float32), indices=updates.indices,
-                               version=state.version, lr=lr, step=state.count + 1, mesh=mesh, axis_name=axis_name)
+                               version=state.version, lr=lr, step=state.count + 1, mesh=mesh, axis_name=axis_name,
+                               staleness=staleness)
         else:
             leaves = jax.tree_util.tree_leaves(updates)
             # bf16 gradients travel as bf16 (half the bytes); anything else as fp32.
             dtype = jnp.bfloat16 if leaves and all(x.dtype == jnp.bfloat16 for x in leaves) else jnp.float32
             flat = shard_flat(layout.flatten(updates, dtype=dtype), mesh, axis_name)
             out = store_update(store, flat, version=state.version, lr=lr, step=state.count + 1, mesh=mesh,
-                               axis_name=axis_name)
+                               axis_name=axis_name, staleness=staleness)
         new_params = layout.unflatten(out.params, params, dtype=jnp.float32)
         # p + (new - p) recovers new exactly whenever the subtraction is exact (Sterbenz: new and p are close).
         new_updates = jax.tree_util.tree_map(lambda n, p: n - p.astype(jnp.float32), new_params, params)
@@ -128,6 +132,7 @@ def scale_by_storage_adam(
     *,
     mesh: Mesh | None = None,
     axis_name: str | None = None,
+    staleness: int = 0,
 ) -> optax.GradientTransformationExtraArgs:
     """Adam on state kept in ``store`` (``weight_decay`` as L2 on the gradient, like
     ``optax.chain(optax.add_decayed_weights(wd), optax.adam(...))``).
@@ -143,7 +148,7 @@ def scale_by_storage_adam(
     _check_lr(learning_rate)
     spec = _spec("adam", b1=_static("b1", b1), b2=_static("b2", b2), eps=_static("eps", eps),
                  weight_decay=_static("weight_decay", weight_decay))
-    return scale_by_storage(store, spec, learning_rate, mesh=mesh, axis_name=axis_name)
+    return scale_by_storage(store, spec, learning_rate, mesh=mesh, axis_name=axis_name, staleness=staleness)
 
 
 def scale_by_storage_adamw(
@@ -156,12 +161,13 @@ def scale_by_storage_adamw(
     *,
     mesh: Mesh | None = None,
     axis_name: str | None = None,
+    staleness: int = 0,
 ) -> optax.GradientTransformationExtraArgs:
     """AdamW (decoupled weight decay, optax's default 1e-4) on state kept in ``store``."""
     _check_lr(learning_rate)
     spec = _spec("adamw", b1=_static("b1", b1), b2=_static("b2", b2), eps=_static("eps", eps),
                  weight_decay=_static("weight_decay", weight_decay))
-    return scale_by_storage(store, spec, learning_rate, mesh=mesh, axis_name=axis_name)
+    return scale_by_storage(store, spec, learning_rate, mesh=mesh, axis_name=axis_name, staleness=staleness)
 
 
 def scale_by_storage_sgd(
@@ -173,12 +179,13 @@ def scale_by_storage_sgd(
     *,
     mesh: Mesh | None = None,
     axis_name: str | None = None,
+    staleness: int = 0,
 ) -> optax.GradientTransformationExtraArgs:
     """SGD, optionally with (Nesterov) momentum, on state kept in ``store`` (like ``optax.sgd``)."""
     _check_lr(learning_rate)
     spec = _spec("sgd", momentum=_static("momentum", 0.0 if momentum is None else momentum),
                  nesterov=bool(nesterov), weight_decay=_static("weight_decay", weight_decay))
-    return scale_by_storage(store, spec, learning_rate, mesh=mesh, axis_name=axis_name)
+    return scale_by_storage(store, spec, learning_rate, mesh=mesh, axis_name=axis_name, staleness=staleness)
 
 
 def scale_by_storage_adagrad(
@@ -189,9 +196,10 @@ def scale_by_storage_adagrad(
     *,
     mesh: Mesh | None = None,
     axis_name: str | None = None,
+    staleness: int = 0,
 ) -> optax.GradientTransformationExtraArgs:
     """AdaGrad on state kept in ``store`` (like ``optax.adagrad``)."""
     _check_lr(learning_rate)
     spec = _spec("adagrad", eps=_static("eps", eps),
                  initial_nu=_static("initial_accumulator_value", initial_accumulator_value))
-    return scale_by_storage(store, spec, learning_rate, mesh=mesh, axis_name=axis_name)
+    return scale_by_storage(store, spec, learning_rate, mesh=mesh, axis_name=axis_name, staleness=staleness)

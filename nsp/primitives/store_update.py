@@ -46,6 +46,7 @@ def store_update(
     mesh: Mesh | None = None,
     axis_name: str | None = None,
     params_bf16: bool = False,
+    staleness: int = 0,
 ) -> StoreUpdateResult:
     """Runs one optimizer step of ``store`` on a (sharded) gradient, inside or outside ``jax.jit``.
 
@@ -60,11 +61,16 @@ def store_update(
       mesh, axis_name: the mesh and the axis the state is sharded over (one store shard per device on it).
         Without a mesh the store must have a single shard.
       params_bf16: also return a bf16 copy of the params (half the bytes up the shared link).
+      staleness: 0 (exact: the call returns the params this step produced) or 1 (bounded staleness: the call
+        returns at once with the params of the previous step and this step streams in the background, so the
+        next forward/backward overlaps it; its version is committed by the next call or ``store.barrier()``).
 
     Returns:
       ``StoreUpdateResult(params, version, params_bf16)``.
     """
     layout, spec = store.layout, store.optimizer
+    if staleness not in (0, 1):
+        raise ValueError(f"staleness must be 0 or 1, got {staleness}")
     if layout is None:
         raise ValueError("the store holds no state yet: initialize it first")
     handles = np.asarray(store.ffi_handles(), np.int64)
@@ -103,7 +109,7 @@ def store_update(
         "nsp_store_update_dense" if dense else "nsp_store_update_sparse", out_types, has_side_effect=True
     )
     attrs = dict(
-        handles=handles, kind=np.int32(KINDS[spec.kind]), b1=np.float64(spec.b1), b2=np.float64(spec.b2),
+        handles=handles, staleness=np.int32(staleness), kind=np.int32(KINDS[spec.kind]), b1=np.float64(spec.b1), b2=np.float64(spec.b2),
         eps=np.float64(spec.eps), weight_decay=np.float64(spec.weight_decay), momentum=np.float64(spec.momentum),
         nesterov=bool(spec.nesterov),
     )

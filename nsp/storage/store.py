@@ -154,6 +154,11 @@ class StateStore:
             import jax
 
             jax.effects_barrier()
+        for engine in self._engines:
+            try:
+                engine.wait()  # a background step's error has nowhere left to go: the version stays committed
+            except RuntimeError:
+                pass
         for handle in self._handles:
             _nsp_ffi.unregister_engine(handle)
         self._handles = []
@@ -176,10 +181,24 @@ class StateStore:
     def initialized(self) -> bool:
         return self.layout is not None
 
+    def barrier(self) -> None:
+        """Waits for every background step (``staleness=1``) to commit; raises the first one's error."""
+        errors = []
+        for engine in self._engines:
+            try:
+                engine.wait()
+            except RuntimeError as e:
+                errors.append(e)
+        if errors:
+            raise StoreError(f"a background update failed; version {self.version} is intact: {errors[0]}")
+
     @property
     def version(self) -> int | None:
         """The committed version (shards commit one by one; the store's version is the lowest)."""
-        return min(e.version for e in self._engines) if self._engines else None
+        if not self._engines:
+            return None
+        self.barrier()
+        return min(e.version for e in self._engines)
 
     def held_versions(self) -> list[int]:
         """Versions the store can read or update from: the committed one, and the one before it while every

@@ -41,6 +41,8 @@ class TrainConfig:
     topk: float = 0.0
     # Keep what Top-K drops for the next step (error feedback).
     error_feedback: bool = True
+    # 1: each update streams in the background while the next forward/backward runs on params one step old.
+    staleness: int = 0
     # Training steps (the total, also when resuming).
     steps: int = 200
     # Sequences per step (split over the devices).
@@ -79,6 +81,7 @@ class TrainConfig:
             (self.eval_every >= 0 and self.ckpt_every >= 0, "eval_every and ckpt_every must be >= 0"),
             (self.keep_checkpoints >= 1, "keep_checkpoints must be >= 1"),
             (self.stop_after >= 0, "stop_after must be >= 0"),
+            (self.staleness in (0, 1), "staleness must be 0 or 1"),
             (self.optimizer in ("adamw", "adam", "sgd", "adagrad"),
              f"unknown optimizer {self.optimizer!r} (adamw, adam, sgd, adagrad)"),
             (self.tier in ("file", "memory", "csd"), f"unknown tier {self.tier!r} (file, memory, csd)"),

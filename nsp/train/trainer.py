@@ -61,7 +61,7 @@ def learning_rate_schedule(config: TrainConfig) -> optax.Schedule:
 
 def make_optimizer(config: TrainConfig, store, mesh) -> optax.GradientTransformation:
     schedule = learning_rate_schedule(config)
-    kw = dict(store=store, mesh=mesh, axis_name="data" if mesh is not None else None)
+    kw = dict(store=store, mesh=mesh, axis_name="data" if mesh is not None else None, staleness=config.staleness)
     if config.topk:
         kw["compression"] = nsp.optim.TopK(config.topk, error_feedback=config.error_feedback)
     if config.optimizer == "adamw":
@@ -224,6 +224,7 @@ def _fmt_bytes(n: float) -> str:
 
 def _save_checkpoint(run: Run, manager) -> None:
     jax.block_until_ready(run.params)
+    run.store.barrier()  # a background update (staleness 1) commits first
     ckpt.save_checkpoint(manager, run.step, run.store, {"params": run.params, "opt_state": run.opt_state},
                          {"step": run.step, "config": dataclasses.asdict(run.config)})
 
