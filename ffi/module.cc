@@ -5,6 +5,7 @@
 #include <nanobind/stl/array.h>
 #include <nanobind/stl/optional.h>
 #include <nanobind/stl/string.h>
+#include <nanobind/stl/vector.h>
 
 #include <array>
 #include <memory>
@@ -251,6 +252,13 @@ NB_MODULE(_nsp_ffi, m) {
            },
            "Waits for a background (staleness 1) step; raises its error.")
       .def_prop_ro("pending", &nsp::ShardEngine::pending)
+      .def(
+          "verify",
+          [](nsp::ShardEngine& e, int slot, int state) {
+            nb::gil_scoped_release release;
+            return e.Verify(slot, state);
+          },
+          nb::arg("slot"), nb::arg("state"), "Reads every page, checking checksums; returns the problems found.")
       .def_prop_ro("version", &nsp::ShardEngine::version)
       .def_prop_ro("previous_valid", &nsp::ShardEngine::previous_valid)
       .def("set_manifest", &nsp::ShardEngine::SetManifest, nb::arg("path"), nb::arg("version"))

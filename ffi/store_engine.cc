@@ -439,6 +439,18 @@ std::string ShardEngine::StepAsync(const ShardUpdate& update, int64_t version) {
   return {};
 }
 
+std::vector<std::string> ShardEngine::Verify(int slot, int state) {
+  std::vector<std::string> problems;
+  AlignedBuffer buffer(backend_->PageBufferBytes(page_elems_));
+  for (int64_t page = 0; page < num_pages_; ++page) {
+    const int64_t n = std::min(page_elems_, size_ - page * page_elems_);
+    if (std::string e = backend_->ReadPage(slot, state, page, buffer.data, n, true); !e.empty()) {
+      problems.push_back(std::move(e));
+    }
+  }
+  return problems;
+}
+
 std::string ShardEngine::ReadState(int slot, int state, float* out) {
   for (int64_t page = 0; page < num_pages_; ++page) {
     const int64_t n = std::min(page_elems_, size_ - page * page_elems_);

@@ -93,6 +93,10 @@ class ShardEngine {
   // Makes slot `slot` durable.
   std::string Sync(int slot) { return backend_->Sync(slot); }
 
+  // Reads every page of `state` in `slot` (the backend checks each page's checksum) through one page buffer;
+  // returns one message per unreadable or corrupt page (empty: all good).
+  std::vector<std::string> Verify(int slot, int state);
+
   // Whole-state transfers (initialisation, export): `n` = size elements.
   std::string ReadState(int slot, int state, float* out);
   std::string WriteState(int slot, int state, const float* in);

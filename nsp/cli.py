@@ -1,4 +1,4 @@
-"""The ``nsp`` command: ``nsp train``, ``nsp sample``, ``nsp ckpt list|show|export``.
+"""The ``nsp`` command: ``nsp train``, ``nsp sample``, ``nsp ckpt list|show|export``, ``nsp store verify``.
 
 ``nsp train`` with no arguments trains the ``small`` GPT on the Python standard library's source files with
 its optimizer state on disk (RUN_DIR/store), printing progress and writing metrics and checkpoints to
@@ -129,6 +129,26 @@ def _ckpt(args: argparse.Namespace) -> int:
     return 0
 
 
+def _store(args: argparse.Namespace) -> int:
+    import nsp.storage
+
+    try:
+        with nsp.storage.open(args.path) as store:
+            if not store.initialized:
+                print(f"nsp store verify: {args.path} holds no state yet", file=sys.stderr)
+                return 1
+            report = store.verify()
+    except nsp.storage.StoreError as e:
+        print(f"nsp store verify: {e}", file=sys.stderr)
+        return 1
+    for problem in report["problems"]:
+        print(f"CORRUPT: {problem}")
+    status = "OK" if not report["problems"] else f"{len(report['problems'])} corrupt page(s)"
+    print(f"{args.path}: version {report['version']}, {report['pages']} pages, {report['bytes'] / 1e6:.1f} MB "
+          f"checked: {status}")
+    return 0 if not report["problems"] else 1
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="nsp", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -153,6 +173,12 @@ def main(argv: list[str] | None = None) -> int:
     ck.add_argument("--step", type=int, default=None)
     ck.add_argument("--out", default=None, help="export: directory of the plain orbax checkpoint")
     ck.set_defaults(func=_ckpt)
+
+    st = sub.add_parser("store", help="check a state store")
+    st.add_argument("action", choices=["verify"], help="verify: read every page of the committed version and "
+                    "check its checksum")
+    st.add_argument("path", help="the store directory")
+    st.set_defaults(func=_store)
 
     args = parser.parse_args(argv)
     return args.func(args)

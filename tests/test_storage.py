@@ -452,3 +452,42 @@ def test_after_a_failed_update_the_version_before_is_no_longer_replayable(tmp_pa
             np.testing.assert_array_equal(store.read("param"), v3)
     finally:
         os.environ.pop("NSP_DEBUG_FAIL_WRITES_AFTER")
+
+
+def test_verify_reports_each_corrupt_page_and_the_cli_exits_non_zero(tmp_path):
+    with open_store(tmp_path, "file", num_shards=2) as store:
+        store.initialize(make_params(), SPECS["adam"])
+        store.update(grad_for(1, store.layout), version=0, lr=0.01, step=1)
+        report = store.verify()
+        assert report["problems"] == [] and report["version"] == 1
+        assert report["pages"] == 2 * 3 * store.layout.pages_per_shard
+        bad = store.shard_paths[1] / "slot1" / "mu" / "c" / "0"
+    data = bytearray(bad.read_bytes())
+    data[100] ^= 1
+    bad.write_bytes(bytes(data))
+    with storage.open(tmp_path / "store") as store:  # layout arguments come from the store itself
+        problems = store.verify()["problems"]
+    assert len(problems) == 1 and "state 'mu', page 0 of shard" in problems[0] and "00001" in problems[0]
+    proc = subprocess.run([sys.executable, "-m", "nsp.cli", "store", "verify", str(tmp_path / "store")],
+                          capture_output=True, text=True)
+    assert proc.returncode == 1 and "CORRUPT" in proc.stdout and "1 corrupt page(s)" in proc.stdout
+
+
+def test_close_leaves_no_threads_or_file_descriptors(tmp_path):
+    import threading
+
+    def fds():
+        return len(os.listdir("/proc/self/fd"))
+
+    baseline_threads, baseline_fds = threading.active_count(), fds()
+    for _ in range(3):
+        store = open_store(tmp_path, "file")
+        if not store.initialized:
+            store.initialize(make_params(), SPECS["adam"])
+        store.update(grad_for(store.version + 1, store.layout), version=store.version, lr=0.01,
+                     step=store.version + 1)
+        with pytest.raises(storage.StoreError):
+            store.update(grad_for(1, store.layout), version=99, lr=0.01, step=1)  # errors leak nothing either
+        store.close()
+    assert threading.active_count() == baseline_threads
+    assert fds() == baseline_fds

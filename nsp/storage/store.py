@@ -431,6 +431,23 @@ class StateStore:
             range(self.num_shards)))
         return out
 
+    def verify(self) -> dict[str, Any]:
+        """Reads every page of every state of the committed version, checking its CRC-32C.
+
+        Returns ``{"version", "pages", "bytes", "problems"}``; each problem names the state, page and shard.
+        """
+        self._check_open()
+        if not self.initialized:
+            raise StoreError("the store holds no state yet")
+        version = self.version
+        used = [i for i, u in enumerate(self.optimizer.states_used()) if u]
+        jobs = [(engine, state) for engine in self._engines for state in used]
+        problems = [p for found in self._pool.map(lambda job: job[0].verify(version % 2, job[1]), jobs)
+                    for p in found]
+        pages = len(jobs) * self.layout.pages_per_shard
+        return {"version": version, "pages": pages, "bytes": len(jobs) * self.layout.shard_size * 4,
+                "problems": problems}
+
     def stats(self) -> dict[str, int]:
         """Traffic since open (or ``reset_stats``): shared link (grads in, params out) and internal (pages)."""
         totals: dict[str, int] = {}
@@ -456,9 +473,9 @@ class StateStore:
 def open(  # noqa: A001  (mirrors tensorstore.open / builtins.open on purpose)
     path: str | os.PathLike | None = None,
     *,
-    tier: str = "file",
-    num_shards: int = 1,
-    page_bytes: int = PAGE_BYTES_DEFAULT,
+    tier: str | None = None,
+    num_shards: int | None = None,
+    page_bytes: int | None = None,
     shard_paths: list[str | os.PathLike] | None = None,
     pages_in_flight: int = 4,
     checksum: bool = True,
@@ -468,9 +485,12 @@ def open(  # noqa: A001  (mirrors tensorstore.open / builtins.open on purpose)
     Args:
       path: the store's directory (``file``/``csd`` tiers); ``None`` for the ``memory`` tier.
       tier: ``"memory"`` (host RAM), ``"file"`` (NVMe/SSD) or ``"csd"`` (for now the file tier with one
-        engine worker per shard, like one computational-storage device per shard).
-      num_shards: equal shards the flattened state is cut into (one per mesh device / storage device).
-      page_bytes: page (and zarr chunk) size; 4 MiB by default.
+        engine worker per shard, like one computational-storage device per shard). Default: ``"file"`` with a
+        path, ``"memory"`` without.
+      num_shards: equal shards the flattened state is cut into (one per mesh device / storage device);
+        default 1 for a new store.
+      page_bytes: page (and zarr chunk) size; 4 MiB by default for a new store.
+      For an existing store, ``None`` accepts what it was created with; a value must match it.
       shard_paths: one directory per shard (each on its own disk, say); default ``path/shards/NNNNN``.
       pages_in_flight: buffers the file tier streams through per shard (peak extra memory is
         ``pages_in_flight x 3 x page_bytes`` per shard).
@@ -485,17 +505,22 @@ def open(  # noqa: A001  (mirrors tensorstore.open / builtins.open on purpose)
       store = nsp.storage.open("/nvme/run1/store", tier="file", num_shards=2)
       store.initialize(params, nsp.storage.OptimizerSpec("adamw", weight_decay=0.1))
     """
+    asked_tier = tier
+    if tier is None:
+        tier = "file" if path is not None else "memory"
     if tier not in TIERS:
         raise ValueError(f"unknown tier {tier!r}; expected one of {TIERS}")
-    check_page_bytes(page_bytes)
-    if num_shards < 1:
+    if page_bytes is not None:
+        check_page_bytes(page_bytes)
+    if num_shards is not None and num_shards < 1:
         raise ValueError(f"num_shards must be >= 1, got {num_shards}")
     if pages_in_flight < 2:
         raise ValueError(f"pages_in_flight must be >= 2, got {pages_in_flight}")
     if tier == "memory":
         if path is not None or shard_paths:
             raise ValueError("the memory tier keeps its state in RAM: pass no path or shard_paths")
-        return StateStore(None, tier, num_shards, page_bytes, [], pages_in_flight, checksum)
+        return StateStore(None, tier, num_shards or 1, page_bytes or PAGE_BYTES_DEFAULT, [], pages_in_flight,
+                          checksum)
     if path is None:
         raise ValueError(f"the {tier} tier needs a directory path")
     root = Path(path).absolute()
@@ -512,7 +537,9 @@ def open(  # noqa: A001  (mirrors tensorstore.open / builtins.open on purpose)
         raise StoreError(f"store directory {root} is not writable")
     meta_path = root / METADATA
     if meta_path.exists():
-        return _open_existing(root, tier, num_shards, page_bytes, shard_paths, pages_in_flight)
+        return _open_existing(root, asked_tier, num_shards, page_bytes, shard_paths, pages_in_flight)
+    num_shards = num_shards or 1
+    page_bytes = page_bytes or PAGE_BYTES_DEFAULT
     if shard_paths is not None:
         if len(shard_paths) != num_shards:
             raise ValueError(f"got {len(shard_paths)} shard_paths for {num_shards} shards")
@@ -536,6 +563,9 @@ def _open_existing(root: Path, tier, num_shards, page_bytes, shard_paths, pages_
     if meta.get("format_version") != FORMAT_VERSION:
         raise StoreError(f"store {root} has format version {meta.get('format_version')}; "
                          f"this nsp reads {FORMAT_VERSION}")
+    tier = meta["tier"] if tier is None else tier
+    num_shards = meta["layout"]["num_shards"] if num_shards is None else num_shards
+    page_bytes = meta["page_bytes"] if page_bytes is None else page_bytes
     for name, asked, held in (("tier", tier, meta["tier"]), ("num_shards", num_shards,
                               meta["layout"]["num_shards"]), ("page_bytes", page_bytes, meta["page_bytes"])):
         if asked != held:
