@@ -217,6 +217,7 @@ NB_MODULE(_nsp_ffi, m) {
              d["pages_written"] = s.pages_written;
              d["updates"] = s.updates;
              d["update_ns"] = s.update_ns;
+             d["skipped"] = s.skipped;
              return d;
            })
       .def("step",
@@ -251,6 +252,23 @@ NB_MODULE(_nsp_ffi, m) {
              Check(err);
            },
            "Waits for a background (staleness 1) step; raises its error.")
+      .def(
+          "skip",
+          [](nsp::ShardEngine& e, int64_t version, std::optional<F32Array> params_out) {
+            nsp::ShardUpdate u;
+            if (params_out) {
+              CheckLength("params_out", *params_out, e.size());
+              u.params_out = params_out->data();
+            }
+            std::string err;
+            {
+              nb::gil_scoped_release release;
+              err = e.Skip(u, version);
+            }
+            Check(err);
+          },
+          nb::arg("version"), nb::arg("params_out").none() = nb::none(),
+          "Skips a step (non-finite gradient): the store stays at `version`; its params go to params_out.")
       .def_prop_ro("pending", &nsp::ShardEngine::pending)
       .def(
           "verify",

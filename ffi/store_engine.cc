@@ -19,6 +19,16 @@ namespace {
 
 int64_t GradBytes(GradType t) { return t == GradType::kF32 ? 4 : 2; }
 
+// fp32 -> bf16, round to nearest even, NaN kept quiet (the kernels' rounding, for params handed back as is).
+void RoundToBf16(const float* in, uint16_t* out, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) {
+    uint32_t bits;
+    std::memcpy(&bits, &in[i], 4);
+    out[i] = (bits & 0x7fffffffu) > 0x7f800000u ? static_cast<uint16_t>((bits >> 16) | 0x40u)
+                                                : static_cast<uint16_t>((bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16);
+  }
+}
+
 // A closable blocking queue of page numbers (buffer set and page travel together).
 struct Work {
   int set;
@@ -380,6 +390,26 @@ std::string ShardEngine::Step(ShardUpdate u, int64_t version) {
   return {};
 }
 
+std::string ShardEngine::Skip(const ShardUpdate& u, int64_t version) {
+  if (std::string e = Wait(); !e.empty()) return "the previous (background) step failed: " + e;
+  std::lock_guard<std::mutex> lock(step_mu_);
+  if (version != version_) {
+    return "the store no longer holds version " + std::to_string(version) + " (committed: " +
+           std::to_string(version_) + ")";
+  }
+  stats_.skipped += 1;
+  if (u.params_out == nullptr && u.params_bf16_out == nullptr) return {};
+  std::vector<float> scratch;
+  float* params = u.params_out;
+  if (params == nullptr) {
+    scratch.resize(static_cast<size_t>(size_));
+    params = scratch.data();
+  }
+  if (std::string e = ReadState(static_cast<int>(version % 2), kParamState, params); !e.empty()) return e;
+  if (u.params_bf16_out != nullptr) RoundToBf16(params, u.params_bf16_out, size_);
+  return {};
+}
+
 std::string ShardEngine::Wait() {
   if (pending_.joinable()) pending_.join();
   return std::exchange(pending_error_, std::string());
@@ -404,17 +434,7 @@ std::string ShardEngine::StepAsync(const ShardUpdate& update, int64_t version) {
   }
   // Params one step old for the caller (bf16 copy too, rounded as the kernel rounds).
   if (update.params_out != nullptr) std::memcpy(update.params_out, async_params_.data(), sizeof(float) * size_);
-  if (update.params_bf16_out != nullptr) {
-    for (int64_t i = 0; i < size_; ++i) {
-      uint32_t bits;
-      std::memcpy(&bits, &async_params_[static_cast<size_t>(i)], 4);
-      if ((bits & 0x7fffffffu) > 0x7f800000u) {
-        update.params_bf16_out[i] = static_cast<uint16_t>((bits >> 16) | 0x40u);
-      } else {
-        update.params_bf16_out[i] = static_cast<uint16_t>((bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16);
-      }
-    }
-  }
+  if (update.params_bf16_out != nullptr) RoundToBf16(async_params_.data(), update.params_bf16_out, size_);
   // The caller's buffers live only for this call: copy what the background step reads.
   ShardUpdate u = update;
   const size_t gbytes = update.grad_type == GradType::kF32 ? 4 : 2;

@@ -34,6 +34,7 @@ struct TrafficStats {
   int64_t pages_written = 0;
   int64_t updates = 0;
   int64_t update_ns = 0;  // wall time inside Step (update + sync + commit)
+  int64_t skipped = 0;    // steps skipped because the gradient was not finite
 };
 
 struct ShardUpdate {
@@ -74,6 +75,10 @@ class ShardEngine {
   int64_t version() const { return version_; }
   bool previous_valid() const { return previous_valid_; }
   std::string Commit(int64_t version);
+
+  // A step whose gradient is not finite (NaN/Inf: an overflowed loss scale, a diverged batch) is skipped: the
+  // store stays at `version`, untouched, and the caller gets that version's params back.
+  std::string Skip(const ShardUpdate& update, int64_t version);
 
   // Bounded staleness 1 (Angel-PTM's lock-free updating): finishes the step in the background and returns at
   // once. Waits for the previous background step, hands the caller that step's new params (so the caller's

@@ -6,7 +6,8 @@
 // returns the new params (fp32, and optionally bf16) plus the new version. It has side effects (the store
 // changes), so JAX must mark it side-effecting.
 //
-// Operands: lr f32[], step s32[], version s32[], shard s32[], then grad (f32|bf16)[n] (dense target) or
+// Operands: lr f32[], step s32[], version s32[], shard s32[], apply s32[] (0: the gradient is not finite, skip
+// the step and hand back the committed params), then grad (f32|bf16)[n] (dense target) or
 // values (f32|bf16)[k] + indices s32[k] (sparse target; shard positions, sorted).
 // Results: params f32[n], version s32[], [params_bf16 bf16[n]].
 #include <string>
@@ -30,10 +31,11 @@ struct Call {
   ShardEngine* engine;
   ShardUpdate update;
   int64_t version;
+  bool apply;  // false: the gradient is not finite, skip the step
 };
 
 ffi::ErrorOr<Call> Prepare(ffi::Buffer<ffi::F32> lr, ffi::Buffer<ffi::S32> step, ffi::Buffer<ffi::S32> version,
-                           ffi::Buffer<ffi::S32> shard, ffi::ResultBuffer<ffi::F32> params,
+                           ffi::Buffer<ffi::S32> shard, ffi::Buffer<ffi::S32> apply, ffi::ResultBuffer<ffi::F32> params,
                            ffi::RemainingRets extra, ffi::Span<const int64_t> handles, int32_t kind, double b1,
                            double b2, double eps, double weight_decay, double momentum, bool nesterov) {
   const int32_t s = shard.typed_data()[0];
@@ -45,7 +47,7 @@ ffi::ErrorOr<Call> Prepare(ffi::Buffer<ffi::F32> lr, ffi::Buffer<ffi::S32> step,
   if (engine == nullptr) return ffi::Unexpected(Invalid("the store was closed"));
   auto hyper = ffi_common::HyperParams(kOp, lr, step, kind, b1, b2, eps, weight_decay, momentum, nesterov);
   if (hyper.has_error()) return ffi::Unexpected(hyper.error());
-  Call call{engine, {}, version.typed_data()[0]};
+  Call call{engine, {}, version.typed_data()[0], apply.typed_data()[0] != 0};
   call.update.hp = *hyper;
   const int64_t n = engine->size();
   if (static_cast<int64_t>(params->element_count()) != n) {
@@ -66,21 +68,22 @@ ffi::ErrorOr<Call> Prepare(ffi::Buffer<ffi::F32> lr, ffi::Buffer<ffi::S32> step,
 }
 
 ffi::Error Finish(Call& call, ffi::RemainingRets extra, int32_t staleness) {
-  std::string err = staleness > 0 ? call.engine->StepAsync(call.update, call.version)
-                                  : call.engine->Step(call.update, call.version);
+  std::string err = !call.apply      ? call.engine->Skip(call.update, call.version)
+                    : staleness > 0 ? call.engine->StepAsync(call.update, call.version)
+                                    : call.engine->Step(call.update, call.version);
   if (!err.empty()) return Invalid(err);
   auto version_out = extra.get<ffi::Buffer<ffi::S32>>(0);
   if (version_out.has_error()) return version_out.error();
   // With staleness the step commits in the background; the version it will commit is what the caller reads next.
-  (*version_out)->typed_data()[0] = static_cast<int32_t>(call.version + 1);
+  (*version_out)->typed_data()[0] = static_cast<int32_t>(call.version + (call.apply ? 1 : 0));
   return ffi::Error::Success();
 }
 
 ffi::Error DenseImpl(ffi::Buffer<ffi::F32> lr, ffi::Buffer<ffi::S32> step, ffi::Buffer<ffi::S32> version,
-                     ffi::Buffer<ffi::S32> shard, ffi::AnyBuffer grad, ffi::ResultBuffer<ffi::F32> params,
+                     ffi::Buffer<ffi::S32> shard, ffi::Buffer<ffi::S32> apply, ffi::AnyBuffer grad, ffi::ResultBuffer<ffi::F32> params,
                      ffi::RemainingRets extra, ffi::Span<const int64_t> handles, int32_t staleness, int32_t kind,
                      double b1, double b2, double eps, double weight_decay, double momentum, bool nesterov) {
-  auto call = Prepare(lr, step, version, shard, params, extra, handles, kind, b1, b2, eps, weight_decay, momentum,
+  auto call = Prepare(lr, step, version, shard, apply, params, extra, handles, kind, b1, b2, eps, weight_decay, momentum,
                       nesterov);
   if (call.has_error()) return call.error();
   auto type = ffi_common::GradTypeOf(kOp, grad);
@@ -95,11 +98,11 @@ ffi::Error DenseImpl(ffi::Buffer<ffi::F32> lr, ffi::Buffer<ffi::S32> step, ffi::
 }
 
 ffi::Error SparseImpl(ffi::Buffer<ffi::F32> lr, ffi::Buffer<ffi::S32> step, ffi::Buffer<ffi::S32> version,
-                      ffi::Buffer<ffi::S32> shard, ffi::AnyBuffer values, ffi::Buffer<ffi::S32> indices,
+                      ffi::Buffer<ffi::S32> shard, ffi::Buffer<ffi::S32> apply, ffi::AnyBuffer values, ffi::Buffer<ffi::S32> indices,
                       ffi::ResultBuffer<ffi::F32> params, ffi::RemainingRets extra, ffi::Span<const int64_t> handles,
                       int32_t staleness, int32_t kind, double b1, double b2, double eps, double weight_decay,
                       double momentum, bool nesterov) {
-  auto call = Prepare(lr, step, version, shard, params, extra, handles, kind, b1, b2, eps, weight_decay, momentum,
+  auto call = Prepare(lr, step, version, shard, apply, params, extra, handles, kind, b1, b2, eps, weight_decay, momentum,
                       nesterov);
   if (call.has_error()) return call.error();
   auto type = ffi_common::GradTypeOf(kOp, values);
@@ -128,6 +131,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(NspStoreUpdateDense, nsp::DenseImpl,
                                                  .Arg<xla::ffi::Buffer<xla::ffi::S32>>()  // step
                                                  .Arg<xla::ffi::Buffer<xla::ffi::S32>>()  // version
                                                  .Arg<xla::ffi::Buffer<xla::ffi::S32>>()  // shard
+                                                 .Arg<xla::ffi::Buffer<xla::ffi::S32>>()  // apply (finite grads)
                                                  .Arg<xla::ffi::AnyBuffer>()              // grad
                                                  .Ret<xla::ffi::Buffer<xla::ffi::F32>>()  // params
                                                  .RemainingRets()));                      // version, [bf16]
@@ -138,6 +142,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(NspStoreUpdateSparse, nsp::SparseImpl,
                                                  .Arg<xla::ffi::Buffer<xla::ffi::S32>>()  // step
                                                  .Arg<xla::ffi::Buffer<xla::ffi::S32>>()  // version
                                                  .Arg<xla::ffi::Buffer<xla::ffi::S32>>()  // shard
+                                                 .Arg<xla::ffi::Buffer<xla::ffi::S32>>()  // apply (finite grads)
                                                  .Arg<xla::ffi::AnyBuffer>()              // values
                                                  .Arg<xla::ffi::Buffer<xla::ffi::S32>>()  // indices
                                                  .Ret<xla::ffi::Buffer<xla::ffi::F32>>()  // params

@@ -310,3 +310,29 @@ def test_staleness_is_zero_or_one():
             tx = nsp.optim.adam(1e-2, store=store, staleness=2)
             params, loss = mlp_problem()
             tx.update(jax.grad(loss)(params), tx.init(params), params)
+
+
+def test_non_finite_gradients_skip_the_step_under_jit(tmp_path):
+    params, loss = mlp_problem()
+    with nsp.storage.open(tmp_path / "s", tier="file", num_shards=4, page_bytes=PAGE) as store:
+        mesh = jax.make_mesh((4,), ("d",), axis_types=(jax.sharding.AxisType.Auto,))
+        tx = nsp.optim.adam(1e-2, store=store, mesh=mesh, axis_name="d")
+        ref = optax.adam(1e-2)
+
+        @jax.jit
+        def step(p, s, poison):
+            g = jax.grad(loss)(p)
+            g = jax.tree_util.tree_map(lambda x: x.at[(0,) * x.ndim].multiply(poison), g)
+            u, s = tx.update(g, s, p)
+            return optax.apply_updates(p, u), s
+
+        p, s = params, tx.init(params)
+        rp, rs = params, ref.init(params)
+        for t, poison in enumerate([1.0, np.nan, 1.0, np.inf, 1.0]):
+            p, s = step(p, s, poison)
+            if np.isfinite(poison):  # the reference simply never sees the poisoned steps
+                u, rs = ref.update(jax.grad(loss)(rp), rs, rp)
+                rp = optax.apply_updates(rp, u)
+            assert max_rel_err(p, rp) <= 1e-6, f"step {t + 1}"
+        assert int(s.count) == int(s.version) == store.version == 3
+        assert store.stats()["skipped"] == 2

@@ -491,3 +491,20 @@ def test_close_leaves_no_threads_or_file_descriptors(tmp_path):
         store.close()
     assert threading.active_count() == baseline_threads
     assert fds() == baseline_fds
+
+
+@pytest.mark.parametrize("bad", [np.nan, np.inf])
+def test_non_finite_gradient_skips_the_step_and_leaves_the_store_untouched(tmp_path, bad):
+    with open_store(tmp_path, "file") as store:
+        store.initialize(make_params(), SPECS["adam"])
+        store.update(grad_for(1, store.layout), version=0, lr=0.01, step=1)
+        before = {s: store.read(s) for s in ("param", "mu", "nu")}
+        g = grad_for(2, store.layout)
+        g[17] = bad
+        out = store.update(g, version=1, lr=0.01, step=2)
+        assert out["skipped"] and store.version == 1 and store.stats()["skipped"] == 1
+        np.testing.assert_array_equal(out["params"], before["param"])
+        for s in ("param", "mu", "nu"):
+            np.testing.assert_array_equal(store.read(s), before[s])
+        assert not store.update(grad_for(2, store.layout), version=1, lr=0.01, step=2)["skipped"]
+        assert store.version == 2

@@ -112,7 +112,9 @@ def scale_by_storage(
         new_params = layout.unflatten(out.params, params, dtype=jnp.float32)
         # p + (new - p) recovers new exactly whenever the subtraction is exact (Sterbenz: new and p are close).
         new_updates = jax.tree_util.tree_map(lambda n, p: n - p.astype(jnp.float32), new_params, params)
-        return new_updates, StorageState(state.count + 1, out.version)
+        # A skipped step (non-finite gradient) leaves the version, and so the step count, where they were.
+        applied = (out.version - state.version).astype(state.count.dtype)
+        return new_updates, StorageState(state.count + applied, out.version)
 
     return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 

@@ -66,7 +66,9 @@ def store_update(
         next forward/backward overlaps it; its version is committed by the next call or ``store.barrier()``).
 
     Returns:
-      ``StoreUpdateResult(params, version, params_bf16)``.
+      ``StoreUpdateResult(params, version, params_bf16)``. A gradient with NaN or Inf skips the step: the store
+      is untouched, ``version`` is unchanged and ``params`` are the committed ones (counted in
+      ``store.stats()["skipped"]``).
     """
     layout, spec = store.layout, store.optimizer
     if staleness not in (0, 1):
@@ -115,9 +117,13 @@ def store_update(
     )
     scalars = [jnp.asarray(lr, jnp.float32), jnp.asarray(step, jnp.int32), jnp.asarray(version, jnp.int32)]
 
-    def local(lr_, step_, version_, *ops):
+    # A step whose gradient holds NaN or Inf (an overflowed loss scale, a diverged batch) is skipped by every
+    # shard alike: the store stays as it is and the params come back unchanged.
+    scalars.append(jnp.all(jnp.isfinite(operands[0])).astype(jnp.int32))
+
+    def local(lr_, step_, version_, apply_, *ops):
         shard = jnp.int32(0) if mesh is None else jax.lax.axis_index(axis_name).astype(jnp.int32)
-        outs = call(lr_, step_, version_, shard, *ops, **attrs)
+        outs = call(lr_, step_, version_, shard, apply_, *ops, **attrs)
         return tuple(outs[:1]) + (outs[1][None],) + tuple(outs[2:])
 
     if mesh is None:
@@ -126,7 +132,7 @@ def store_update(
         n_out = len(out_types)
         outs = jax.shard_map(
             local, mesh=mesh,
-            in_specs=(P(), P(), P()) + (P(axis_name),) * len(operands),
+            in_specs=(P(), P(), P(), P()) + (P(axis_name),) * len(operands),
             out_specs=(P(axis_name),) * n_out,
             check_vma=False,
         )(*scalars, *operands)

@@ -337,7 +337,9 @@ class StateStore:
           bf16_out: return a bf16 copy of the new params.
 
         Returns:
-          ``{"params": flat fp32, "params_bf16": flat bf16}`` (those asked for), ``layout.padded_total`` long.
+          ``{"params": flat fp32, "params_bf16": flat bf16}`` (those asked for), ``layout.padded_total`` long, and
+          ``"skipped"``: True when the gradient held NaN or Inf, in which case the store is untouched (still at
+          ``version``) and the params are that version's.
         """
         self._check_open()
         if not self.initialized:
@@ -348,6 +350,22 @@ class StateStore:
         n, shard_size = self.num_shards, self.layout.shard_size
         kw_shards = self._split_grads(grad, indices, values)
         params = np.empty(n * shard_size, np.float32) if params_out else None
+        # bf16 arrays travel as uint16 bit patterns: widen them back to floats to check them.
+        finite = all(np.all(np.isfinite((a.astype(np.uint32) << 16).view(np.float32) if k.endswith("_bf16") else a))
+                     for kw in kw_shards for k, a in kw.items() if k != "indices")
+        if not finite:  # skip the step on every shard: the store stays at `version`
+            if version != self.version:
+                raise StoreError(f"cannot skip from version {version}: the store is at {self.version}")
+            list(self._pool.map(lambda i: self._engines[i].skip(
+                version, None if params is None else params[i * shard_size:(i + 1) * shard_size]), range(n)))
+            out = {"skipped": True}
+            if params is not None:
+                out["params"] = params
+            if bf16_out:
+                import ml_dtypes
+
+                out["params_bf16"] = self.read("param").astype(ml_dtypes.bfloat16)
+            return out
         params16 = np.empty(n * shard_size, np.uint16) if bf16_out else None
         o = self.optimizer
         hyper = (KINDS[o.kind], float(lr), int(step), o.b1, o.b2, o.eps, o.weight_decay, o.momentum, o.nesterov)
@@ -367,7 +385,7 @@ class StateStore:
         if errors:
             raise StoreError(f"update from version {version} failed; version {self.version} is intact: "
                              f"{errors[0]}") from errors[0]
-        out = {}
+        out = {"skipped": False}
         if params is not None:
             out["params"] = params
         if params16 is not None:
@@ -457,6 +475,7 @@ class StateStore:
         # Shards update in parallel: a step takes as long as its slowest shard.
         totals["updates"] = max((e.stats()["updates"] for e in self._engines), default=0)
         totals["update_ns"] = max((e.stats()["update_ns"] for e in self._engines), default=0)
+        totals["skipped"] = max((e.stats()["skipped"] for e in self._engines), default=0)  # steps, not shard-steps
         totals["buffer_bytes"] = sum(e.buffer_bytes for e in self._engines)
         return totals
 

@@ -275,6 +275,7 @@ def train_and_evaluate(config: TrainConfig, *, log: Callable[[str], None] = prin
                     "shared_in_bytes": delta["shared_in_bytes"], "shared_out_bytes": delta["shared_out_bytes"],
                     "internal_read_bytes": delta["internal_read_bytes"],
                     "internal_write_bytes": delta["internal_write_bytes"],
+                    "skipped_steps": stats.get("skipped", 0),
                 }
                 if config.eval_every and (run.step % config.eval_every == 0 or final) or final:
                     row["eval_loss"] = _evaluate(run, eval_step)
