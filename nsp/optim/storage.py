@@ -82,11 +82,18 @@ def scale_by_storage(
       An optax transform; its ``update`` needs ``params``.
     """
 
+    if isinstance(staleness, jax.core.Tracer):
+        # optax.inject_hyperparams traces every numeric argument; staleness is fixed when init runs.
+        staleness = getattr(store, "staleness", 0)
+    elif staleness not in (0, 1):
+        raise ValueError(f"staleness must be 0 or 1, got {staleness}")
+
     def init_fn(params):
         if any(isinstance(x, jax.core.Tracer) for x in jax.tree_util.tree_leaves(params)):
             raise TypeError("init writes the params into the store: call it outside jax.jit")
         if optimizer is None:
             raise TypeError("the optimizer's hyperparameters must be concrete numbers at init")
+        store.staleness = int(staleness)
         version = store.initialize(params, optimizer)
         return StorageState(jnp.asarray(version, jnp.int32), jnp.asarray(version, jnp.int32))
 

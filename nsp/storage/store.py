@@ -118,6 +118,7 @@ class StateStore:
         self.optimizer: OptimizerSpec | None = None
         self._engines: list[Any] = []
         self._handles: list[int] = []
+        self.staleness = 0  # set by the nsp.optim transform that drives the store
         self._lock_fd: int | None = None
         self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=num_shards, thread_name_prefix="nsp-shard")
         self._closed = False
@@ -153,7 +154,10 @@ class StateStore:
             # side-effecting computation finish before the engines go away.
             import jax
 
-            jax.effects_barrier()
+            try:
+                jax.effects_barrier()
+            except Exception:  # noqa: BLE001  (a failed step already raised its error to its caller)
+                pass
         for engine in self._engines:
             try:
                 engine.wait()  # a background step's error has nowhere left to go: the version stays committed
