@@ -1,5 +1,6 @@
 // The cpu backends: host memory and files (NVMe/SSD).
 #include <fcntl.h>
+#include <signal.h>
 #include <sys/stat.h>
 #include <sys/uio.h>
 #include <unistd.h>
@@ -83,6 +84,7 @@ class FileBackend final : public Backend {
     chunk_bytes_ = static_cast<size_t>(page_elems_) * sizeof(float);
     file_bytes_ = chunk_bytes_ + (checksum_ ? 4 : 0);
     if (const char* env = std::getenv("NSP_DEBUG_FAIL_WRITES_AFTER")) fail_writes_after_ = std::atoll(env);
+    if (const char* env = std::getenv("NSP_DEBUG_KILL_AFTER_WRITES")) kill_after_writes_ = std::atoll(env);
     // Only a shard's last page is partial; its padding needs these (allocated once, never in the update).
     const size_t last = static_cast<size_t>(size_ % page_elems_ == 0 ? page_elems_ : size_ % page_elems_);
     zeros_.assign(chunk_bytes_ - last * sizeof(float), 0);
@@ -139,6 +141,8 @@ class FileBackend final : public Backend {
       errno = ENOSPC;  // debug fault injection (NSP_DEBUG_FAIL_WRITES_AFTER), off unless that variable is set
       return ErrnoMessage("cannot write", tmp);
     }
+    // Debug hook for the fault campaign (NSP_DEBUG_KILL_AFTER_WRITES): die mid-update, as a crash would.
+    if (kill_after_writes_ >= 0 && kill_writes_.fetch_add(1) >= kill_after_writes_) ::raise(SIGKILL);
     if (scratch && direct_.load()) {
       std::string err;
       if (WriteDirect(path, tmp, slot, src, n, &err)) return err;
@@ -328,8 +332,10 @@ class FileBackend final : public Backend {
   int64_t page_elems_;
   bool checksum_;
   size_t chunk_bytes_ = 0, file_bytes_ = 0;
-  int64_t fail_writes_after_ = -1;
+  int64_t fail_writes_after_ = -1;  // debug fault injection, off (-1) unless its variable is set
   std::atomic<int64_t> writes_done_{0};
+  int64_t kill_after_writes_ = -1;  // likewise
+  std::atomic<int64_t> kill_writes_{0};
   std::vector<char> zeros_;     // written as the last page's padding
   std::vector<char> read_pad_;  // receives the last page's padding on buffered reads (guarded by read_mu_)
   std::mutex read_mu_;

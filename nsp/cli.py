@@ -60,14 +60,12 @@ def _checkpoint_step(manager, run_dir: Path, step: int | None) -> int:
 def _restore_params(run_dir: Path, step: int | None, abstract_params):
     """The model params saved with a checkpoint (the train state's ``params``), shaped like ``abstract_params``."""
     import jax
-    import orbax.checkpoint as ocp
 
     from nsp.storage import checkpoint as ckpt
 
     manager = ckpt.make_checkpoint_manager(run_dir / "ckpt", max_to_keep=None)
     step = _checkpoint_step(manager, run_dir, step)
-    raw = manager.restore(step, args=ocp.args.Composite(train_state=ocp.args.StandardRestore(None)))
-    saved = raw["train_state"]["params"]
+    saved = ckpt.load_train_state(run_dir / "ckpt" / str(step))["params"]
     leaves = jax.tree_util.tree_leaves(saved)
     treedef = jax.tree_util.tree_structure(abstract_params)
     if len(leaves) != treedef.num_leaves:

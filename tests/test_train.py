@@ -139,4 +139,4 @@ def test_empty_corpus_and_existing_runs_are_refused_without_overwriting(tmp_path
     assert "already holds a store" in capsys.readouterr().err
     assert (run / "store" / "shards" / "00000" / "MANIFEST.json").read_text() == before
     assert train(tmp_path / "fresh", corpus, "--steps", "1", "--resume") == 2
-    assert "no checkpoint to resume from" in capsys.readouterr().err
+    assert "holds no run to resume" in capsys.readouterr().err

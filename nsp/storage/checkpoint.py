@@ -39,6 +39,7 @@ import errno
 import fcntl
 import json
 import os
+import signal
 import re
 import shutil
 import time
@@ -88,6 +89,19 @@ def _fsync_file(path: Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+_DEBUG_COUNTS: dict[str, int] = {}
+
+
+def _debug_kill_point(variable: str) -> None:
+    """Fault-campaign hook, off unless ``variable`` is set: SIGKILL this process the Nth time it gets here."""
+    at = os.environ.get(variable)
+    if at is None:
+        return
+    _DEBUG_COUNTS[variable] = _DEBUG_COUNTS.get(variable, 0) + 1
+    if _DEBUG_COUNTS[variable] >= int(at):
+        os.kill(os.getpid(), signal.SIGKILL)
 
 
 class _Placer:
@@ -396,6 +410,7 @@ def _finish_snapshot(store: StateStore, dest: Path, files: list[dict], placer_in
         "files": files,
     }
     _fsync_dir(dest)
+    _debug_kill_point("NSP_DEBUG_KILL_AT_SNAPSHOT")
     _atomic_write_json(dest / SNAPSHOT, record)  # last: its presence is what makes the snapshot valid
     info = {k: v for k, v in record.items() if k != "files"}
     info["path"] = str(dest)
@@ -760,6 +775,22 @@ def restore_checkpoint(manager: ocp.CheckpointManager, step: int | None, store_p
                               pages_in_flight=pages_in_flight)
     store = manager.restore(step, args=ocp.args.Composite(store=store_args))["store"]
     return store, small.get("train_state"), small.get("meta")
+
+
+def load_train_state(step_dir: str | os.PathLike) -> Any:
+    """The train state saved with a checkpoint step, as plain nested dicts of arrays on this process's first
+    device — whatever mesh it was saved from (for sampling, export or inspection on another machine)."""
+    import jax
+
+    path = Path(step_dir) / "train_state"
+    if not path.is_dir():
+        raise StoreError(f"{step_dir} holds no train state")
+    checkpointer = ocp.StandardCheckpointer()
+    metadata = checkpointer.metadata(path)
+    tree = getattr(metadata, "item_metadata", metadata)
+    device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    target = jax.tree_util.tree_map(lambda m: jax.ShapeDtypeStruct(m.shape, m.dtype, sharding=device), tree)
+    return checkpointer.restore(path, target)
 
 
 # ---- export --------------------------------------------------------------------------------------------------

@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
+import shutil
 import signal
 import time
 from pathlib import Path
@@ -80,16 +81,38 @@ def _loss_fn(graphdef, params, tokens):
     return cross_entropy_loss(logits, tokens[:, 1:])
 
 
+def _has_complete_checkpoint(ckpt_dir: Path) -> bool:
+    """Whether ``ckpt_dir`` holds a finished checkpoint (orbax finalises a step by renaming it into place; an
+    interrupted save leaves only a temporary directory)."""
+    if not ckpt_dir.is_dir():
+        return False
+    manager = ckpt.make_checkpoint_manager(ckpt_dir, max_to_keep=None)
+    try:
+        return bool(manager.all_steps())
+    finally:
+        manager.close()
+
+
 def _build(config: TrainConfig, log: Callable[[str], None]) -> Run:
     run_dir = Path(config.run_dir)
     ckpt_dir = run_dir / "ckpt"
-    has_checkpoints = ckpt_dir.exists() and any(ckpt_dir.iterdir())
-    if config.resume and not has_checkpoints:
-        raise TrainError(f"--resume: {ckpt_dir} holds no checkpoint to resume from")
-    if not config.resume and has_checkpoints:
+    has_checkpoints = _has_complete_checkpoint(ckpt_dir)
+    resume = config.resume
+    if resume and not has_checkpoints:
+        if not (run_dir / "config.json").exists():
+            raise TrainError(f"--resume: {run_dir} holds no run to resume (no config.json, no checkpoint)")
+        # The run stopped before its first checkpoint completed: nothing was saved, so start it afresh (its
+        # store holds no checkpointed state; it is rebuilt).
+        log(f"{run_dir} has no complete checkpoint: starting the run afresh")
+        if config.tier != "memory" and config.store_path.exists():
+            shutil.rmtree(config.store_path)
+        if ckpt_dir.exists():
+            shutil.rmtree(ckpt_dir)
+        resume = False
+    elif not resume and (has_checkpoints or (ckpt_dir.exists() and any(ckpt_dir.iterdir()))):
         raise TrainError(f"{run_dir} already holds a run (checkpoints in {ckpt_dir}); pass --resume to continue "
                          "it or choose another --run-dir")
-    if not config.resume and config.tier != "memory" and (config.store_path / nsp.storage.store.METADATA).exists():
+    if not resume and config.tier != "memory" and (config.store_path / nsp.storage.store.METADATA).exists():
         raise TrainError(f"{config.store_path} already holds a store; pass --resume or choose another --store-dir")
 
     block_size = get_config(config.model).block_size  # checks the model name before any data work
@@ -119,7 +142,7 @@ def _build(config: TrainConfig, log: Callable[[str], None]) -> Run:
     run_dir.mkdir(parents=True, exist_ok=True)
     store_kw = dict(tier=config.tier, num_shards=num_shards, page_bytes=config.page_bytes)
     step = 0
-    if config.resume:
+    if resume:
         manager = ckpt.make_checkpoint_manager(ckpt_dir, max_to_keep=config.keep_checkpoints)
         step = manager.latest_step()
         meta = manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
@@ -250,6 +273,8 @@ def train_and_evaluate(config: TrainConfig, *, log: Callable[[str], None] = prin
         log("\ninterrupt: finishing the step in flight, then checkpointing (Ctrl-C again to abort)")
 
     signal.signal(signal.SIGINT, on_sigint)
+    if run.step == 0:
+        _save_checkpoint(run, manager)  # a run killed before its first checkpoint can still be resumed
     last = {"time": time.perf_counter(), "step": run.step, "stats": run.store.stats()}
     summary: dict = {}
     try:

@@ -1,0 +1,191 @@
+"""Fault campaign: kill `nsp train` at random and at targeted moments, resume, and compare with a clean run.
+
+    python bench/fault_campaign.py --trials 100        # the full campaign
+    python bench/fault_campaign.py --trials 4 --steps 8 # a quick one
+
+Each trial runs `nsp train` (tiny GPT, file tier; Top-K on in odd trials) as a subprocess and kills it with
+SIGKILL: after a random delay, or at a targeted point through a debug hook that is off in normal runs —
+inside an update (after N page writes: NSP_DEBUG_KILL_AFTER_WRITES), just before a commit renames a shard's
+manifest (NSP_DEBUG_KILL_AT_COMMIT), or just before a checkpoint's snapshot becomes valid
+(NSP_DEBUG_KILL_AT_SNAPSHOT). Then it checks every page of the store's committed version (`nsp store verify`),
+resumes with `--resume`, and compares the final params with an uninterrupted run of the same seed, bit for bit.
+Lost steps = steps the killed run had finished minus the step it resumed from. The last line reads
+`bit-identical: K/N, corrupt: C`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import inspect
+import json
+import os
+import random
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+MODES = ("random", "update", "commit", "snapshot")
+
+
+def train_cmd(run_dir: Path, corpus: Path, steps: int, topk: bool, resume: bool = False) -> list[str]:
+    cmd = [sys.executable, "-m", "nsp.cli", "train", "--model", "tiny", "--run-dir", str(run_dir), "--data",
+           str(corpus), "--steps", str(steps), "--seq", "32", "--batch", "4", "--log-every", "1", "--ckpt-every",
+           "2", "--eval-every", "0", "--eval-batches", "1", "--tier", "file"]
+    if topk:
+        cmd += ["--topk", "0.05"]
+    if resume:
+        cmd.append("--resume")
+    return cmd
+
+
+def final_params(run_dir: Path) -> list[np.ndarray]:
+    import jax
+
+    from nsp.storage import checkpoint as ckpt
+
+    steps = [int(p.name) for p in (run_dir / "ckpt").iterdir() if p.name.isdigit()]
+    state = ckpt.load_train_state(run_dir / "ckpt" / str(max(steps)))
+    return [np.asarray(x) for x in jax.tree_util.tree_leaves(state["params"])]
+
+
+def steps_done(run_dir: Path) -> int:
+    path = run_dir / "metrics.jsonl"
+    if not path.exists():
+        return 0
+    steps = [json.loads(line).get("step", 0) for line in path.read_text().splitlines() if line.strip()]
+    return max(steps, default=0)
+
+
+def run_trial(i: int, mode: str, args, corpus: Path, workdir: Path, rng: random.Random, env: dict) -> dict:
+    topk = bool(i % 2)
+    run_dir = workdir / f"trial{i:03d}"
+    trial_env = dict(env)
+    # Targeted points: a random occurrence of the point within the run. Each shard's backend counts its own
+    # page writes (3 per step for the tiny model: one page per state), the commit counter is the process's
+    # (4 shards commit each step), and a checkpoint snapshots every 2 steps.
+    if mode == "update":
+        trial_env["NSP_DEBUG_KILL_AFTER_WRITES"] = str(rng.randrange(4, 3 * args.steps + 3))
+    elif mode == "commit":
+        trial_env["NSP_DEBUG_KILL_AT_COMMIT"] = str(rng.randrange(5, 4 * args.steps))
+    elif mode == "snapshot":
+        trial_env["NSP_DEBUG_KILL_AT_SNAPSHOT"] = str(rng.randrange(1, args.steps // 2 + 1))
+    proc = subprocess.Popen(train_cmd(run_dir, corpus, args.steps, topk), env=trial_env,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    if mode == "random":
+        time.sleep(rng.uniform(0.5, args.random_window or args.reference_seconds))
+        proc.kill()
+    try:
+        _, err = proc.communicate(timeout=600)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        _, err = proc.communicate()
+    killed = proc.returncode == -9
+    done = steps_done(run_dir)
+    store = run_dir / "store"
+    corrupt = False
+    if (store / "nsp_store.json").exists():
+        check = subprocess.run([sys.executable, "-m", "nsp.cli", "store", "verify", str(store)], env=env,
+                               capture_output=True, text=True)
+        corrupt = check.returncode != 0
+    resumed_from = None
+    if not (run_dir / "config.json").exists():
+        shutil.rmtree(run_dir, ignore_errors=True)  # killed before the run was set up: start it again
+        resume = subprocess.run(train_cmd(run_dir, corpus, args.steps, topk), env=env, capture_output=True,
+                                text=True)
+        resumed_from = 0
+    else:
+        resume = subprocess.run(train_cmd(run_dir, corpus, args.steps, topk, resume=True), env=env,
+                                capture_output=True, text=True)
+        for line in resume.stdout.splitlines():
+            if line.startswith("resumed ") and " at step " in line:
+                resumed_from = int(line.split(" at step ")[1].split()[0])
+            elif "starting the run afresh" in line:
+                resumed_from = 0
+    identical = False
+    if resume.returncode == 0:
+        ours, ref = final_params(run_dir), args.reference[topk]
+        identical = len(ours) == len(ref) and all(np.array_equal(a, b) for a, b in zip(ours, ref))
+    result = {"trial": i, "mode": mode, "topk": topk, "killed": killed, "steps_done": done,
+              "resumed_from": resumed_from, "lost_steps": None if resumed_from is None else done - resumed_from,
+              "corrupt": corrupt, "bit_identical": identical, "resume_rc": resume.returncode}
+    if resume.returncode != 0:
+        result["error"] = (resume.stderr or "").strip().splitlines()[-1:] or [err[-200:]]
+    shutil.rmtree(run_dir, ignore_errors=True)
+    return result
+
+
+def make_corpus(path: Path) -> None:
+    import collections
+    import json as json_module
+
+    path.write_text(inspect.getsource(collections) + inspect.getsource(json_module.decoder))
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--trials", type=int, default=100)
+    parser.add_argument("--steps", type=int, default=10, help="training steps of each run")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--random-window", type=float, default=0.0,
+                        help="random kills land within this many seconds of the start (default: the length of "
+                             "an uninterrupted run)")
+    parser.add_argument("--dir", default=None, help="work directory (default: a temp dir here)")
+    parser.add_argument("--json", default=None)
+    args = parser.parse_args()
+    rng = random.Random(args.seed)
+    workdir = Path(tempfile.mkdtemp(prefix="nsp-faults-", dir=args.dir or os.getcwd()))
+    env = {**os.environ, "NSP_CACHE_DIR": str(workdir / "cache"), "XLA_FLAGS":
+           "--xla_force_host_platform_device_count=4"}
+    results = []
+    try:
+        corpus = workdir / "corpus.txt"
+        make_corpus(corpus)
+        args.reference = {}
+        for topk in (False, True):  # uninterrupted runs to compare with
+            ref_dir = workdir / f"reference-{'topk' if topk else 'dense'}"
+            t0 = time.perf_counter()
+            subprocess.run(train_cmd(ref_dir, corpus, args.steps, topk), env=env, check=True,
+                           capture_output=True)
+            args.reference_seconds = time.perf_counter() - t0
+            args.reference[topk] = final_params(ref_dir)
+        print(f"{args.trials} trials of `nsp train` (tiny, file tier, 4 shards, {args.steps} steps, checkpoint "
+              f"every 2), killed with SIGKILL, resumed, compared with an uninterrupted run")
+        for i in range(args.trials):
+            mode = MODES[i % len(MODES)]
+            r = run_trial(i, mode, args, corpus, workdir, rng, env)
+            results.append(r)
+            print(f"  trial {i:3d} {mode:8s} topk={int(r['topk'])} killed={int(r['killed'])} "
+                  f"done={r['steps_done']:2d} resumed_from={r['resumed_from']} lost={r['lost_steps']} "
+                  f"corrupt={int(r['corrupt'])} identical={int(r['bit_identical'])}"
+                  + (f" error={r['error']}" if "error" in r else ""), flush=True)
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
+    n = len(results)
+    identical = sum(r["bit_identical"] for r in results)
+    corrupt = sum(r["corrupt"] for r in results)
+    lost = [r["lost_steps"] for r in results if r["lost_steps"] is not None]
+    print("\nmode      trials  killed  bit-identical  corrupt  lost steps (max)")
+    for mode in MODES:
+        rs = [r for r in results if r["mode"] == mode]
+        if rs:
+            ls = [r["lost_steps"] for r in rs if r["lost_steps"] is not None]
+            print(f"{mode:8s}  {len(rs):6d}  {sum(r['killed'] for r in rs):6d}  "
+                  f"{sum(r['bit_identical'] for r in rs):13d}  {sum(r['corrupt'] for r in rs):7d}  "
+                  f"{max(ls, default=0):4d}")
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from _common import write_json
+
+    path = write_json("fault_campaign", {"trials": results, "steps": args.steps, "seed": args.seed}, args.json)
+    print(f"\nlost steps: max {max(lost, default=0)}, mean {np.mean(lost) if lost else 0:.1f} "
+          f"(checkpoints every 2 steps)\nwrote {path}")
+    print(f"bit-identical: {identical}/{n}, corrupt: {corrupt}")
+    return 0 if identical == n and corrupt == 0 else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
