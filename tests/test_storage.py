@@ -508,3 +508,22 @@ def test_non_finite_gradient_skips_the_step_and_leaves_the_store_untouched(tmp_p
             np.testing.assert_array_equal(store.read(s), before[s])
         assert not store.update(grad_for(2, store.layout), version=1, lr=0.01, step=2)["skipped"]
         assert store.version == 2
+
+
+@pytest.mark.parametrize("variable", ["NSP_DIRECT_WRITES", "NSP_NO_DIRECT_IO"])
+def test_other_io_paths_give_the_same_bytes(tmp_path, monkeypatch, variable):
+    """Direct writes (opt-in) and fully buffered I/O (opt-out of direct reads) store exactly the same state."""
+    monkeypatch.setenv(variable, "1")
+    params, spec = make_params(), SPECS["adamw"]
+    with open_store(tmp_path, "file") as store:
+        store.initialize(params, spec)
+        ref = Reference(store.layout, params, spec)
+        for step in (1, 2, 3):
+            store.update(grad_for(step, store.layout), version=step - 1, lr=0.01, step=step)
+            ref.step(grad_for(step, store.layout), step, 0.01)
+        for state, expected in (("param", ref.p), ("mu", ref.m), ("nu", ref.v)):
+            np.testing.assert_array_equal(store.read(state), np.asarray(expected))
+    monkeypatch.delenv(variable)
+    with storage.open(tmp_path / "store") as store:  # and the default path reads it back
+        assert store.verify()["problems"] == []
+        np.testing.assert_array_equal(store.read("param"), np.asarray(ref.p))
