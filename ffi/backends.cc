@@ -9,6 +9,7 @@
 #include <cerrno>
 #include <cstdlib>
 #include <cstring>
+#include <map>
 #include <memory>
 #include <mutex>
 #include <new>
@@ -75,6 +76,48 @@ class MemoryBackend final : public Backend {
 
 std::string ErrnoMessage(const std::string& what, const std::string& path) {
   return what + " " + path + ": " + std::strerror(errno);
+}
+
+// Group commit of syncfs: shards on one file system that commit together (one step, several shards) share a
+// flush instead of each paying for one. A caller takes a ticket once its writes are done; a syncfs that starts
+// after that covers it, so a caller whose ticket an earlier flush already covered returns at once.
+std::string GroupSync(const std::string& dir) {
+  struct Device {
+    std::mutex mu;
+    uint64_t requested = 0;  // tickets handed out
+    uint64_t synced = 0;     // every ticket up to this one is durable
+  };
+  static std::mutex devices_mu;
+  static auto* devices = new std::map<dev_t, std::unique_ptr<Device>>();  // leaked: outlives every shard
+  struct stat st;
+  if (::stat(dir.c_str(), &st) != 0) return ErrnoMessage("cannot stat", dir);
+  Device* device;
+  uint64_t ticket;
+  {
+    std::lock_guard<std::mutex> lock(devices_mu);
+    auto& slot = (*devices)[st.st_dev];
+    if (!slot) slot = std::make_unique<Device>();
+    device = slot.get();
+    ticket = ++device->requested;
+  }
+  std::lock_guard<std::mutex> lock(device->mu);
+  if (device->synced >= ticket) return {};
+  uint64_t covered;
+  {
+    std::lock_guard<std::mutex> count_lock(devices_mu);
+    covered = device->requested;  // every ticket taken so far had its writes done before taking it
+  }
+  const int dirfd = ::open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+  if (dirfd < 0) return ErrnoMessage("cannot open", dir);
+  const int rc = ::syncfs(dirfd);
+  const int sync_errno = errno;
+  ::close(dirfd);
+  if (rc != 0) {
+    errno = sync_errno;
+    return ErrnoMessage("cannot sync", dir);
+  }
+  device->synced = covered;
+  return {};
 }
 
 class FileBackend final : public Backend {
@@ -267,15 +310,7 @@ class FileBackend final : public Backend {
     }
     if (paths.empty()) return {};
     // One pass per commit: flush the whole file system the shard lives on (data and the renames' metadata).
-    const int dirfd = ::open(root_.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
-    if (dirfd < 0) return ErrnoMessage("cannot open", root_);
-    const int rc = ::syncfs(dirfd);
-    const int sync_errno = errno;
-    ::close(dirfd);
-    if (rc != 0) {
-      errno = sync_errno;
-      return ErrnoMessage("cannot sync", root_);
-    }
+    if (std::string err = GroupSync(root_); !err.empty()) return err;
     for (const Written& w : paths) {  // buffered writes are clean now: drop them from the page cache
       if (!w.cached) continue;
       const int fd = ::open(w.path.c_str(), O_RDONLY | O_CLOEXEC);
