@@ -44,6 +44,10 @@ BlockKernel PortableKernel(int32_t kind, int grad_bf16);
 BlockKernel Avx2Kernel(int32_t kind, int grad_bf16);
 
 void PortableStream(float* p, const float* g, float* m, float* v, int64_t n);
+
+// fp32 -> bf16, round to nearest even with NaN kept quiet: the rounding of the kernels' bf16 output, for params
+// handed back without an update (a skipped or stale step).
+void RoundToBf16(const float* in, uint16_t* out, int64_t n);
 void Avx2Stream(float* p, const float* g, float* m, float* v, int64_t n);
 
 }  // namespace nsp::internal

@@ -84,6 +84,10 @@ BlockKernel PortableKernel(int32_t kind, int grad_bf16) {
   }
 }
 
+void RoundToBf16(const float* in, uint16_t* out, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) out[i] = F32ToBf16(in[i]);
+}
+
 void PortableStream(float* p, const float* g, float* m, float* v, int64_t n) {
   for (int64_t i = 0; i < n; ++i) {
     const float gi = g[i];

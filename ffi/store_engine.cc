@@ -15,20 +15,13 @@
 #include <new>
 #include <thread>
 
+#include "kernel_block.h"
+
 namespace nsp {
 namespace {
 
 int64_t GradBytes(GradType t) { return t == GradType::kF32 ? 4 : 2; }
 
-// fp32 -> bf16, round to nearest even, NaN kept quiet (the kernels' rounding, for params handed back as is).
-void RoundToBf16(const float* in, uint16_t* out, int64_t n) {
-  for (int64_t i = 0; i < n; ++i) {
-    uint32_t bits;
-    std::memcpy(&bits, &in[i], 4);
-    out[i] = (bits & 0x7fffffffu) > 0x7f800000u ? static_cast<uint16_t>((bits >> 16) | 0x40u)
-                                                : static_cast<uint16_t>((bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16);
-  }
-}
 
 // A closable blocking queue of page numbers (buffer set and page travel together).
 struct Work {
@@ -415,7 +408,7 @@ std::string ShardEngine::Skip(const ShardUpdate& u, int64_t version) {
     params = scratch.data();
   }
   if (std::string e = ReadState(static_cast<int>(version % 2), kParamState, params); !e.empty()) return e;
-  if (u.params_bf16_out != nullptr) RoundToBf16(params, u.params_bf16_out, size_);
+  if (u.params_bf16_out != nullptr) internal::RoundToBf16(params, u.params_bf16_out, size_);
   return {};
 }
 
@@ -443,7 +436,7 @@ std::string ShardEngine::StepAsync(const ShardUpdate& update, int64_t version) {
   }
   // Params one step old for the caller (bf16 copy too, rounded as the kernel rounds).
   if (update.params_out != nullptr) std::memcpy(update.params_out, async_params_.data(), sizeof(float) * size_);
-  if (update.params_bf16_out != nullptr) RoundToBf16(async_params_.data(), update.params_bf16_out, size_);
+  if (update.params_bf16_out != nullptr) internal::RoundToBf16(async_params_.data(), update.params_bf16_out, size_);
   // The caller's buffers live only for this call: copy what the background step reads.
   ShardUpdate u = update;
   const size_t gbytes = update.grad_type == GradType::kF32 ? 4 : 2;
