@@ -138,6 +138,7 @@ def main() -> int:
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
     rng = random.Random(args.seed)
+    Path(args.dir or os.getcwd()).mkdir(parents=True, exist_ok=True)
     workdir = Path(tempfile.mkdtemp(prefix="nsp-faults-", dir=args.dir or os.getcwd()))
     env = {**os.environ, "NSP_CACHE_DIR": str(workdir / "cache"), "XLA_FLAGS":
            "--xla_force_host_platform_device_count=4"}

@@ -25,6 +25,7 @@ XLA_FFI_DECLARE_HANDLER_SYMBOL(NspFusedUpdateDense);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(NspFusedUpdateSparse);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(NspStoreUpdateDense);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(NspStoreUpdateSparse);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(NspStoreUpdatePieces);
 
 namespace nb = nanobind;
 
@@ -131,6 +132,7 @@ NB_MODULE(_nsp_ffi, m) {
     targets["nsp_fused_update_sparse"] = EncapsulateFfiHandler(NspFusedUpdateSparse);
     targets["nsp_store_update_dense"] = EncapsulateFfiHandler(NspStoreUpdateDense);
     targets["nsp_store_update_sparse"] = EncapsulateFfiHandler(NspStoreUpdateSparse);
+    targets["nsp_store_update_pieces"] = EncapsulateFfiHandler(NspStoreUpdatePieces);
     return targets;
   });
   m.def("unregister_engine", &nsp::UnregisterEngine, nb::arg("handle"));
@@ -205,6 +207,16 @@ NB_MODULE(_nsp_ffi, m) {
              }
              Check(err);
            })
+      .def("write_pages",
+           [](nsp::ShardEngine& e, int slot, int state, int64_t first_page, F32In in) {
+             std::string err;
+             {
+               nb::gil_scoped_release release;
+               err = e.WritePages(slot, state, first_page, in.data(), static_cast<int64_t>(in.shape(0)));
+             }
+             Check(err);
+           },
+           "Writes whole pages of a state starting at `first_page` (initialisation a page at a time).")
       .def("stats",
            [](const nsp::ShardEngine& e) {
              const nsp::TrafficStats& s = e.stats();

@@ -122,6 +122,56 @@ class ErrorSlot {
 
 }  // namespace
 
+std::string ShardPieces::Finalize(int64_t shard_size) {
+  if (grad.size() != sizes.size() || out.size() != sizes.size()) return "pieces: gradients, outputs and sizes differ in count";
+  starts.resize(sizes.size());
+  int64_t total = 0;
+  for (size_t i = 0; i < sizes.size(); ++i) {
+    if (sizes[i] < 0) return "pieces: negative size";
+    starts[i] = total;
+    total += sizes[i];
+  }
+  if (total > shard_size) {
+    return "the pieces hold " + std::to_string(total) + " elements, more than the shard's " + std::to_string(shard_size);
+  }
+  return {};
+}
+
+void ShardPieces::GatherGrad(int64_t begin, int64_t n, char* dst) const {
+  const int64_t bytes = GradBytes(type);
+  const int64_t end = begin + n;
+  // The first piece that ends after `begin`.
+  size_t i = std::upper_bound(starts.begin(), starts.end(), begin) - starts.begin();
+  i = i == 0 ? 0 : i - 1;
+  int64_t at = begin;
+  for (; i < sizes.size() && at < end; ++i) {
+    const int64_t lo = std::max(at, starts[i]);
+    const int64_t hi = std::min(end, starts[i] + sizes[i]);
+    if (hi <= lo) continue;
+    std::memcpy(dst + (lo - begin) * bytes, static_cast<const char*>(grad[i]) + (lo - starts[i]) * bytes,
+                static_cast<size_t>((hi - lo) * bytes));
+    at = hi;
+  }
+  if (at < end) std::memset(dst + (at - begin) * bytes, 0, static_cast<size_t>((end - at) * bytes));  // padding
+}
+
+void ShardPieces::ScatterParams(int64_t begin, int64_t n, const float* src) const {
+  const int64_t end = begin + n;
+  size_t i = std::upper_bound(starts.begin(), starts.end(), begin) - starts.begin();
+  i = i == 0 ? 0 : i - 1;
+  for (; i < sizes.size() && starts[i] < end; ++i) {
+    const int64_t lo = std::max(begin, starts[i]);
+    const int64_t hi = std::min(end, starts[i] + sizes[i]);
+    if (hi <= lo) continue;
+    if (type == GradType::kF32) {
+      std::memcpy(static_cast<float*>(out[i]) + (lo - starts[i]), src + (lo - begin),
+                  sizeof(float) * static_cast<size_t>(hi - lo));
+    } else {
+      internal::RoundToBf16(src + (lo - begin), static_cast<uint16_t*>(out[i]) + (lo - starts[i]), hi - lo);
+    }
+  }
+}
+
 ShardEngine::ShardEngine(std::unique_ptr<Backend> backend, int64_t size, int64_t page_elems, int pages_in_flight,
                          std::array<bool, kNumStates> states_used)
     : backend_(std::move(backend)),
@@ -156,12 +206,14 @@ int64_t ShardEngine::buffer_bytes() const {
   for (const auto& set : buffers_) {
     for (const auto& b : set) total += static_cast<int64_t>(b.bytes);
   }
-  return total;
+  return total + static_cast<int64_t>(grad_stage_.bytes);
 }
 
 void ShardEngine::CountUpdate(const ShardUpdate& u) {
   const int64_t gbytes = GradBytes(u.grad_type);
-  stats_.shared_in_bytes += u.grad != nullptr ? size_ * gbytes : u.count * (gbytes + 4);
+  const bool dense = u.grad != nullptr || u.pieces != nullptr;
+  stats_.shared_in_bytes += dense ? size_ * gbytes : u.count * (gbytes + 4);
+  if (u.pieces != nullptr) stats_.shared_out_bytes += size_ * gbytes;  // new params in the gradient's dtype
   if (u.params_out != nullptr) stats_.shared_out_bytes += size_ * 4;
   if (u.params_bf16_out != nullptr) stats_.shared_out_bytes += size_ * 2;
   int states = 0;
@@ -173,10 +225,21 @@ void ShardEngine::CountUpdate(const ShardUpdate& u) {
   stats_.updates += 1;
 }
 
-PageGrad ShardEngine::GradForPage(const ShardUpdate& u, int64_t page, int64_t* cursor) const {
+char* ShardEngine::GradStage() {
+  if (grad_stage_.data == nullptr) grad_stage_ = AlignedBuffer(sizeof(float) * static_cast<size_t>(page_elems_));
+  return reinterpret_cast<char*>(grad_stage_.data);
+}
+
+PageGrad ShardEngine::GradForPage(const ShardUpdate& u, int64_t page, int64_t* cursor) {
   PageGrad g;
   g.type = u.grad_type;
   const int64_t begin = page * page_elems_;
+  if (u.pieces != nullptr) {  // gather this page's gradient from the leaves it spans
+    char* stage = GradStage();
+    u.pieces->GatherGrad(begin, std::min(page_elems_, size_ - begin), stage);
+    g.dense = stage;
+    return g;
+  }
   if (u.grad != nullptr) {
     g.dense = static_cast<const char*>(u.grad) + begin * GradBytes(u.grad_type);
     return g;
@@ -197,7 +260,8 @@ std::string ShardEngine::Update(const ShardUpdate& u) {
   if (u.src_slot == u.dst_slot || u.src_slot < 0 || u.src_slot > 1 || u.dst_slot < 0 || u.dst_slot > 1) {
     return "an update must read one version slot and write the other";
   }
-  if (u.grad == nullptr) {
+  if (u.pieces != nullptr && u.pieces->type != u.grad_type) return "internal error: pieces and gradient types differ";
+  if (u.grad == nullptr && u.pieces == nullptr) {
     if (std::string err = ValidateSparseIndices(u.indices, u.count, size_); !err.empty()) return err;
   }
   std::string err = Addressable() ? UpdateAddressable(u) : UpdateStreamed(u);
@@ -206,6 +270,28 @@ std::string ShardEngine::Update(const ShardUpdate& u) {
 }
 
 std::string ShardEngine::UpdateAddressable(const ShardUpdate& u) {
+  if (u.pieces != nullptr) {
+    // Page by page: gather the page's gradient from the pieces, update the slots in place, scatter the params.
+    for (int64_t page = 0; page < num_pages_; ++page) {
+      const int64_t begin = page * page_elems_;
+      StateSpan span;
+      span.size = std::min(page_elems_, size_ - begin);
+      span.param_in = backend_->PageAddress(u.src_slot, kParamState, 0) + begin;
+      span.param_out = backend_->PageAddress(u.dst_slot, kParamState, 0) + begin;
+      if (used_[kMuState]) {
+        span.mu_in = backend_->PageAddress(u.src_slot, kMuState, 0) + begin;
+        span.mu_out = backend_->PageAddress(u.dst_slot, kMuState, 0) + begin;
+      }
+      if (used_[kNuState]) {
+        span.nu_in = backend_->PageAddress(u.src_slot, kNuState, 0) + begin;
+        span.nu_out = backend_->PageAddress(u.dst_slot, kNuState, 0) + begin;
+      }
+      int64_t cursor = 0;
+      backend_->Compute(u.hp, span, GradForPage(u, page, &cursor));
+      u.pieces->ScatterParams(begin, span.size, span.param_out);
+    }
+    return {};
+  }
   StateSpan span;
   span.size = size_;
   span.param_in = backend_->PageAddress(u.src_slot, kParamState, 0);
@@ -312,6 +398,7 @@ std::string ShardEngine::UpdateStreamed(const ShardUpdate& u) {
     if (used_[kNuState]) span.nu_in = span.nu_out = buffers_[w.set][kNuState].data;
     if (u.params_bf16_out != nullptr) span.param_bf16_out = u.params_bf16_out + begin;
     backend_->Compute(u.hp, span, GradForPage(u, w.page, &cursor));
+    if (u.pieces != nullptr) u.pieces->ScatterParams(begin, span.size, pbuf);
     writes.PushParam(w);
     ++computed;
   }
@@ -400,6 +487,17 @@ std::string ShardEngine::Skip(const ShardUpdate& u, int64_t version) {
            std::to_string(version_) + ")";
   }
   stats_.skipped += 1;
+  if (u.pieces != nullptr) {  // the committed params into the pieces, a page at a time
+    const int slot = static_cast<int>(version % 2);
+    AlignedBuffer page_buffer(backend_->PageBufferBytes(page_elems_));
+    for (int64_t page = 0; page < num_pages_; ++page) {
+      const int64_t begin = page * page_elems_;
+      const int64_t n = std::min(page_elems_, size_ - begin);
+      if (std::string e = backend_->ReadPage(slot, kParamState, page, page_buffer.data, n, true); !e.empty()) return e;
+      u.pieces->ScatterParams(begin, n, page_buffer.data);
+    }
+    return {};
+  }
   if (u.params_out == nullptr && u.params_bf16_out == nullptr) return {};
   std::vector<float> scratch;
   float* params = u.params_out;
@@ -434,13 +532,17 @@ std::string ShardEngine::StepAsync(const ShardUpdate& update, int64_t version) {
     }
     async_params_valid_ = true;
   }
-  // Params one step old for the caller (bf16 copy too, rounded as the kernel rounds).
-  if (update.params_out != nullptr) std::memcpy(update.params_out, async_params_.data(), sizeof(float) * size_);
-  if (update.params_bf16_out != nullptr) internal::RoundToBf16(async_params_.data(), update.params_bf16_out, size_);
-  // The caller's buffers live only for this call: copy what the background step reads.
+  // The caller's buffers live only for this call: copy what the background step reads (first: with pieces the
+  // params below may land on the gradient's memory).
   ShardUpdate u = update;
   const size_t gbytes = update.grad_type == GradType::kF32 ? 4 : 2;
-  if (update.grad != nullptr) {
+  if (update.pieces != nullptr) {
+    async_grad_.resize(gbytes * static_cast<size_t>(size_));
+    update.pieces->GatherGrad(0, size_, async_grad_.data());
+    u.grad = async_grad_.data();
+    u.pieces = nullptr;
+    update.pieces->ScatterParams(0, size_, async_params_.data());  // params one step old for the caller
+  } else if (update.grad != nullptr) {
     async_grad_.resize(gbytes * static_cast<size_t>(size_));
     std::memcpy(async_grad_.data(), update.grad, async_grad_.size());
     u.grad = async_grad_.data();
@@ -452,6 +554,9 @@ std::string ShardEngine::StepAsync(const ShardUpdate& update, int64_t version) {
     u.values = async_grad_.data();
     u.indices = async_indices_.data();
   }
+  // Params one step old for the caller (bf16 copy too, rounded as the kernel rounds).
+  if (update.params_out != nullptr) std::memcpy(update.params_out, async_params_.data(), sizeof(float) * size_);
+  if (update.params_bf16_out != nullptr) internal::RoundToBf16(async_params_.data(), update.params_bf16_out, size_);
   u.params_out = async_params_.data();
   u.params_bf16_out = nullptr;
   pending_ = std::thread([this, u, version] {
@@ -477,6 +582,23 @@ std::string ShardEngine::ReadState(int slot, int state, float* out) {
   for (int64_t page = 0; page < num_pages_; ++page) {
     const int64_t n = std::min(page_elems_, size_ - page * page_elems_);
     if (std::string e = backend_->ReadPage(slot, state, page, out + page * page_elems_, n, false); !e.empty()) {
+      return e;
+    }
+  }
+  return {};
+}
+
+std::string ShardEngine::WritePages(int slot, int state, int64_t first_page, const float* in, int64_t n) {
+  const int64_t begin = first_page * page_elems_;
+  if (first_page < 0 || begin + n > size_ || n < 0 || (n % page_elems_ != 0 && begin + n != size_)) {
+    return "write_pages: " + std::to_string(n) + " elements from page " + std::to_string(first_page) +
+           " are not whole pages of the shard";
+  }
+  for (int64_t done = 0; done < n; done += page_elems_) {
+    const int64_t len = std::min(page_elems_, n - done);
+    if (std::string e = backend_->WritePage(slot, state, first_page + done / page_elems_, const_cast<float*>(in) + done,
+                                            len, false);
+        !e.empty()) {
       return e;
     }
   }

@@ -37,6 +37,23 @@ struct TrafficStats {
   int64_t skipped = 0;    // steps skipped because the gradient was not finite
 };
 
+// A shard given as consecutive pieces, one per parameter leaf in the layout's order (a tree's leaves, without
+// a flat copy): piece i covers the next sizes[i] elements; elements past the last piece are padding (zero
+// gradient). Each piece's gradient is read from grad[i] and its new params are written to out[i] in the same
+// dtype (`type`); out[i] may be grad[i] (updated in place): a page's gradient is read before its params land.
+struct ShardPieces {
+  GradType type = GradType::kF32;
+  std::vector<const void*> grad;
+  std::vector<void*> out;
+  std::vector<int64_t> sizes;
+  std::vector<int64_t> starts;  // filled by Finalize: starts[i] = sizes[0] + ... + sizes[i-1]
+  std::string Finalize(int64_t shard_size);
+  // Copies elements [begin, begin + n) of the gradient into dst (type's bytes per element; zeros in padding).
+  void GatherGrad(int64_t begin, int64_t n, char* dst) const;
+  // Writes fp32 params for elements [begin, begin + n) into the pieces, rounded to bf16 when type is bf16.
+  void ScatterParams(int64_t begin, int64_t n, const float* src) const;
+};
+
 struct ShardUpdate {
   UpdateHyperParams hp;
   int src_slot = 0;
@@ -51,6 +68,8 @@ struct ShardUpdate {
   // Where the new params go (either may be null).
   float* params_out = nullptr;
   uint16_t* params_bf16_out = nullptr;
+  // Or, instead of `grad` and the outputs above: the gradient in, and the new params out, as pieces.
+  const ShardPieces* pieces = nullptr;
 };
 
 class ShardEngine {
@@ -105,6 +124,9 @@ class ShardEngine {
   // Whole-state transfers (initialisation, export): `n` = size elements.
   std::string ReadState(int slot, int state, float* out);
   std::string WriteState(int slot, int state, const float* in);
+  // Writes `n` elements of `state` starting at page `first_page` (whole pages, or through the shard's end), so
+  // a state can be written a page at a time without a whole-shard array.
+  std::string WritePages(int slot, int state, int64_t first_page, const float* in, int64_t n);
 
   int64_t size() const { return size_; }
   int64_t page_elems() const { return page_elems_; }
@@ -120,7 +142,8 @@ class ShardEngine {
   bool Addressable() const;
   std::string UpdateAddressable(const ShardUpdate& u);
   std::string UpdateStreamed(const ShardUpdate& u);
-  PageGrad GradForPage(const ShardUpdate& u, int64_t page, int64_t* cursor) const;
+  PageGrad GradForPage(const ShardUpdate& u, int64_t page, int64_t* cursor);
+  char* GradStage();
   void CountUpdate(const ShardUpdate& u);
 
   std::unique_ptr<Backend> backend_;
@@ -154,6 +177,8 @@ class ShardEngine {
   };
   // buffers_[set][state]: page buffers, allocated once (lazily, on the first streamed update).
   std::vector<std::array<AlignedBuffer, kNumStates>> buffers_;
+  // One page of gradient gathered from pieces (allocated on the first update given pieces).
+  AlignedBuffer grad_stage_;
   TrafficStats stats_;
 };
 

@@ -10,6 +10,11 @@
 // the step and hand back the committed params), then grad (f32|bf16)[n] (dense target) or
 // values (f32|bf16)[k] + indices s32[k] (sparse target; shard positions, sorted).
 // Results: params f32[n], version s32[], [params_bf16 bf16[n]].
+//
+// A third target (single-shard stores) takes the gradient as the params tree's leaves instead of one flat
+// vector: operands lr, step, version, shard, apply, then one (f32|bf16) buffer per leaf in the layout's order;
+// results version s32[], then the leaves' new params in the same dtypes. Python aliases each result to its
+// gradient operand, so the update neither concatenates the gradient nor allocates the params it returns.
 #include <string>
 #include <utility>
 
@@ -115,6 +120,54 @@ ffi::Error SparseImpl(ffi::Buffer<ffi::F32> lr, ffi::Buffer<ffi::S32> step, ffi:
   return Finish(*call, extra, staleness);
 }
 
+ffi::Error PiecesImpl(ffi::Buffer<ffi::F32> lr, ffi::Buffer<ffi::S32> step, ffi::Buffer<ffi::S32> version,
+                      ffi::Buffer<ffi::S32> shard, ffi::Buffer<ffi::S32> apply, ffi::RemainingArgs grads,
+                      ffi::Result<ffi::Buffer<ffi::S32>> version_out, ffi::RemainingRets params,
+                      ffi::Span<const int64_t> handles, int32_t staleness, int32_t kind, double b1, double b2,
+                      double eps, double weight_decay, double momentum, bool nesterov) {
+  const int32_t s = shard.typed_data()[0];
+  if (s < 0 || static_cast<size_t>(s) >= handles.size()) {
+    return Invalid("shard " + std::to_string(s) + " is not one of the store's " + std::to_string(handles.size()) +
+                   " shards");
+  }
+  ShardEngine* engine = FindEngine(handles[s]);
+  if (engine == nullptr) return Invalid("the store was closed");
+  auto hyper = ffi_common::HyperParams(kOp, lr, step, kind, b1, b2, eps, weight_decay, momentum, nesterov);
+  if (hyper.has_error()) return hyper.error();
+  if (grads.size() == 0 || grads.size() != params.size()) {
+    return Invalid("one gradient leaf per params leaf is needed, got " + std::to_string(grads.size()) + " and " +
+                   std::to_string(params.size()));
+  }
+  ShardPieces pieces;
+  for (size_t i = 0; i < grads.size(); ++i) {
+    auto g = grads.get<ffi::AnyBuffer>(i);
+    auto p = params.get<ffi::AnyBuffer>(i);
+    if (g.has_error()) return g.error();
+    if (p.has_error()) return p.error();
+    auto type = ffi_common::GradTypeOf(kOp, *g);
+    if (type.has_error()) return type.error();
+    if (i == 0) pieces.type = *type;
+    if (*type != pieces.type || (*p)->element_type() != g->element_type() ||
+        (*p)->element_count() != g->element_count()) {
+      return Invalid("every gradient leaf and its params result must share one dtype (float32 or bfloat16) and size");
+    }
+    pieces.grad.push_back(g->untyped_data());
+    pieces.out.push_back((*p)->untyped_data());
+    pieces.sizes.push_back(static_cast<int64_t>(g->element_count()));
+  }
+  if (std::string err = pieces.Finalize(engine->size()); !err.empty()) return Invalid(err);
+  Call call{engine, {}, version.typed_data()[0], apply.typed_data()[0] != 0};
+  call.update.hp = *hyper;
+  call.update.grad_type = pieces.type;
+  call.update.pieces = &pieces;
+  std::string err = !call.apply      ? engine->Skip(call.update, call.version)
+                    : staleness > 0 ? engine->StepAsync(call.update, call.version)
+                                    : engine->Step(call.update, call.version);
+  if (!err.empty()) return Invalid(err);
+  version_out->typed_data()[0] = static_cast<int32_t>(call.version + (call.apply ? 1 : 0));
+  return ffi::Error::Success();
+}
+
 template <typename Binding>
 auto WithAttrs(Binding binding) {
   return ffi_common::WithHyperParamAttrs(std::move(binding)
@@ -147,3 +200,14 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(NspStoreUpdateSparse, nsp::SparseImpl,
                                                  .Arg<xla::ffi::Buffer<xla::ffi::S32>>()  // indices
                                                  .Ret<xla::ffi::Buffer<xla::ffi::F32>>()  // params
                                                  .RemainingRets()));                      // version, [bf16]
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(NspStoreUpdatePieces, nsp::PiecesImpl,
+                              nsp::WithAttrs(xla::ffi::Ffi::Bind()
+                                                 .Arg<xla::ffi::Buffer<xla::ffi::F32>>()  // lr
+                                                 .Arg<xla::ffi::Buffer<xla::ffi::S32>>()  // step
+                                                 .Arg<xla::ffi::Buffer<xla::ffi::S32>>()  // version
+                                                 .Arg<xla::ffi::Buffer<xla::ffi::S32>>()  // shard
+                                                 .Arg<xla::ffi::Buffer<xla::ffi::S32>>()  // apply (finite grads)
+                                                 .RemainingArgs()                         // gradient leaves
+                                                 .Ret<xla::ffi::Buffer<xla::ffi::S32>>()  // version
+                                                 .RemainingRets()));                      // params leaves

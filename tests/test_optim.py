@@ -336,3 +336,22 @@ def test_non_finite_gradients_skip_the_step_under_jit(tmp_path):
             assert max_rel_err(p, rp) <= 1e-6, f"step {t + 1}"
         assert int(s.count) == int(s.version) == store.version == 3
         assert store.stats()["skipped"] == 2
+
+
+@pytest.mark.parametrize("tier", ["memory", "file"])
+def test_bf16_params_come_back_as_the_rounded_fp32_master(tmp_path, tier):
+    """bf16 params on the accelerator, fp32 master in the store: every step's params are the master rounded."""
+    params32, loss = mlp_problem()
+    store = nsp.storage.open(None if tier == "memory" else tmp_path / "s", tier=tier, page_bytes=PAGE)
+    with store:
+        tx = nsp.optim.adamw(1e-2, store=store)
+        state = tx.init(params32)
+        params = jax.tree_util.tree_map(lambda x: x.astype(jnp.bfloat16), params32)
+        step = make_step(tx, lambda p: loss(jax.tree_util.tree_map(lambda x: x.astype(jnp.float32), p)))
+        for _ in range(5):
+            params, state, _ = step(params, state)
+            master = store.layout.unflatten(jnp.asarray(store.read("param")), params32)
+            for p, m in zip(jax.tree_util.tree_leaves(params), jax.tree_util.tree_leaves(master)):
+                assert p.dtype == jnp.bfloat16
+                np.testing.assert_array_equal(np.asarray(p), np.asarray(m.astype(jnp.bfloat16)))
+        assert int(state.version) == store.version == 5

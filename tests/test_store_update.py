@@ -9,7 +9,7 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import nsp.storage as storage
-from nsp.primitives import fused_update, store_update
+from nsp.primitives import fused_update, store_update, store_update_leaves
 
 PAGE = 16 * 1024
 
@@ -118,6 +118,11 @@ def test_stale_version_and_closed_store_are_clear_errors(tmp_path):
     store.close()
     with pytest.raises(Exception, match="the store was closed"):
         jax.block_until_ready(f(g, 2))
+    # JAX keeps the failed side-effecting call's runtime token, and raises its error again at every
+    # effects_barrier until a later side-effecting computation replaces it (at exit, too): drop it.
+    from jax._src import dispatch
+
+    dispatch.runtime_tokens.clear()
 
 
 def test_wrong_inputs(tmp_path, mesh4):
@@ -134,3 +139,72 @@ def test_wrong_inputs(tmp_path, mesh4):
         with pytest.raises(ValueError, match="has 2 devices; the store has 4 shards"):
             store_update(store, jnp.zeros(n), version=0, lr=0.1, step=1, mesh=mesh2, axis_name="d")
         assert store.version == 0
+
+
+@pytest.mark.parametrize("tier", ["memory", "file"])
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_leaves_update_equals_flat_update_and_reuses_the_gradient(tmp_path, tier, dtype):
+    """store_update_leaves (gradient as the tree's leaves, params written over them) == the flat store_update."""
+    params = params_tree()
+    spec = storage.OptimizerSpec("adam")
+    stores = [storage.open(None if tier == "memory" else tmp_path / name, tier=tier, num_shards=1, page_bytes=PAGE)
+              for name in ("leaves", "flat")]
+    for s in stores:
+        s.initialize(params, spec)
+    leaves_store, flat_store = stores
+    layout = leaves_store.layout
+
+    @jax.jit
+    def leaves_step(grads, version, t):
+        return store_update_leaves(leaves_store, grads, version=version, lr=0.01, step=t)
+
+    @jax.jit
+    def flat_step(g, version, t):
+        return store_update(flat_store, g, version=version, lr=0.01, step=t, params_bf16=True)
+
+    try:
+        for t in range(1, 4):
+            g = jnp.asarray(grad_at(t, layout)).astype(dtype)
+            grads = [g[leaf.offset:leaf.offset + leaf.size].reshape(leaf.shape) for leaf in layout.leaves]
+            new, version = leaves_step(grads, t - 1, t)
+            ref = flat_step(g, t - 1, t)
+            assert int(version) == int(ref.version) == t
+            ref_params = ref.params if dtype == jnp.float32 else ref.params_bf16
+            for leaf, x in zip(layout.leaves, new):
+                assert x.dtype == dtype and x.shape == leaf.shape
+                np.testing.assert_array_equal(np.asarray(x.astype(jnp.float32)).ravel(),
+                                              np.asarray(ref_params[leaf.offset:leaf.offset + leaf.size]
+                                                         .astype(jnp.float32)))
+        np.testing.assert_array_equal(leaves_store.read("mu"), flat_store.read("mu"))
+        np.testing.assert_array_equal(leaves_store.read("param"), flat_store.read("param"))
+        assert leaves_store.stats()["shared_in_bytes"] == 3 * layout.padded_total * jnp.dtype(dtype).itemsize
+
+        # A non-finite gradient skips the step: the committed params come back, the version stays.
+        bad = [jnp.full(leaf.shape, jnp.nan, dtype) for leaf in layout.leaves]
+        new, version = leaves_step(bad, 3, 4)
+        assert int(version) == 3 == leaves_store.version
+        committed = leaves_store.read("param")
+        for leaf, x in zip(layout.leaves, new):
+            np.testing.assert_array_equal(np.asarray(x.astype(jnp.float32)).ravel(),
+                                          np.asarray(jnp.asarray(committed[leaf.offset:leaf.offset + leaf.size])
+                                                     .astype(dtype).astype(jnp.float32)))
+    finally:
+        for s in stores:
+            s.close()
+
+
+def test_leaves_update_rejects_what_it_cannot_take(tmp_path, mesh4):
+    params = params_tree()
+    with storage.open(None, tier="memory", num_shards=1, page_bytes=PAGE) as store:
+        store.initialize(params, storage.OptimizerSpec("adam"))
+        leaves = [jnp.zeros(leaf.shape) for leaf in store.layout.leaves]
+        with pytest.raises(ValueError, match="1 gradient leaves, the store's layout has 2"):
+            store_update_leaves(store, leaves[:1], version=0, lr=0.1, step=1)
+        with pytest.raises(TypeError, match="must all be float32 or all bfloat16"):
+            store_update_leaves(store, [leaves[0], leaves[1].astype(jnp.bfloat16)], version=0, lr=0.1, step=1)
+        with pytest.raises(ValueError, match="has shape"):
+            store_update_leaves(store, [leaves[0].T, leaves[1]], version=0, lr=0.1, step=1)
+    with storage.open(None, tier="memory", num_shards=4, page_bytes=PAGE) as store:
+        store.initialize(params, storage.OptimizerSpec("adam"))
+        with pytest.raises(ValueError, match="single-shard"):
+            store_update_leaves(store, leaves, version=0, lr=0.1, step=1)

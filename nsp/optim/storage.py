@@ -22,7 +22,7 @@ from jax.sharding import Mesh
 
 from nsp.optim._shards import shard_flat
 from nsp.optim.compress import Compressed
-from nsp.primitives.store_update import store_update
+from nsp.primitives.store_update import StoreUpdateResult, store_update, store_update_leaves
 from nsp.storage import OptimizerSpec, StateStore
 
 
@@ -109,6 +109,14 @@ def scale_by_storage(
             out = store_update(store, values=updates.values.astype(jnp.float32), indices=updates.indices,
                                version=state.version, lr=lr, step=state.count + 1, mesh=mesh, axis_name=axis_name,
                                staleness=staleness)
+        elif _leaves_path(layout, updates, params, mesh):
+            # One store shard, gradient and params of one dtype: the update reads the gradient leaves where they
+            # are and writes the new params over them (no flat copies: the leanest step in memory).
+            new_leaves, version = store_update_leaves(
+                store, jax.tree_util.tree_leaves(updates), version=state.version, lr=lr, step=state.count + 1,
+                staleness=staleness)
+            out = StoreUpdateResult(None, version, None)
+            new_params = jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(params), new_leaves)
         else:
             leaves = jax.tree_util.tree_leaves(updates)
             # bf16 gradients travel as bf16 (half the bytes); anything else as fp32.
@@ -116,7 +124,8 @@ def scale_by_storage(
             flat = shard_flat(layout.flatten(updates, dtype=dtype), mesh, axis_name)
             out = store_update(store, flat, version=state.version, lr=lr, step=state.count + 1, mesh=mesh,
                                axis_name=axis_name, staleness=staleness)
-        new_params = layout.unflatten(out.params, params, dtype=jnp.float32)
+        if out.params is not None:
+            new_params = layout.unflatten(out.params, params, dtype=jnp.float32)
         # p + (new - p) recovers new exactly whenever the subtraction is exact (Sterbenz: new and p are close).
         new_updates = jax.tree_util.tree_map(lambda n, p: n - p.astype(jnp.float32), new_params, params)
         # A skipped step (non-finite gradient) leaves the version, and so the step count, where they were.
@@ -124,6 +133,20 @@ def scale_by_storage(
         return new_updates, StorageState(state.count + applied, out.version)
 
     return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+
+
+def _leaves_path(layout, updates, params, mesh) -> bool:
+    """Whether the update can take the gradient as leaves (``store_update_leaves``): one device and one store
+    shard, and gradient and params leaves all of one dtype (float32 or bfloat16) with the layout's shapes."""
+    if mesh is not None or layout.num_shards != 1:
+        return False
+    grads, ps = jax.tree_util.tree_leaves(updates), jax.tree_util.tree_leaves(params)
+    if not grads or len(grads) != len(ps) or len(grads) != len(layout.leaves):
+        return False
+    dtype = grads[0].dtype
+    return dtype in (jnp.float32, jnp.bfloat16) and all(
+        g.dtype == dtype and p.dtype == dtype and tuple(g.shape) == spec.shape
+        for g, p, spec in zip(grads, ps, layout.leaves))
 
 
 def _check_lr(learning_rate):

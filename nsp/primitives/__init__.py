@@ -2,7 +2,7 @@
 
 from nsp.primitives._ffi import get_num_threads, kernel_isa, set_num_threads
 from nsp.primitives.fused_update import FusedUpdateResult, fused_update, uses_mu, uses_nu
-from nsp.primitives.store_update import StoreUpdateResult, store_update
+from nsp.primitives.store_update import StoreUpdateResult, store_update, store_update_leaves
 from nsp.primitives.topk import kept_count, topk_compress, topk_decompress
 
 __all__ = [
@@ -14,6 +14,7 @@ __all__ = [
     "kernel_isa",
     "set_num_threads",
     "store_update",
+    "store_update_leaves",
     "topk_compress",
     "topk_decompress",
     "uses_mu",

@@ -34,6 +34,16 @@ class StoreUpdateResult(NamedTuple):
     params_bf16: jax.Array | None
 
 
+def _attrs(store, staleness: int) -> dict:
+    spec = store.optimizer
+    return dict(
+        handles=np.asarray(store.ffi_handles(), np.int64), staleness=np.int32(staleness),
+        kind=np.int32(KINDS[spec.kind]), b1=np.float64(spec.b1), b2=np.float64(spec.b2), eps=np.float64(spec.eps),
+        weight_decay=np.float64(spec.weight_decay), momentum=np.float64(spec.momentum),
+        nesterov=bool(spec.nesterov),
+    )
+
+
 def store_update(
     store,
     grad: jax.Array | None = None,
@@ -70,12 +80,11 @@ def store_update(
       is untouched, ``version`` is unchanged and ``params`` are the committed ones (counted in
       ``store.stats()["skipped"]``).
     """
-    layout, spec = store.layout, store.optimizer
+    layout = store.layout
     if staleness not in (0, 1):
         raise ValueError(f"staleness must be 0 or 1, got {staleness}")
     if layout is None:
         raise ValueError("the store holds no state yet: initialize it first")
-    handles = np.asarray(store.ffi_handles(), np.int64)
     shards = layout.num_shards
     if (mesh is None) != (axis_name is None):
         raise ValueError("pass both mesh and axis_name, or neither")
@@ -110,11 +119,7 @@ def store_update(
     call = jax.ffi.ffi_call(
         "nsp_store_update_dense" if dense else "nsp_store_update_sparse", out_types, has_side_effect=True
     )
-    attrs = dict(
-        handles=handles, staleness=np.int32(staleness), kind=np.int32(KINDS[spec.kind]), b1=np.float64(spec.b1), b2=np.float64(spec.b2),
-        eps=np.float64(spec.eps), weight_decay=np.float64(spec.weight_decay), momentum=np.float64(spec.momentum),
-        nesterov=bool(spec.nesterov),
-    )
+    attrs = _attrs(store, staleness)
     scalars = [jnp.asarray(lr, jnp.float32), jnp.asarray(step, jnp.int32), jnp.asarray(version, jnp.int32)]
 
     # A step whose gradient holds NaN or Inf (an overflowed loss scale, a diverged batch) is skipped by every
@@ -138,3 +143,56 @@ def store_update(
         )(*scalars, *operands)
     # Every shard commits on its own; the store's version is the lowest they report.
     return StoreUpdateResult(outs[0], jnp.min(outs[1]), outs[2] if params_bf16 else None)
+
+
+def store_update_leaves(
+    store,
+    grads: list[jax.Array],
+    *,
+    version: jax.typing.ArrayLike,
+    lr: jax.typing.ArrayLike,
+    step: jax.typing.ArrayLike,
+    staleness: int = 0,
+) -> tuple[list[jax.Array], jax.Array]:
+    """``store_update`` for a single-shard store, taking the gradient as the params tree's leaves.
+
+    The memory-lean form of the update (one device, one store shard): the gradient is not concatenated into a
+    flat vector, and each leaf's new params are written over that leaf's gradient (the FFI call aliases each
+    result to its gradient operand), so the update needs no memory beyond the gradient it consumes. Inside
+    ``jax.jit`` the gradient leaves must not be used after this call (XLA would copy them first).
+
+    Args:
+      store: an initialized single-shard ``nsp.storage.StateStore``.
+      grads: the gradient's leaves in the store layout's order, all float32 or all bfloat16.
+      version, lr, step, staleness: as for ``store_update``.
+
+    Returns:
+      ``(params, version)``: the new params leaves in the gradient's dtype, and the version the store committed.
+      A gradient with NaN or Inf skips the step (the committed params come back, ``version`` is unchanged).
+    """
+    layout = store.layout
+    if layout is None:
+        raise ValueError("the store holds no state yet: initialize it first")
+    if layout.num_shards != 1:
+        raise ValueError(f"store_update_leaves needs a single-shard store; this one has {layout.num_shards} shards "
+                         "(use store_update with a mesh)")
+    if staleness not in (0, 1):
+        raise ValueError(f"staleness must be 0 or 1, got {staleness}")
+    if len(grads) != len(layout.leaves):
+        raise ValueError(f"{len(grads)} gradient leaves, the store's layout has {len(layout.leaves)}")
+    dtype = grads[0].dtype if grads else None
+    if dtype not in (jnp.float32, jnp.bfloat16) or any(g.dtype != dtype for g in grads):
+        raise TypeError(f"gradient leaves must all be float32 or all bfloat16, got {sorted({str(g.dtype) for g in grads})}")
+    for g, spec in zip(grads, layout.leaves):
+        if tuple(g.shape) != spec.shape:
+            raise ValueError(f"gradient leaf {spec.path} has shape {tuple(g.shape)}, the layout says {spec.shape}")
+
+    finite = jnp.stack([jnp.all(jnp.isfinite(g)) for g in grads]).all().astype(jnp.int32)
+    scalars = [jnp.asarray(lr, jnp.float32), jnp.asarray(step, jnp.int32), jnp.asarray(version, jnp.int32),
+               jnp.int32(0), finite]
+    out_types = [jax.ShapeDtypeStruct((), jnp.int32)] + [jax.ShapeDtypeStruct(g.shape, g.dtype) for g in grads]
+    first = len(scalars)
+    call = jax.ffi.ffi_call("nsp_store_update_pieces", out_types, has_side_effect=True,
+                            input_output_aliases={first + i: 1 + i for i in range(len(grads))})
+    outs = call(*scalars, *grads, **_attrs(store, staleness))
+    return list(outs[1:]), outs[0]

@@ -125,6 +125,17 @@ class Layout:
             parts.append(jnp.zeros((pad,), dtype))
         return jnp.concatenate(parts)
 
+    def gather(self, leaves: list[np.ndarray], begin: int, n: int) -> np.ndarray:
+        """Elements ``[begin, begin + n)`` of the padded flat vector of ``leaves`` (host arrays in layout
+        order) as fp32, copying only those elements (zeros in the padding)."""
+        out = np.zeros(n, np.float32)
+        end = begin + n
+        for leaf, spec in zip(leaves, self.leaves):
+            lo, hi = max(begin, spec.offset), min(end, spec.offset + spec.size)
+            if lo < hi:
+                out[lo - begin : hi - begin] = np.ravel(leaf)[lo - spec.offset : hi - spec.offset]
+        return out
+
     def unflatten(self, flat: Any, treedef_like: Any, dtype=None) -> Any:
         """Splits a flat vector back into a tree with the structure of ``treedef_like``."""
         treedef = jax.tree_util.tree_structure(treedef_like)

@@ -27,6 +27,7 @@ import os
 from pathlib import Path
 from typing import Any
 
+import jax
 import numpy as np
 import tensorstore as ts
 
@@ -39,6 +40,7 @@ TIERS = ("memory", "file", "csd")
 STATES = ("param", "mu", "nu")
 METADATA = "nsp_store.json"
 MANIFEST = "MANIFEST.json"
+_INIT_CHUNK_BYTES = 16 << 20  # initialize writes the state this many bytes at a time
 
 
 class StoreError(RuntimeError):
@@ -152,8 +154,6 @@ class StateStore:
         if self._handles:
             # Jitted steps that name this store may still be queued (JAX dispatches asynchronously): let every
             # side-effecting computation finish before the engines go away.
-            import jax
-
             try:
                 jax.effects_barrier()
             except Exception:  # noqa: BLE001  (a failed step already raised its error to its caller)
@@ -186,7 +186,13 @@ class StateStore:
         return self.layout is not None
 
     def barrier(self) -> None:
-        """Waits for every background step (``staleness=1``) to commit; raises the first one's error."""
+        """Waits for the updates already dispatched to this store (jitted steps run asynchronously) and every
+        background step (``staleness=1``) to commit; raises the first background step's error."""
+        if self._handles:
+            try:
+                jax.effects_barrier()
+            except Exception:  # noqa: BLE001  (a failed step raises its error to its own caller, from its outputs)
+                pass
         errors = []
         for engine in self._engines:
             try:
@@ -244,17 +250,22 @@ class StateStore:
             return self.version
         self.layout, self.optimizer = layout, optimizer
         self._make_engines(create=True)
-        flat = np.asarray(layout.flatten(params), np.float32)
         used = optimizer.states_used()
-        shards = flat.reshape(self.num_shards, layout.shard_size)
+        leaves = [np.asarray(x) for x in jax.tree_util.tree_leaves(params)]
+        # Written a few pages at a time, straight from the leaves: no flat copy of the model is ever made.
+        chunk = layout.page_elems * max(1, _INIT_CHUNK_BYTES // (4 * layout.page_elems))
 
         def init_shard(i):
             engine = self._engines[i]
-            engine.write_state(0, 0, np.ascontiguousarray(shards[i]))
-            if used[1]:
-                engine.write_state(0, 1, np.zeros(layout.shard_size, np.float32))
-            if used[2]:
-                engine.write_state(0, 2, np.full(layout.shard_size, optimizer.initial_nu, np.float32))
+            begin = i * layout.shard_size
+            for at in range(0, layout.shard_size, chunk):
+                n = min(chunk, layout.shard_size - at)
+                page = at // layout.page_elems
+                engine.write_pages(0, 0, page, layout.gather(leaves, begin + at, n))
+                if used[1]:
+                    engine.write_pages(0, 1, page, np.zeros(n, np.float32))
+                if used[2]:
+                    engine.write_pages(0, 2, page, np.full(n, optimizer.initial_nu, np.float32))
             engine.sync(0)
 
         try:
