@@ -39,10 +39,11 @@ struct Call {
   bool apply;  // false: the gradient is not finite, skip the step
 };
 
-ffi::ErrorOr<Call> Prepare(ffi::Buffer<ffi::F32> lr, ffi::Buffer<ffi::S32> step, ffi::Buffer<ffi::S32> version,
-                           ffi::Buffer<ffi::S32> shard, ffi::Buffer<ffi::S32> apply, ffi::ResultBuffer<ffi::F32> params,
-                           ffi::RemainingRets extra, ffi::Span<const int64_t> handles, int32_t kind, double b1,
-                           double b2, double eps, double weight_decay, double momentum, bool nesterov) {
+// The engine of store shard `shard` and the update's hyperparameters: what every target starts from.
+ffi::ErrorOr<Call> StartCall(ffi::Buffer<ffi::F32> lr, ffi::Buffer<ffi::S32> step, ffi::Buffer<ffi::S32> version,
+                             ffi::Buffer<ffi::S32> shard, ffi::Buffer<ffi::S32> apply, ffi::Span<const int64_t> handles,
+                             int32_t kind, double b1, double b2, double eps, double weight_decay, double momentum,
+                             bool nesterov) {
   const int32_t s = shard.typed_data()[0];
   if (s < 0 || static_cast<size_t>(s) >= handles.size()) {
     return ffi::Unexpected(Invalid("shard " + std::to_string(s) + " is not one of the store's " +
@@ -54,6 +55,27 @@ ffi::ErrorOr<Call> Prepare(ffi::Buffer<ffi::F32> lr, ffi::Buffer<ffi::S32> step,
   if (hyper.has_error()) return ffi::Unexpected(hyper.error());
   Call call{engine, {}, version.typed_data()[0], apply.typed_data()[0] != 0};
   call.update.hp = *hyper;
+  return call;
+}
+
+// Runs the call's step (or skip, or background step) and returns the version it leaves committed.
+ffi::ErrorOr<int32_t> RunStep(Call& call, int32_t staleness) {
+  std::string err = !call.apply      ? call.engine->Skip(call.update, call.version)
+                    : staleness > 0 ? call.engine->StepAsync(call.update, call.version)
+                                    : call.engine->Step(call.update, call.version);
+  if (!err.empty()) return ffi::Unexpected(Invalid(err));
+  // With staleness the step commits in the background; the version it will commit is what the caller reads next.
+  return static_cast<int32_t>(call.version + (call.apply ? 1 : 0));
+}
+
+ffi::ErrorOr<Call> Prepare(ffi::Buffer<ffi::F32> lr, ffi::Buffer<ffi::S32> step, ffi::Buffer<ffi::S32> version,
+                           ffi::Buffer<ffi::S32> shard, ffi::Buffer<ffi::S32> apply, ffi::ResultBuffer<ffi::F32> params,
+                           ffi::RemainingRets extra, ffi::Span<const int64_t> handles, int32_t kind, double b1,
+                           double b2, double eps, double weight_decay, double momentum, bool nesterov) {
+  auto started = StartCall(lr, step, version, shard, apply, handles, kind, b1, b2, eps, weight_decay, momentum, nesterov);
+  if (started.has_error()) return started;
+  Call call = *started;
+  ShardEngine* engine = call.engine;
   const int64_t n = engine->size();
   if (static_cast<int64_t>(params->element_count()) != n) {
     return ffi::Unexpected(Invalid("the params result has " + std::to_string(params->element_count()) +
@@ -73,14 +95,11 @@ ffi::ErrorOr<Call> Prepare(ffi::Buffer<ffi::F32> lr, ffi::Buffer<ffi::S32> step,
 }
 
 ffi::Error Finish(Call& call, ffi::RemainingRets extra, int32_t staleness) {
-  std::string err = !call.apply      ? call.engine->Skip(call.update, call.version)
-                    : staleness > 0 ? call.engine->StepAsync(call.update, call.version)
-                                    : call.engine->Step(call.update, call.version);
-  if (!err.empty()) return Invalid(err);
+  auto committed = RunStep(call, staleness);
+  if (committed.has_error()) return committed.error();
   auto version_out = extra.get<ffi::Buffer<ffi::S32>>(0);
   if (version_out.has_error()) return version_out.error();
-  // With staleness the step commits in the background; the version it will commit is what the caller reads next.
-  (*version_out)->typed_data()[0] = static_cast<int32_t>(call.version + (call.apply ? 1 : 0));
+  (*version_out)->typed_data()[0] = *committed;
   return ffi::Error::Success();
 }
 
@@ -125,15 +144,8 @@ ffi::Error PiecesImpl(ffi::Buffer<ffi::F32> lr, ffi::Buffer<ffi::S32> step, ffi:
                       ffi::Result<ffi::Buffer<ffi::S32>> version_out, ffi::RemainingRets params,
                       ffi::Span<const int64_t> handles, int32_t staleness, int32_t kind, double b1, double b2,
                       double eps, double weight_decay, double momentum, bool nesterov) {
-  const int32_t s = shard.typed_data()[0];
-  if (s < 0 || static_cast<size_t>(s) >= handles.size()) {
-    return Invalid("shard " + std::to_string(s) + " is not one of the store's " + std::to_string(handles.size()) +
-                   " shards");
-  }
-  ShardEngine* engine = FindEngine(handles[s]);
-  if (engine == nullptr) return Invalid("the store was closed");
-  auto hyper = ffi_common::HyperParams(kOp, lr, step, kind, b1, b2, eps, weight_decay, momentum, nesterov);
-  if (hyper.has_error()) return hyper.error();
+  auto call = StartCall(lr, step, version, shard, apply, handles, kind, b1, b2, eps, weight_decay, momentum, nesterov);
+  if (call.has_error()) return call.error();
   if (grads.size() == 0 || grads.size() != params.size()) {
     return Invalid("one gradient leaf per params leaf is needed, got " + std::to_string(grads.size()) + " and " +
                    std::to_string(params.size()));
@@ -155,17 +167,24 @@ ffi::Error PiecesImpl(ffi::Buffer<ffi::F32> lr, ffi::Buffer<ffi::S32> step, ffi:
     pieces.out.push_back((*p)->untyped_data());
     pieces.sizes.push_back(static_cast<int64_t>(g->element_count()));
   }
-  if (std::string err = pieces.Finalize(engine->size()); !err.empty()) return Invalid(err);
-  Call call{engine, {}, version.typed_data()[0], apply.typed_data()[0] != 0};
-  call.update.hp = *hyper;
-  call.update.grad_type = pieces.type;
-  call.update.pieces = &pieces;
-  std::string err = !call.apply      ? engine->Skip(call.update, call.version)
-                    : staleness > 0 ? engine->StepAsync(call.update, call.version)
-                                    : engine->Step(call.update, call.version);
-  if (!err.empty()) return Invalid(err);
-  version_out->typed_data()[0] = static_cast<int32_t>(call.version + (call.apply ? 1 : 0));
+  if (std::string err = pieces.Finalize(call->engine->size()); !err.empty()) return Invalid(err);
+  call->update.grad_type = pieces.type;
+  call->update.pieces = &pieces;
+  auto committed = RunStep(*call, staleness);
+  if (committed.has_error()) return committed.error();
+  version_out->typed_data()[0] = *committed;
   return ffi::Error::Success();
+}
+
+// The scalar operands every target takes first: lr, step, version, shard, apply (the gradient is finite).
+template <typename Binding>
+auto ScalarArgs(Binding binding) {
+  return std::move(binding)
+      .template Arg<ffi::Buffer<ffi::F32>>()
+      .template Arg<ffi::Buffer<ffi::S32>>()
+      .template Arg<ffi::Buffer<ffi::S32>>()
+      .template Arg<ffi::Buffer<ffi::S32>>()
+      .template Arg<ffi::Buffer<ffi::S32>>();
 }
 
 template <typename Binding>
@@ -179,35 +198,20 @@ auto WithAttrs(Binding binding) {
 }  // namespace nsp
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(NspStoreUpdateDense, nsp::DenseImpl,
-                              nsp::WithAttrs(xla::ffi::Ffi::Bind()
-                                                 .Arg<xla::ffi::Buffer<xla::ffi::F32>>()  // lr
-                                                 .Arg<xla::ffi::Buffer<xla::ffi::S32>>()  // step
-                                                 .Arg<xla::ffi::Buffer<xla::ffi::S32>>()  // version
-                                                 .Arg<xla::ffi::Buffer<xla::ffi::S32>>()  // shard
-                                                 .Arg<xla::ffi::Buffer<xla::ffi::S32>>()  // apply (finite grads)
+                              nsp::WithAttrs(nsp::ScalarArgs(xla::ffi::Ffi::Bind())
                                                  .Arg<xla::ffi::AnyBuffer>()              // grad
                                                  .Ret<xla::ffi::Buffer<xla::ffi::F32>>()  // params
                                                  .RemainingRets()));                      // version, [bf16]
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(NspStoreUpdateSparse, nsp::SparseImpl,
-                              nsp::WithAttrs(xla::ffi::Ffi::Bind()
-                                                 .Arg<xla::ffi::Buffer<xla::ffi::F32>>()  // lr
-                                                 .Arg<xla::ffi::Buffer<xla::ffi::S32>>()  // step
-                                                 .Arg<xla::ffi::Buffer<xla::ffi::S32>>()  // version
-                                                 .Arg<xla::ffi::Buffer<xla::ffi::S32>>()  // shard
-                                                 .Arg<xla::ffi::Buffer<xla::ffi::S32>>()  // apply (finite grads)
+                              nsp::WithAttrs(nsp::ScalarArgs(xla::ffi::Ffi::Bind())
                                                  .Arg<xla::ffi::AnyBuffer>()              // values
                                                  .Arg<xla::ffi::Buffer<xla::ffi::S32>>()  // indices
                                                  .Ret<xla::ffi::Buffer<xla::ffi::F32>>()  // params
                                                  .RemainingRets()));                      // version, [bf16]
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(NspStoreUpdatePieces, nsp::PiecesImpl,
-                              nsp::WithAttrs(xla::ffi::Ffi::Bind()
-                                                 .Arg<xla::ffi::Buffer<xla::ffi::F32>>()  // lr
-                                                 .Arg<xla::ffi::Buffer<xla::ffi::S32>>()  // step
-                                                 .Arg<xla::ffi::Buffer<xla::ffi::S32>>()  // version
-                                                 .Arg<xla::ffi::Buffer<xla::ffi::S32>>()  // shard
-                                                 .Arg<xla::ffi::Buffer<xla::ffi::S32>>()  // apply (finite grads)
+                              nsp::WithAttrs(nsp::ScalarArgs(xla::ffi::Ffi::Bind())
                                                  .RemainingArgs()                         // gradient leaves
                                                  .Ret<xla::ffi::Buffer<xla::ffi::S32>>()  // version
                                                  .RemainingRets()));                      // params leaves
