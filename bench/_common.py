@@ -85,6 +85,11 @@ def write_json(name: str, payload: dict[str, Any], path: str | os.PathLike | Non
     """Writes ``payload`` (plus the machine description) as JSON; returns the file written."""
     out = Path(path) if path else RESULTS_DIR / f"{name}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
-    record = {"benchmark": name, "time": time.strftime("%Y-%m-%dT%H:%M:%S"), "machine": machine_info(), **payload}
+    import shlex
+    import sys
+
+    command = "python " + shlex.join([os.path.relpath(sys.argv[0])] + sys.argv[1:])
+    record = {"benchmark": name, "time": time.strftime("%Y-%m-%dT%H:%M:%S"), "command": command,
+              "machine": machine_info(), **payload}
     out.write_text(json.dumps(record, indent=2) + "\n")
     return out

@@ -1,0 +1,1186 @@
+"""The results report: regenerates docs/results/REPORT.md and its plots from measurements made here and from the
+JSON records the benchmarks leave in bench/results/.
+
+    python bench/report.py                  # traffic + a 1000-step training sweep of the tiny GPT (~7-10 min)
+    python bench/report.py --quick          # smoke run: 30 training steps, 4 held-out batches (~2-3 min)
+    python bench/report.py --run-benches    # first rerun the quick benchmark variants (kernel, store, Top-K)
+    python bench/report.py --skip-train     # remeasure traffic, keep the training section of the last report
+    python bench/report.py --reuse          # measure nothing: re-render from docs/results/report.json
+
+Sections:
+  1. Traffic per optimizer step (Smart-Infinity Table I): bytes on the shared link (host <-> store) and on the
+     store's internal link, measured on a real file-tier store for the baseline host updater (the DeepSpeed-style
+     swap of bench/store_update.py), nsp near-storage dense and Top-K 10/5/2/1%, next to the formula values.
+     The OS's own count of bytes through read/write system calls (/proc/self/io) is shown beside the counters.
+  2. Loss vs compression ratio (Smart-Infinity Table IV / Fig. 16): the tiny GPT on the Python stdlib sources,
+     optax.adamw in RAM, nsp adamw dense and Top-K with and without error feedback, all stepped in lockstep
+     (interleaved, so that drift in the machine's speed hits all of them alike) on the same batches.
+  3. Kernel and tier throughput: charts and tables from bench/results/*.json, each with its own timestamp.
+  4. Scaling from the CSD emulator: not produced (the report says why).
+
+The measurements of sections 1 and 2 are written to docs/results/report.json, so that --reuse and --skip-train
+can render them again; every number in the report comes from that file or from a benchmark's JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import importlib.metadata
+import importlib.util
+import json
+import os
+import shlex
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from fractions import Fraction
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _common import RESULTS_DIR, machine_info, median, print_table, write_json  # noqa: E402
+
+import nsp.optim  # noqa: E402
+import nsp.storage  # noqa: E402
+from nsp import _nsp_ffi  # noqa: E402
+from nsp.models import GPT, cross_entropy_loss, get_config  # noqa: E402
+from nsp.primitives import get_num_threads, kernel_isa  # noqa: E402
+from nsp.train import data as data_lib  # noqa: E402
+from nsp.train.config import TrainConfig  # noqa: E402
+from nsp.train.trainer import learning_rate_schedule  # noqa: E402
+
+REPO = Path(__file__).resolve().parent.parent
+OUT_DIR = REPO / "docs" / "results"
+RATIOS = (0.10, 0.05, 0.02, 0.01)  # Top-K densities of Smart-Infinity's Table IV
+
+# Section 1: 1,024,000 params makes c x N whole for every ratio (so the formula is a whole number of bytes),
+# fills one store shard with no padding, and cuts into 4 whole pages of 256,000 fp32 entries (1,024,000 bytes,
+# a multiple of 4096), so that no page file carries zarr padding either.
+TRAFFIC_PARAMS = 1_024_000
+TRAFFIC_PAGE_BYTES = 1_024_000
+TRAFFIC_LR = 1e-3
+
+VERSIONED_LIBRARIES = ("jax", "jaxlib", "flax", "optax", "tensorstore", "numpy", "orbax-checkpoint", "ml_dtypes",
+                       "matplotlib", "nsp")
+
+
+# ---- small helpers ---------------------------------------------------------------------------------------------
+
+def tree_copy(tree: Any) -> Any:
+    """A fresh copy of every leaf (the train steps donate their params)."""
+    return jax.tree_util.tree_map(jnp.copy, tree)
+
+
+def rel_err(a: Any, b: Any) -> jax.Array:
+    """||a - b|| / ||b|| over a whole tree (tests/test_optim.py's measure: rounding differences amplified by training
+    make an element-wise relative error meaningless for params near zero)."""
+    pairs = list(zip(jax.tree_util.tree_leaves(a), jax.tree_util.tree_leaves(b)))
+    diff = sum(jnp.sum((x - y) ** 2) for x, y in pairs)
+    norm = sum(jnp.sum(y ** 2) for _, y in pairs)
+    return jnp.sqrt(diff / jnp.maximum(norm, 1e-30))
+
+
+def proc_io() -> dict[str, int]:
+    """This process's I/O counters: rchar / wchar are the bytes its read / write system calls moved (all threads)."""
+    out = {}
+    try:
+        with open("/proc/self/io") as f:
+            for line in f:
+                key, value = line.split(":")
+                out[key.strip()] = int(value)
+    except OSError:
+        pass
+    return out
+
+
+class IoDelta:
+    """Bytes this process's system calls read and wrote between ``start`` and ``stop``, less what reading
+    /proc/self/io itself adds to rchar (measured on an empty interval just before)."""
+
+    def start(self) -> None:
+        a = proc_io()
+        self.probe = proc_io().get("rchar", 0) - a.get("rchar", 0)
+        self.io0 = proc_io()
+
+    def stop(self) -> tuple[int, int]:
+        io1 = proc_io()
+        return (io1.get("rchar", 0) - self.io0.get("rchar", 0) - self.probe,
+                io1.get("wchar", 0) - self.io0.get("wchar", 0))
+
+
+def exact(value: Fraction) -> int | float:
+    """A formula value as an int when it is a whole number of bytes."""
+    return int(value) if value.denominator == 1 else float(value)
+
+
+def versions() -> dict[str, str]:
+    """Versions of the libraries the numbers depend on (torch only where it is importable)."""
+    names = list(VERSIONED_LIBRARIES) + (["torch"] if importlib.util.find_spec("torch") is not None else [])
+    out = {}
+    for name in names:
+        try:
+            out[name] = importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            out[name] = "not installed"
+    return out
+
+
+def command_line() -> str:
+    return "python bench/report.py" + "".join(" " + shlex.quote(a) for a in sys.argv[1:])
+
+
+# ---- section 1: traffic ----------------------------------------------------------------------------------------
+
+class CountingEngine:
+    """A file-tier ShardEngine whose whole-state reads and writes count the bytes they move between the store and
+    host memory: the shared link of a host updater."""
+
+    def __init__(self, engine):
+        self.engine = engine
+        self.read_bytes = 0
+        self.write_bytes = 0
+
+    def read_state(self, slot: int, state: int, out: np.ndarray) -> None:
+        self.engine.read_state(slot, state, out)
+        self.read_bytes += out.nbytes
+
+    def write_state(self, slot: int, state: int, buf: np.ndarray) -> None:
+        self.engine.write_state(slot, state, buf)
+        self.write_bytes += buf.nbytes
+
+    def sync(self, slot: int) -> None:
+        self.engine.sync(slot)
+
+
+class GradientSwap:
+    """ZeRO-Infinity's gradient round trip through storage: the accelerator writes the gradient to the store's
+    disk, the host optimizer reads it back. Counts the bytes its system calls return."""
+
+    def __init__(self, path: str):
+        self.path = path
+        self.written = 0
+        self.read = 0
+
+    def write(self, grad: np.ndarray) -> None:
+        view = memoryview(grad).cast("B")
+        with open(self.path, "wb", buffering=0) as f:
+            done = 0
+            while done < len(view):
+                done += f.write(view[done:])
+            os.fsync(f.fileno())
+            os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)  # read it back from the disk, not the cache
+        self.written += done
+
+    def read_into(self, buf: np.ndarray) -> None:
+        view = memoryview(buf).cast("B")
+        with open(self.path, "rb", buffering=0) as f:
+            done = 0
+            while done < len(view):
+                got = f.readinto(view[done:])
+                if not got:
+                    raise OSError(f"short read from {self.path}")
+                done += got
+        self.read += done
+
+
+def measure_baseline(workdir: str, p0: np.ndarray, grads: list[np.ndarray], swap_gradient: bool) -> dict:
+    """One step of the host updater of bench/store_update.py (read p, m, v from the store's page files into host
+    buffers, Adam on the host, write them all back + sync), optionally with the gradient swapped through storage.
+    The second step is measured (the first builds the optimizer's buffers)."""
+    from store_update import make_host_adam  # the benchmark's own baseline (bench/ is on sys.path)
+
+    n = p0.size
+    path = os.path.join(workdir, "baseline_swap" if swap_gradient else "baseline")
+    store = nsp.storage.open(path, tier="file", page_bytes=TRAFFIC_PAGE_BYTES)
+    spec = nsp.storage.OptimizerSpec("adam")
+    store.initialize({"w": p0}, spec)  # the same page files as nsp's store: only the update differs
+    shard, page_elems = str(store.shard_paths[0]), store.layout.page_elems
+    store.close()
+    engine = CountingEngine(_nsp_ffi.ShardEngine("file", shard, n, page_elems, 4, list(spec.states_used()), True))
+    bufs = [np.empty(n, np.float32) for _ in range(3)]
+    gbuf = np.empty(n, np.float32)  # the optimizer reads its gradient from here (zero-copy under torch)
+    host_adam, note = make_host_adam(bufs, gbuf, get_num_threads())
+    swap = GradientSwap(os.path.join(path, "grad.bin")) if swap_gradient else None
+
+    def step(version: int, grad: np.ndarray) -> None:
+        if swap is not None:
+            swap.write(grad)
+            swap.read_into(gbuf)
+        else:
+            np.copyto(gbuf, grad)  # the gradient stays in host memory
+        for s in range(3):
+            engine.read_state(version % 2, s, bufs[s])
+        host_adam(version + 1)
+        for s in range(3):
+            engine.write_state((version + 1) % 2, s, bufs[s])
+        engine.sync((version + 1) % 2)
+
+    step(0, grads[0])
+    counted = (engine.read_bytes, engine.write_bytes, swap.read if swap else 0, swap.written if swap else 0)
+    io = IoDelta()
+    io.start()
+    step(1, grads[1])
+    os_read, os_written = io.stop()
+    state_read, state_written = engine.read_bytes - counted[0], engine.write_bytes - counted[1]
+    grad_read = (swap.read if swap else 0) - counted[2]
+    grad_written = (swap.written if swap else 0) - counted[3]
+    return {
+        "to_store": state_written + grad_written, "from_store": state_read + grad_read,
+        "state_read": state_read, "state_written": state_written, "grad_read": grad_read,
+        "grad_written": grad_written, "os_read": os_read, "os_written": os_written, "host_adam": note,
+    }
+
+
+def measure_nsp(workdir: str, p0: np.ndarray, grads: list[np.ndarray], ratio: float | None) -> dict:
+    """One step of ``nsp.optim.adam(store=<file tier>)`` (Top-K compressed at ``ratio``), jitted as a user would;
+    the second step is measured (the first compiles)."""
+    name = "nsp_dense" if ratio is None else f"nsp_topk_{ratio:g}"
+    store = nsp.storage.open(os.path.join(workdir, name), tier="file", page_bytes=TRAFFIC_PAGE_BYTES)
+    try:
+        compression = None if ratio is None else nsp.optim.TopK(ratio)
+        tx = nsp.optim.adam(TRAFFIC_LR, store=store, compression=compression)
+        params = {"w": jnp.asarray(p0)}
+        opt_state = tx.init(params)
+
+        @jax.jit
+        def step(p, s, g):
+            u, s = tx.update(g, s, p)
+            return optax.apply_updates(p, u), s
+
+        params, opt_state = jax.block_until_ready(step(params, opt_state, {"w": jnp.asarray(grads[0])}))
+        g = {"w": jnp.asarray(grads[1])}  # on the device before the counters start
+        store.barrier()
+        store.reset_stats()
+        io = IoDelta()
+        io.start()
+        params, opt_state = jax.block_until_ready(step(params, opt_state, g))
+        store.barrier()
+        os_read, os_written = io.stop()
+        s = store.stats()
+        return {
+            "to_store": s["shared_in_bytes"], "from_store": s["shared_out_bytes"],
+            "internal_read": s["internal_read_bytes"], "internal_write": s["internal_write_bytes"],
+            "pages_read": s["pages_read"], "pages_written": s["pages_written"], "updates": s["updates"],
+            "os_read": os_read, "os_written": os_written,
+            "total": store.layout.total, "padded_total": store.layout.padded_total,
+            "pages_per_state": store.layout.pages_per_shard * store.num_shards,
+        }
+    finally:
+        store.close()
+
+
+def traffic_formulas(n: int) -> dict[str, dict[str, Fraction | None]]:
+    """Smart-Infinity Table I with M = 2 bytes x params (16-bit model size) and fp32 transport (2M per tensor)."""
+    M = Fraction(2 * n)
+    out = {
+        "baseline": {"to_store": 6 * M + 2 * M, "from_store": 6 * M + 2 * M,  # state + grads each way
+                     "internal_read": None, "internal_write": None},
+        "dense": {"to_store": 2 * M, "from_store": 2 * M, "internal_read": 6 * M, "internal_write": 6 * M},
+    }
+    for c in RATIOS:
+        out[f"topk_{c:g}"] = {"to_store": Fraction(str(c)) * n * (4 + 4), "from_store": 2 * M,
+                              "internal_read": 6 * M, "internal_write": 6 * M}
+    return out
+
+
+def run_traffic(args) -> dict:
+    """Section 1: measures every configuration's bytes per step on real file-tier stores in a temporary folder."""
+    n = TRAFFIC_PARAMS
+    rng = np.random.default_rng(args.seed)
+    p0 = (rng.standard_normal(n, dtype=np.float32) * np.float32(0.02))
+    grads = [rng.standard_normal(n, dtype=np.float32) * np.float32(1e-2) for _ in range(2)]
+    workdir = tempfile.mkdtemp(prefix=".nsp_report_", dir=args.dir)
+    try:
+        measured = {
+            "baseline": measure_baseline(workdir, p0, grads, swap_gradient=False),
+            "baseline_swap": measure_baseline(workdir, p0, grads, swap_gradient=True),
+            "dense": measure_nsp(workdir, p0, grads, None),
+        }
+        for c in RATIOS:
+            measured[f"topk_{c:g}"] = measure_nsp(workdir, p0, grads, c)
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
+    return {"params": n, "page_bytes": TRAFFIC_PAGE_BYTES, "seed": args.seed, "measured": measured,
+            "command": command_line(), "time": time.strftime("%Y-%m-%d %H:%M:%S")}
+
+
+TRAFFIC_LABELS = {
+    "baseline": "(a) baseline host updater, gradient in host RAM (bench/store_update.py's DeepSpeed-style swap)",
+    "baseline_swap": "(a') baseline host updater + gradient swapped through storage (ZeRO-Infinity)",
+    "dense": "(b) nsp near-storage update, dense (SmartUpdate)",
+    **{f"topk_{c:g}": f"(c) nsp near-storage + Top-K {c:.0%} (SmartComp)" for c in RATIOS},
+}
+SHORT_LABELS = {"baseline": "(a) baseline, grad in RAM", "baseline_swap": "(a') baseline, grad swapped",
+                "dense": "(b) nsp dense", **{f"topk_{c:g}": f"(c) nsp Top-K {c:.0%}" for c in RATIOS}}
+
+
+def traffic_rows(traffic: dict) -> tuple[list[dict], list[dict]]:
+    """(shared-link rows, internal-link rows) with the formula value and whether they match to the byte."""
+    n = traffic["params"]
+    M = 2 * n
+    formulas = traffic_formulas(n)
+    shared, internal = [], []
+    for key, m in traffic["measured"].items():
+        f = formulas["baseline" if key.startswith("baseline") else key]
+        total = m["to_store"] + m["from_store"]
+        f_total = f["to_store"] + f["from_store"]
+        match = m["to_store"] == f["to_store"] and m["from_store"] == f["from_store"]
+        shared.append({
+            "config": TRAFFIC_LABELS[key], "key": key, "to": m["to_store"], "from": m["from_store"], "total": total,
+            "total_m": f"{total / M:.4g} M", "formula_to": exact(f["to_store"]), "formula_from": exact(f["from_store"]),
+            "formula_total": exact(f_total), "formula_m": f"{float(f_total) / M:.4g} M",
+            "match": "yes" if match else f"no ({(total - float(f_total)) / M:+.4g} M)",
+        })
+        if "internal_read" in m:
+            imatch = m["internal_read"] == f["internal_read"] and m["internal_write"] == f["internal_write"]
+            internal.append({
+                "config": TRAFFIC_LABELS[key], "key": key, "read": m["internal_read"], "write": m["internal_write"],
+                "pages": f"{m['pages_read']} / {m['pages_written']}",
+                "formula": f"{exact(f['internal_read']):,} / {exact(f['internal_write']):,}",
+                "match": "yes" if imatch else "no", "os_read": m["os_read"], "os_written": m["os_written"],
+                "os_extra": f"{m['os_read'] - m['internal_read']:+,} / {m['os_written'] - m['internal_write']:+,}",
+            })
+        else:
+            internal.append({
+                "config": TRAFFIC_LABELS[key], "key": key, "read": None, "write": None, "pages": "-",
+                "formula": "-", "match": "-", "os_read": m["os_read"], "os_written": m["os_written"],
+                "os_extra": f"{m['os_read'] - m['from_store']:+,} / {m['os_written'] - m['to_store']:+,}",
+            })
+    return shared, internal
+
+
+SHARED_COLUMNS = [("config", "configuration", ""), ("to", "to store (B)", ",d"), ("from", "from store (B)", ",d"),
+                  ("total", "total (B)", ",d"), ("total_m", "total / M", ""),
+                  ("formula_total", "formula total (B)", ",.12g"), ("formula_m", "formula / M", ""),
+                  ("match", "match", "")]
+INTERNAL_COLUMNS = [("config", "configuration", ""), ("read", "read (B)", ",d"), ("write", "written (B)", ",d"),
+                    ("pages", "pages r / w", ""), ("formula", "formula r / w (B)", ""), ("match", "match", ""),
+                    ("os_read", "OS rchar (B)", ",d"), ("os_written", "OS wchar (B)", ",d"),
+                    ("os_extra", "OS - counted r / w (B)", "")]
+
+
+# ---- section 2: training ---------------------------------------------------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class Contender:
+    name: str
+    kind: str  # "optax" or "nsp"
+    ratio: float | None = None
+    error_feedback: bool | None = None
+
+
+def contenders() -> list[Contender]:
+    runs = [Contender("optax.adamw (RAM)", "optax"), Contender("nsp adamw, memory tier, dense", "nsp")]
+    for c in RATIOS:
+        runs.append(Contender(f"nsp Top-K {c:.0%} + error feedback", "nsp", c, True))
+        runs.append(Contender(f"nsp Top-K {c:.0%}, no error feedback", "nsp", c, False))
+    return runs
+
+
+def train_config(args) -> TrainConfig:
+    """``nsp train``'s defaults (learning rate, warm-up, cosine decay, AdamW betas, weight decay, clipping), at this
+    report's model, steps, batch and seed."""
+    return TrainConfig(model=args.model, tier="memory", steps=args.steps, batch=args.batch, seq=args.seq,
+                       seed=args.seed, eval_batches=args.eval_batches)
+
+
+def make_tx(contender: Contender, config: TrainConfig, store) -> optax.GradientTransformation:
+    """The same clipping and learning-rate schedule for every contender; only the optimizer's home and the
+    gradient's compression differ."""
+    schedule = learning_rate_schedule(config)
+    if contender.kind == "optax":
+        opt = optax.adamw(schedule, config.b1, config.b2, weight_decay=config.weight_decay)
+    else:
+        compression = (None if contender.ratio is None
+                       else nsp.optim.TopK(contender.ratio, error_feedback=contender.error_feedback))
+        opt = nsp.optim.adamw(schedule, config.b1, config.b2, weight_decay=config.weight_decay, store=store,
+                              compression=compression)
+    return optax.chain(optax.clip_by_global_norm(config.clip), opt)
+
+
+def loss_fn(graphdef, params, tokens):
+    return cross_entropy_loss(nnx.merge(graphdef, params)(tokens[:, :-1]), tokens[:, 1:])
+
+
+class TrainRun:
+    """One contender's model, optimizer and store, advanced a step at a time."""
+
+    def __init__(self, contender: Contender, config: TrainConfig, graphdef, params0):
+        self.contender = contender
+        self.store = nsp.storage.open(tier="memory") if contender.kind == "nsp" else None
+        tx = make_tx(contender, config, self.store)
+        self.params = tree_copy(params0)
+        self.opt_state = tx.init(self.params)
+
+        def step(p, s, tokens):
+            loss, g = jax.value_and_grad(loss_fn, argnums=1)(graphdef, p, tokens)
+            u, s = tx.update(g, s, p)
+            return optax.apply_updates(p, u), s, loss
+
+        self._step = jax.jit(step, donate_argnums=(0, 1))
+        self.losses: list[float] = []
+        self.step_s: list[float] = []
+
+    def step(self, tokens: jax.Array) -> None:
+        t0 = time.perf_counter()
+        self.params, self.opt_state, loss = self._step(self.params, self.opt_state, tokens)
+        jax.block_until_ready(self.params)  # the store's update is done when the params are
+        self.step_s.append(time.perf_counter() - t0)
+        self.losses.append(float(loss))
+
+    def update_ms(self) -> float | None:
+        if self.store is None:
+            return None
+        s = self.store.stats()
+        return s["update_ns"] / max(s["updates"], 1) / 1e6
+
+    def close(self) -> None:
+        if self.store is not None:
+            self.store.close()
+
+
+def load_batches(config: TrainConfig) -> tuple[list[np.ndarray], list[np.ndarray], dict]:
+    """Training batches for every step and the fixed held-out batches, as ``nsp train`` draws them."""
+    tokens = data_lib.load_tokens(None, seq_len=config.seq)
+    train, held_out = data_lib.split(tokens, held_out_fraction=0.05, seq_len=config.seq)
+    train_b = data_lib.Batcher(train, config.batch, config.seq, seed=config.seed)
+    eval_b = data_lib.Batcher(held_out, config.batch, config.seq, seed=config.seed + 1)
+    info = {"source": tokens.source, "tokens": int(tokens.num_tokens), "train_tokens": int(train.shape[0]),
+            "held_out_tokens": int(held_out.shape[0]), "files": tokens.info.get("file_count")}
+    return ([train_b.batch(i) for i in range(config.steps)], [eval_b.batch(i) for i in range(config.eval_batches)],
+            info)
+
+
+def run_training(args) -> dict:
+    """Section 2: every contender stepped in lockstep on the same batches; the dense pair compared every step."""
+    config = train_config(args)
+    train_batches, eval_batches, data_info = load_batches(config)
+    model_cfg = get_config(config.model)
+    graphdef, params0 = nnx.split(GPT(model_cfg, rngs=nnx.Rngs(config.seed)), nnx.Param)
+    evaluate = jax.jit(lambda p, t: loss_fn(graphdef, p, t))
+    eval_dev = [jnp.asarray(b) for b in eval_batches]
+
+    def held_out_loss(p) -> float:
+        return float(np.mean([float(evaluate(p, b)) for b in eval_dev]))
+
+    start_loss = held_out_loss(params0)
+    compare = jax.jit(rel_err)
+    runs = [TrainRun(c, config, graphdef, params0) for c in contenders()]
+    ref, dense = runs[0], runs[1]
+    dense_err: list[float] = []
+    t0 = time.perf_counter()
+    try:
+        for i, batch in enumerate(train_batches):
+            tokens = jnp.asarray(batch)
+            for run in runs:
+                run.step(tokens)
+            dense_err.append(float(compare(dense.params, ref.params)))
+            if (i + 1) % max(1, config.steps // 10) == 0 or i + 1 == config.steps:
+                print(f"  step {i + 1}/{config.steps}: " + ", ".join(
+                    f"{r.contender.name.replace('nsp ', '')} {r.losses[-1]:.3f}" for r in runs[:4]) + ", ...",
+                    flush=True)
+        wall_s = time.perf_counter() - t0
+        results = []
+        for run in runs:
+            c = run.contender
+            results.append({
+                "name": c.name, "kind": c.kind, "ratio": c.ratio, "error_feedback": c.error_feedback,
+                "held_out_loss": held_out_loss(run.params), "final_train_loss": run.losses[-1],
+                # The first step compiles; the median of the others is the step time.
+                "step_ms": median(run.step_s[1:]) * 1e3 if len(run.step_s) > 1 else None,
+                "compile_s": run.step_s[0], "update_ms": run.update_ms(), "losses": run.losses,
+            })
+    finally:
+        for run in runs:
+            run.close()
+    return {
+        "config": dataclasses.asdict(config),
+        "model_params": int(sum(x.size for x in jax.tree_util.tree_leaves(params0))),
+        "data": data_info, "start_held_out_loss": start_loss, "dense_rel_err": dense_err,
+        "dense_rel_err_max": max(dense_err), "dense_rel_err_final": dense_err[-1], "runs": results,
+        "wall_s": wall_s, "quick": args.quick, "command": command_line(),
+        "time": time.strftime("%Y-%m-%d %H:%M:%S"),
+    }
+
+
+def train_rows(train: dict) -> list[dict]:
+    dense = next(r for r in train["runs"] if r["name"].startswith("nsp adamw"))
+    rows = []
+    for r in train["runs"]:
+        rows.append({
+            "name": r["name"], "ratio": "100%" if r["ratio"] is None else f"{r['ratio']:.0%}",
+            "ef": "-" if r["error_feedback"] is None else ("yes" if r["error_feedback"] else "no"),
+            "held_out": r["held_out_loss"], "vs_dense": r["held_out_loss"] / dense["held_out_loss"] - 1,
+            "train": r["final_train_loss"], "step_ms": r["step_ms"], "update_ms": r["update_ms"],
+        })
+    return rows
+
+
+TRAIN_COLUMNS = [("name", "run", ""), ("ratio", "kept", ""), ("ef", "error feedback", ""),
+                 ("held_out", "held-out loss", ".4f"), ("vs_dense", "vs nsp dense", "+.2%"),
+                 ("train", "last train loss", ".4f"), ("step_ms", "step ms (median)", ".1f"),
+                 ("update_ms", "store update ms", ".2f")]
+
+
+# ---- section 3: the benchmarks' JSON -------------------------------------------------------------------------
+
+def pyplot():
+    """matplotlib, headless."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def bar_chart(path: Path, labels: list[str], values: list[float], *, title: str, xlabel: str,
+              roofline: set[str] = frozenset(), log: bool = False, fmt: str = "{:.3g}") -> None:
+    """Horizontal bars, rooflines hatched in grey, each bar labelled with its value."""
+    plt = pyplot()
+    fig, ax = plt.subplots(figsize=(9, 0.45 * len(labels) + 1.4))
+    colors = ["#bbbbbb" if lab in roofline else "#3a76af" for lab in labels]
+    hatches = ["//" if lab in roofline else "" for lab in labels]
+    bars = ax.barh(range(len(labels)), values, color=colors)
+    for bar, hatch in zip(bars, hatches):
+        bar.set_hatch(hatch)
+    ax.set_yticks(range(len(labels)), labels, fontsize=8)
+    ax.invert_yaxis()
+    if log:
+        ax.set_xscale("log")
+    for i, v in enumerate(values):
+        ax.text(v, i, " " + fmt.format(v), va="center", fontsize=7)
+    ax.set_xlabel(xlabel)
+    ax.set_title(title, fontsize=9)
+    ax.margins(x=0.15)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def md_table(rows: list[dict], columns: list[tuple[str, str, str]]) -> str:
+    """A markdown table; ``columns`` holds (key, header, format) triples as for ``print_table``."""
+    lines = ["| " + " | ".join(h for _, h, _ in columns) + " |",
+             "|" + "|".join("---:" if fmt else "---" for _, _, fmt in columns) + "|"]
+    for row in rows:
+        cells = []
+        for key, _, fmt in columns:
+            v = row.get(key)
+            cells.append("-" if v is None else (v if isinstance(v, str) else format(v, fmt)))
+        lines.append("| " + " | ".join(c.replace("|", "\\|") for c in cells) + " |")
+    return "\n".join(lines)
+
+
+def bench_header(record: dict, command: str, exact_command: bool, here: dict) -> str:
+    machine = record.get("machine", {})
+    same = all(machine.get(k) == here.get(k) for k in ("cpu", "cores", "platform"))
+    where = "this machine" if same else f"{machine.get('cpu')}, {machine.get('cores')} cores, {machine.get('platform')}"
+    how = "Produced by" if exact_command else "Command (rebuilt from the parameters the JSON records)"
+    return (f"Benchmark timestamp **{record.get('time', '?')}** (on {where}; jax {machine.get('jax', '?')}).\n"
+            f"{how}: `{command}`")
+
+
+def render_update_kernel(d: dict, out: Path) -> tuple[str, str]:
+    med = d["median_s"]
+    names = list(med)
+    topk = next((k for k in names if k.startswith("nsp top-k ")), None)
+    ratio = float(topk.split()[-1].rstrip("%")) / 100 if topk else 0.01
+    command = f"python bench/update_kernel.py --size {d['size']} --threads {d['threads']} --repeats {d['repeats']}"
+    if abs(ratio - 0.01) > 1e-12:
+        command += f" --ratio {ratio:g}"
+    roof = {k for k in names if k.startswith("roofline")}
+    rows = [{"name": k, "ms": v * 1e3, "gparams": d["size"] / v / 1e9} for k, v in med.items()]
+    bar_chart(out / "update_kernel.png", names, [d["size"] / v / 1e9 for v in med.values()],
+              title=f"fp32 Adam update of {d['size'] / 2**20:.0f}M params, {d['threads']} threads, ISA {d['isa']} "
+                    f"(median of {d['repeats']}; {d['time']})", xlabel="Gparam/s (higher is better)", roofline=roof)
+    body = md_table(rows, [("name", "contender", ""), ("ms", "median ms", ".1f"), ("gparams", "Gparam/s", ".3f")])
+    notes = "; ".join(f"{k}: {v}" for k, v in d.get("notes", {}).items())
+    checks = "\n".join(f"- {c['check']}: {c['ratio']:.2f}x (target {c['target']:.2f}x, "
+                       f"{'met' if c['met'] else 'missed'})" for c in d.get("checks", []))
+    return command, f"{body}\n\n{notes}\n\n{checks}\n\n![update kernel](update_kernel.png)"
+
+
+def render_store_update(d: dict, out: Path) -> tuple[str, str]:
+    command = (f"python bench/store_update.py --state-mib {d['state_bytes'] / 2**20:g} --repeats {d['repeats']} "
+               f"--page-mib {d['page_bytes'] / 2**20:g} --pages-in-flight {d['pages_in_flight']} "
+               f"--threads {d['threads']} --dir {d['directory']}")
+    med = d["median_s"]
+    moved = d["bytes_read_per_update"] + d["bytes_written_per_update"]
+    n = d["params"]
+
+    def find(prefix: str) -> str | None:
+        return next((k for k in med if k.strip().startswith(prefix)), None)
+
+    # The file tier and the baseline move the same page bytes; the perfect update is their disk roofline.
+    raw = [(k, med[k]) for k in (find("raw disk write"), find("raw disk read")) if k]
+    disk = [("perfect update (disk roofline)", d["perfect_update_s"]),
+            (find("nsp file tier"), med.get(find("nsp file tier"))),
+            (find("DeepSpeed-style"), med.get(find("DeepSpeed-style")))]
+    memory = [(k, med.get(k)) for k in (find("kernel alone"), find("memory tier"))]
+    memory += [(k.strip(), v) for k, v in med.items() if k.strip().startswith("diag")]
+    rows = [{"name": k, "ms": v * 1e3, "gbs": d["probe_bytes"] / v / 1e9} for k, v in raw]
+    rows += [{"name": k, "ms": v * 1e3, "gbs": moved / v / 1e9} for k, v in disk if k]
+    rows += [{"name": k, "ms": v * 1e3, "gbs": n * (28 if "kernel" in k or "no param" in k else 32) / v / 1e9}
+             for k, v in memory if k]
+    plt = pyplot()
+    fig, axes = plt.subplots(1, 2, figsize=(12, 3.2))
+    for ax, group, title in ((axes[0], disk, "file tier vs disk (GB/s of pages moved)"),
+                             (axes[1], memory, "memory tier vs the kernel alone (Mparam/s)")):
+        group = [(k, v) for k, v in group if k]
+        vals = [moved / v / 1e9 if ax is axes[0] else n / v / 1e6 for _, v in group]
+        roof = ["roofline" in k or "kernel alone" in k for k, _ in group]
+        bars = ax.barh(range(len(group)), vals, color=["#bbbbbb" if r else "#3a76af" for r in roof])
+        for bar, r in zip(bars, roof):
+            bar.set_hatch("//" if r else "")
+        ax.set_yticks(range(len(group)), [k for k, _ in group], fontsize=7)
+        ax.invert_yaxis()
+        for i, v in enumerate(vals):
+            ax.text(v, i, f" {v:.3g}", va="center", fontsize=7)
+        ax.set_title(title, fontsize=9)
+        ax.margins(x=0.2)
+    fig.suptitle(f"store update, {n / 2**20:.0f}M params ({d['state_bytes'] / 2**20:.0f} MiB of p, m, v), "
+                 f"median of {d['repeats']} ({d['time']})", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(out / "store_update.png", dpi=110)
+    plt.close(fig)
+    body = md_table(rows, [("name", "contender", ""), ("ms", "median ms", ".1f"), ("gbs", "GB/s moved", ".3f")])
+    facts = (f"Raw disk ({d['probe_mode']}): write {d['write_gbs']:.3f} GB/s, read {d['read_gbs']:.3f} GB/s. "
+             f"File tier at {d['file_tier_pct_of_disk']:.1f}% of the perfect update; DeepSpeed-style baseline at "
+             f"{d['baseline_pct_of_disk']:.1f}% (nsp vs baseline: {d['nsp_vs_baseline_speedup']:.2f}x; baseline "
+             f"Adam: {d['baseline_adam']}). Memory tier at {d['memory_tier_pct_of_kernel']:.1f}% of the kernel alone "
+             f"({d['memory_tier_pct_of_kernel_roofline_adjusted']:.1f}% counting its 32 B/param against the "
+             f"kernel's 28).")
+    checks = "\n".join(f"- {c['check']}: {c['value']:.3g} ({'met' if c['met'] else 'missed'})"
+                       for c in d.get("checks", []))
+    return command, f"{body}\n\n{facts}\n\n{checks}\n\n![store update](store_update.png)"
+
+
+def render_topk(d: dict, out: Path) -> tuple[str, str]:
+    command = f"python bench/topk.py --size {d['size']} --ratio {d['ratio']:g} --repeats {d['repeats']}"
+    inputs = list(dict.fromkeys(r["input"] for r in d["rows"]))
+    plt = pyplot()
+    fig, axes = plt.subplots(1, len(inputs), figsize=(6 * len(inputs), 3), squeeze=False)
+    for ax, inp in zip(axes[0], inputs):
+        rows = [r for r in d["rows"] if r["input"] == inp]
+        roof = [r["method"].startswith("roofline") for r in rows]
+        bars = ax.barh(range(len(rows)), [r["median_ms"] for r in rows],
+                       color=["#bbbbbb" if x else "#3a76af" for x in roof])
+        for bar, x in zip(bars, roof):
+            bar.set_hatch("//" if x else "")
+        ax.set_yticks(range(len(rows)), [r["method"] for r in rows], fontsize=8)
+        ax.invert_yaxis()
+        ax.set_xscale("log")
+        for i, r in enumerate(rows):
+            ax.text(r["median_ms"], i, f" {r['median_ms']:.3g} ms", va="center", fontsize=7)
+        ax.set_title(f"{inp}: median ms (log; lower is better)", fontsize=9)
+        ax.margins(x=0.3)
+    fig.suptitle(f"Top-K {d['ratio']:.0%} of {d['size']:,} entries (k = {d['k']:,}), median of {d['repeats']} "
+                 f"({d['time']})", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(out / "topk.png", dpi=110)
+    plt.close(fig)
+    body = md_table(d["rows"], [("input", "input", ""), ("method", "method", ""), ("median_ms", "median ms", ".1f"),
+                                ("speedup", "vs lax.top_k", ".2f"), ("l2_mass_pct", "L2 mass kept %", ".2f")])
+    return command, f"{body}\n\n![top-k](topk.png)"
+
+
+def render_train_step(d: dict, out: Path) -> tuple[str, str]:
+    models = d["models"]
+    first = next(iter(models.values()))
+    repeats = len(next(iter(first["times_s"].values())))
+    command = "python bench/train_step.py" + (" --quick" if set(models) == {"tiny", "small"} else "")
+    command += f" --repeats {repeats}" if repeats != 5 else ""
+    plt = pyplot()
+    fig, axes = plt.subplots(1, len(models), figsize=(6 * len(models), 3), squeeze=False)
+    parts = []
+    for ax, (model, m) in zip(axes[0], models.items()):
+        rows = m["rows"]
+        ax.barh(range(len(rows)), [r["ms"] for r in rows], color="#3a76af")
+        ax.set_yticks(range(len(rows)), [r["contender"] for r in rows], fontsize=8)
+        ax.invert_yaxis()
+        for i, r in enumerate(rows):
+            ax.text(r["ms"], i, f" {r['ms']:.3g}", va="center", fontsize=7)
+        ax.set_title(f"{model} ({m['params'] / 1e6:.2f}M params): ms per step", fontsize=9)
+        ax.margins(x=0.2)
+        parts.append(f"**{model}** ({m['params']:,} params; staleness 1 hides "
+                     f"{m.get('staleness_hidden_fraction', float('nan')):.0%} of the file tier's update)\n\n"
+                     + md_table(rows, [("contender", "contender", ""), ("ms", "step ms", ".1f"),
+                                       ("ratio", "x optax", ".2f"), ("update_ms", "update ms", ".1f"),
+                                       ("in", "link in B/step", ",.0f"), ("table1_in", "Table I in", ",.0f"),
+                                       ("out", "link out B/step", ",.0f"), ("table1_out", "Table I out", ",.0f")]))
+    fig.suptitle(f"GPT train step (median of {repeats}; {d['time']})", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(out / "train_step.png", dpi=110)
+    plt.close(fig)
+    return command, "\n\n".join(parts) + "\n\n![train step](train_step.png)"
+
+
+def render_checkpoint(d: dict, out: Path) -> tuple[str, str]:
+    default_mib = 128 if d.get("quick") else 1024
+    mib = round(d["state_bytes"] / 2**20)
+    command = "python bench/checkpoint.py" + (" --quick" if d.get("quick") else "")
+    command += f" --state-mib {mib}" if mib != default_mib else ""
+    command += f" --repeats {d['repeats']} --num-shards {d['num_shards']} --page-mib {d['page_bytes'] / 2**20:g}"
+    rows = d["rows"]
+    bar_chart(out / "checkpoint.png", [r["name"] for r in rows], [r["median_s"] for r in rows],
+              title=f"checkpoint save of {d['state_bytes'] / 2**20:.0f} MiB of state, median of {d['repeats']} "
+                    f"({d['time']})", xlabel="seconds (log; lower is better)",
+              roofline={r["name"] for r in rows if r["name"].startswith("raw")}, log=True, fmt="{:.3g} s")
+    body = md_table(rows, [("name", "contender", ""), ("median_s", "median s", ".4f"),
+                           ("gbps", "state GB/s", ".2f"), ("ratio", "x nsp snapshot", ".1f")])
+    snap = d.get("snapshot", {})
+    facts = (f"nsp snapshot vs orbax StandardCheckpointer: {d['ratio_orbax_standard']:.1f}x (target "
+             f"{d['target_ratio']:.0f}x: {'met' if d['target_met'] else 'missed'}); snapshot method "
+             f"{snap.get('method')}, {snap.get('linked_files')} page files linked, {snap.get('copied_bytes')} "
+             "bytes copied. The raw write is the roofline of any checkpoint that copies the state.")
+    return command, f"{body}\n\n{facts}\n\n![checkpoint](checkpoint.png)"
+
+
+def render_max_model(d: dict, out: Path) -> tuple[str, str]:
+    command = f"python bench/max_model.py --cap-gib {d['cap_gib']:g} --width {d['width']} --seq {d['seq']}"
+    rows = d["rows"]
+    bar_chart(out / "max_model.png", [r["contender"] for r in rows], [r["params_m"] for r in rows],
+              title=f"largest GPT (width {d['width']}) that trains under {d['cap_gib']:g} GiB of address space "
+                    f"({d['time']})", xlabel="params (M; higher is better)", fmt="{:.1f} M")
+    body = md_table(rows, [("contender", "contender", ""), ("layers", "layers", "d"), ("params_m", "params (M)", ".1f"),
+                           ("ratio", "vs optax", ".2f"), ("peak_rss_gib", "peak RSS GiB", ".2f"),
+                           ("step_s", "step s", ".1f")])
+    return command, f"{body}\n\n![max model](max_model.png)"
+
+
+def render_fault_campaign(d: dict, out: Path) -> tuple[str, str]:
+    trials = d["trials"]
+    command = f"python bench/fault_campaign.py --trials {len(trials)} --steps {d['steps']} --seed {d['seed']}"
+    modes = list(dict.fromkeys(t["mode"] for t in trials))
+    rows = []
+    for mode in modes:
+        ts = [t for t in trials if t["mode"] == mode]
+        rows.append({"mode": mode, "trials": len(ts), "killed": sum(t["killed"] for t in ts),
+                     "identical": sum(t["bit_identical"] for t in ts), "corrupt": sum(t["corrupt"] for t in ts),
+                     "lost": max(t["lost_steps"] for t in ts)})
+    plt = pyplot()
+    fig, ax = plt.subplots(figsize=(7, 2.6))
+    x = np.arange(len(rows))
+    ax.bar(x - 0.2, [r["trials"] for r in rows], 0.4, label="trials", color="#bbbbbb")
+    ax.bar(x + 0.2, [r["identical"] for r in rows], 0.4, label="bit-identical after resume", color="#3a76af")
+    ax.set_xticks(x, [r["mode"] for r in rows])
+    ax.legend(fontsize=8)
+    ax.set_title(f"fault campaign: {len(trials)} SIGKILLed runs of {d['steps']} steps ({d['time']})", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(out / "fault_campaign.png", dpi=110)
+    plt.close(fig)
+    body = md_table(rows, [("mode", "kill point", ""), ("trials", "trials", "d"), ("killed", "killed", "d"),
+                           ("identical", "bit-identical", "d"), ("corrupt", "corrupt", "d"),
+                           ("lost", "max lost steps", "d")])
+    return command, f"{body}\n\n![fault campaign](fault_campaign.png)"
+
+
+BENCHES = {
+    "update_kernel": ("Update kernel: nsp fused Adam vs optax, torch and the memory roofline",
+                      "python bench/update_kernel.py", render_update_kernel),
+    "store_update": ("Store update: file tier vs the raw disk and a DeepSpeed-style swap; memory tier vs the kernel",
+                     "python bench/store_update.py", render_store_update),
+    "topk": ("Top-K compression: nsp methods vs jax.lax.top_k and a one-pass roofline", "python bench/topk.py",
+             render_topk),
+    "train_step": ("GPT train step: optax in RAM vs nsp tiers", "python bench/train_step.py", render_train_step),
+    "checkpoint": ("Checkpoint save: nsp snapshot vs orbax and the raw-write roofline", "python bench/checkpoint.py",
+                   render_checkpoint),
+    "max_model": ("Largest model under a memory cap", "python bench/max_model.py", render_max_model),
+    "fault_campaign": ("Fault campaign: kill, resume, compare bit for bit", "python bench/fault_campaign.py",
+                       render_fault_campaign),
+}
+
+# The quick variants --run-benches runs (a few minutes together on 2 cores).
+QUICK_BENCHES = {
+    "update_kernel": ["bench/update_kernel.py", "--size", "16M", "--repeats", "5"],
+    "store_update": ["bench/store_update.py", "--quick"],
+    "topk": ["bench/topk.py", "--size", "4194304", "--repeats", "5"],
+}
+
+
+def run_benches(results_dir: Path) -> dict[str, dict]:
+    """Runs the quick benchmark variants as subprocesses, each writing its JSON into ``results_dir``; returns the
+    exact commands, keyed by benchmark, with the timestamp of the JSON each one wrote."""
+    ran = {}
+    for name, argv in QUICK_BENCHES.items():
+        argv = list(argv)
+        if results_dir != RESULTS_DIR:
+            argv += ["--json", str(results_dir / f"{name}.json")]
+        print(f"\n$ python {' '.join(argv)}", flush=True)
+        subprocess.run([sys.executable, *argv], cwd=REPO, check=True)
+        record = json.loads((results_dir / f"{name}.json").read_text())
+        ran[name] = {"command": "python " + " ".join(shlex.quote(a) for a in argv), "time": record.get("time")}
+    return ran
+
+
+def render_benches(results_dir: Path, out: Path, ran: dict[str, dict], here: dict) -> str:
+    parts = []
+    for name, (title, default_command, render) in BENCHES.items():
+        path = results_dir / f"{name}.json"
+        parts.append(f"### {title}\n")
+        if not path.exists():
+            parts.append(f"**Missing**: `{path.relative_to(REPO) if path.is_relative_to(REPO) else path}` does not "
+                         f"exist. Produce it with `{default_command}`, then rerun this report.\n")
+            continue
+        record = json.loads(path.read_text())
+        try:
+            command, body = render(record, out)
+        except (KeyError, TypeError, ValueError, ZeroDivisionError) as e:  # an older or foreign record layout
+            parts.append(f"**Unreadable**: `{path.name}` does not have the fields this report expects ({e!r}). "
+                         f"Regenerate it with `{default_command}`.\n")
+            continue
+        run = ran.get(name)
+        if run is not None and run.get("time") == record.get("time"):
+            command, exact_command = run["command"], True
+        elif record.get("command"):  # benchmarks record their own command line
+            command, exact_command = record["command"], True
+        else:
+            exact_command = False
+        parts.append(bench_header(record, command, exact_command, here)
+                     + "\n\n" + body + "\n")
+    return "\n".join(parts)
+
+
+# ---- plots of sections 1 and 2 ---------------------------------------------------------------------------------
+
+def plot_traffic(shared: list[dict], internal: list[dict], M: int, path: Path) -> None:
+    plt = pyplot()
+    fig, axes = plt.subplots(1, 2, figsize=(12, 3.6), gridspec_kw={"width_ratios": [3, 2]})
+    labels = [SHORT_LABELS[r["key"]] for r in shared]
+    y = np.arange(len(shared))
+    axes[0].barh(y, [r["total"] / M for r in shared], color="#3a76af", label="measured")
+    axes[0].scatter([r["formula_total"] / M for r in shared], y, marker="D", color="black", zorder=3,
+                    label="formula", s=18)
+    axes[0].set_yticks(y, labels, fontsize=7)
+    axes[0].invert_yaxis()
+    axes[0].set_xlabel("shared-link bytes per step / M")
+    axes[0].legend(fontsize=7)
+    axes[0].set_title("shared link (host <-> store)", fontsize=9)
+    nsp_rows = [r for r in internal if r["read"] is not None]
+    yi = np.arange(len(nsp_rows))
+    axes[1].barh(yi - 0.2, [r["read"] / M for r in nsp_rows], 0.4, label="pages read", color="#3a76af")
+    axes[1].barh(yi + 0.2, [r["write"] / M for r in nsp_rows], 0.4, label="pages written", color="#e0873a")
+    axes[1].set_yticks(yi, [SHORT_LABELS[r["key"]] for r in nsp_rows], fontsize=7)
+    axes[1].invert_yaxis()
+    axes[1].set_xlabel("internal bytes per step / M")
+    axes[1].legend(fontsize=7)
+    axes[1].set_title("store internal link", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def plot_loss_curves(train: dict, path: Path) -> int:
+    """Training loss vs step for every run (moving average); returns the averaging window."""
+    plt = pyplot()
+    steps = train["config"]["steps"]
+    window = max(1, steps // 50)
+    fig, ax = plt.subplots(figsize=(9, 4.5))
+    cmap = plt.get_cmap("viridis")
+    for r in train["runs"]:
+        losses = np.asarray(r["losses"])
+        smooth = np.convolve(losses, np.ones(window) / window, mode="valid")
+        x = np.arange(window, len(losses) + 1)
+        if r["ratio"] is None:
+            style = {"color": "black" if r["kind"] == "optax" else "#d62728",
+                     "linestyle": "-" if r["kind"] == "optax" else ":", "linewidth": 1.6}
+        else:
+            shade = cmap(RATIOS.index(r["ratio"]) / (len(RATIOS) - 1) * 0.85)
+            style = {"color": shade, "linestyle": "-" if r["error_feedback"] else "--", "linewidth": 1.0}
+        ax.plot(x, smooth, label=r["name"], **style)
+    ax.set_xlabel("step")
+    ax.set_ylabel(f"training loss (moving average of {window})" if window > 1 else "training loss")
+    ax.set_title(f"{train['config']['model']} GPT, batch {train['config']['batch']} x {train['config']['seq']} "
+                 f"tokens, seed {train['config']['seed']}", fontsize=9)
+    ax.legend(fontsize=7, ncol=2)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return window
+
+
+def plot_loss_vs_ratio(train: dict, path: Path) -> None:
+    plt = pyplot()
+    fig, ax = plt.subplots(figsize=(6, 3.6))
+    for ef, style in ((True, "-o"), (False, "--s")):
+        pts = sorted((r["ratio"], r["held_out_loss"]) for r in train["runs"] if r["error_feedback"] is ef)
+        ax.plot([p[0] * 100 for p in pts], [p[1] for p in pts], style,
+                label="Top-K + error feedback" if ef else "Top-K, no error feedback")
+    for r, color in zip(train["runs"][:2], ("black", "#d62728")):
+        ax.axhline(r["held_out_loss"], color=color, linestyle=":", linewidth=1, label=r["name"])
+    ax.set_xscale("log")
+    ax.set_xticks([c * 100 for c in RATIOS], [f"{c:.0%}" for c in RATIOS])
+    ax.set_xlabel("gradient entries kept")
+    ax.set_ylabel("held-out loss")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+# ---- the report ------------------------------------------------------------------------------------------------
+
+def section_header(measurements: dict) -> str:
+    m = measurements["machine"]
+    v = measurements["versions"]
+    t_seed, s_seed = measurements["traffic"]["seed"], measurements["train"]["config"]["seed"]
+    lines = [
+        "# nsp results",
+        "",
+        f"Generated {measurements['generated']} by `{measurements['command']}` in "
+        f"{measurements['elapsed_s'] / 60:.1f} min"
+        + (" (section 2 is a `--quick` smoke run: few training steps, not for conclusions)."
+           if measurements["train"].get("quick") else "."),
+        "Regenerate with `python bench/report.py` (options: `--help`). Every number below comes from a measurement "
+        "made by that script (raw values in [`report.json`](report.json)) or from a benchmark's JSON record in "
+        "`bench/results/`.",
+        "",
+        "## Machine and versions",
+        "",
+        md_table([{"k": "CPU", "v": m["cpu"]}, {"k": "cores", "v": str(m["cores"])},
+                  {"k": "platform", "v": m["platform"]}, {"k": "python", "v": m["python"]},
+                  {"k": "nsp kernel ISA / threads", "v": f"{measurements['isa']} / {measurements['threads']}"},
+                  {"k": "JAX devices", "v": measurements["devices"]},
+                  {"k": "environment", "v": measurements["env"] or "(no NSP_* / XLA_* variables set)"}],
+                 [("k", "machine", ""), ("v", "", "")]),
+        "",
+        md_table([{"lib": k, "ver": val} for k, val in v.items()], [("lib", "library", ""), ("ver", "version", "")]),
+        "",
+        f"Seeds (`--seed`): section 1's params and gradients come from `np.random.default_rng({t_seed})`; section 2 "
+        f"initialises the GPT with `nnx.Rngs({s_seed})` and draws its training batches with `Batcher(seed={s_seed})` "
+        f"and its held-out batches with `Batcher(seed={s_seed + 1})`. Nothing else is random. The benchmarks of "
+        "section 3 seed their own inputs (see each script).",
+        "",
+    ]
+    return "\n".join(lines)
+
+
+def section_traffic(traffic: dict, out: Path) -> str:
+    shared, internal = traffic_rows(traffic)
+    n = traffic["params"]
+    M = 2 * n
+    dense = traffic["measured"]["dense"]
+    plot_traffic(shared, internal, M, out / "traffic.png")
+    note = traffic["measured"]["baseline"]["host_adam"]
+    return "\n".join([
+        "## 1. Traffic per optimizer step (Smart-Infinity Table I)",
+        "",
+        f"Command: `{traffic['command']}` (measured {traffic.get('time', '?')})",
+        "",
+        f"N = {n:,} fp32 params (one flat vector `{{\"w\": float32[{n}]}}`); M = 2N = {M:,} bytes (the model in 16-bit "
+        f"bytes), fp32 transport = 2M per tensor. One file-tier store shard with pages of "
+        f"{traffic['page_bytes']:,} bytes: {dense['pages_per_state']} whole pages per state and no padding "
+        f"(the store's padded vector holds {dense['padded_total']:,} entries = N). Adam (p, m, v). Each row is "
+        "the second step on a fresh store (the first compiles or builds buffers); seed "
+        f"{traffic['seed']}.",
+        "",
+        "Where the numbers come from: nsp rows are `store.stats()` of a store opened with `nsp.storage.open(..., "
+        "tier=\"file\")` and stepped through a jitted `nsp.optim.adam(..., store=store)` (Top-K rows: "
+        "`compression=nsp.optim.TopK(c)`). The baseline rows run the host updater of `bench/store_update.py` "
+        f"(Adam: {note}) on the same page files, counting the bytes each whole-state read and write moves between "
+        "the store and host memory; row (a') also writes the gradient to the store's disk and reads it back, "
+        "counting the bytes its system calls return. \"to store\" is gradients (and, for the baseline, state) "
+        "going in; \"from store\" is params (and state) coming out.",
+        "",
+        "Formulas: baseline 6M state read + 6M state written + 2M gradients written + 2M gradients read = 16M; "
+        "SmartUpdate 2M gradients in + 2M params out; SmartComp at ratio c: c x N x (4 + 4) bytes in (fp32 value + "
+        "int32 index per kept entry) + 2M params out.",
+        "",
+        "**Shared link** (bytes per step):",
+        "",
+        md_table(shared, SHARED_COLUMNS),
+        "",
+        "Row (a) keeps the gradient in host memory, as `bench/store_update.py`'s baseline does: it moves the state "
+        "only, 4M less than the formula, which also counts ZeRO-Infinity's gradient round trip through storage "
+        "(row a').",
+        "",
+        "**Store internal link** (pages read and written inside the store, bytes per step), with the OS's count of "
+        "the bytes this process's read and write system calls moved during the step (`/proc/self/io` rchar / "
+        "wchar, less what reading that file adds). The OS figures are an independent check of the counters; the "
+        "last column is what the system calls moved beyond them: each page file's 4-byte CRC-32C trailer and, in "
+        "writes, the shard manifest a commit rewrites. For the baseline the store runs no update: its page I/O is "
+        "the shared-link traffic above, and the last column compares the OS figures with that.",
+        "",
+        md_table(internal, INTERNAL_COLUMNS),
+        "",
+        "Formula: near-storage update reads 3 states x 4 B/param and writes 3 x 4 B/param = 6M each way.",
+        "",
+        "![traffic](traffic.png)",
+        "",
+    ])
+
+
+def section_training(train: dict, out: Path) -> str:
+    cfg = train["config"]
+    window = plot_loss_curves(train, out / "loss_curves.png")
+    plot_loss_vs_ratio(train, out / "loss_vs_ratio.png")
+    rows = train_rows(train)
+    err = train["dense_rel_err"]
+    checkpoints = sorted({1, 10, 100, len(err)} & set(range(1, len(err) + 1)))
+    data = train["data"]
+    ok = train["dense_rel_err_max"] <= 1e-5
+    first_above = next((i + 1 for i, e in enumerate(err) if e > 1e-5), None)
+    return "\n".join([
+        "## 2. Loss vs compression ratio (Smart-Infinity Table IV / Fig. 16)",
+        "",
+        f"Command: `{train['command']}` (measured {train.get('time', '?')}; training took "
+        f"{train['wall_s'] / 60:.1f} min of it)",
+        "",
+        f"Model `{cfg['model']}` ({train['model_params']:,} params), byte-level, trained for {cfg['steps']} steps of "
+        f"{cfg['batch']} x {cfg['seq']} tokens on {data['source']} ({data['tokens']:,} tokens; the last 5% held "
+        f"out), batches `Batcher(seed={cfg['seed']})`. Every run: `optax.clip_by_global_norm({cfg['clip']:g})`, then "
+        f"AdamW (b1 {cfg['b1']:g}, b2 {cfg['b2']:g}, weight decay {cfg['weight_decay']:g}) with `nsp train`'s "
+        f"schedule (linear warm-up over {min(cfg['warmup_steps'], cfg['steps'])} steps to {cfg['lr']:g}, cosine "
+        f"decay to {cfg['lr'] * cfg['min_lr_ratio']:g}). nsp runs keep their state in a memory-tier store; Top-K "
+        "runs compress the clipped gradient with `nsp.optim.TopK(c, error_feedback=...)`. All runs advance in "
+        "lockstep on the same batches; each step is timed to completion (the store's update included), and the "
+        f"step time is the median over steps 2..{cfg['steps']} (step 1 compiles). Held-out loss: the mean over "
+        f"{cfg['eval_batches']} fixed held-out batches (`Batcher(seed={cfg['seed'] + 1})`); before training it is "
+        f"{train['start_held_out_loss']:.4f}.",
+        "",
+        f"**nsp dense vs optax.adamw**: max relative param difference ||p_nsp - p_optax|| / ||p_optax|| over all "
+        f"{len(err)} steps = **{train['dense_rel_err_max']:.3g}** "
+        f"({'within' if ok else 'above'} the 1e-5 that tests/test_optim.py allows over 50 steps); at steps "
+        + ", ".join(f"{s}: {err[s - 1]:.3g}" for s in checkpoints) + "."
+        + ("" if first_above is None else f" It first exceeds 1e-5 at step {first_above}: float32 rounding "
+           "differences (the kernel's fused arithmetic vs XLA's) that training amplifies step after step."),
+        "",
+        md_table(rows, TRAIN_COLUMNS),
+        "",
+        "![loss curves](loss_curves.png)\n\nTraining loss per step"
+        + (f" (moving average over {window} steps)" if window > 1 else "") + ", every run.",
+        "",
+        "![held-out loss vs ratio](loss_vs_ratio.png)",
+        "",
+    ])
+
+
+def section_csd() -> str:
+    return "\n".join([
+        "## 4. Scaling from the CSD emulator",
+        "",
+        "**Missing: there is no emulated computational-storage backend yet, so no scaling plot is produced.** "
+        "`nsp.storage.open(..., tier=\"csd\")` is for now the file tier with one engine worker per shard "
+        "(`nsp/storage/store.py`): every shard's pages go to the same disk through the same host CPU, with no "
+        "per-device bandwidth, internal link or compute of its own. A plot of update time against the number of "
+        "such \"devices\" would measure one disk shared by more and more shards, not the scaling of "
+        "computational storage, so none is drawn and no numbers stand in for it.",
+        "",
+    ])
+
+
+def render_report(measurements: dict, results_dir: Path, out: Path) -> Path:
+    out.mkdir(parents=True, exist_ok=True)
+    parts = [section_header(measurements)]
+    parts.append(section_traffic(measurements["traffic"], out))
+    parts.append(section_training(measurements["train"], out))
+    where = results_dir.relative_to(REPO) if results_dir.is_relative_to(REPO) else results_dir
+    parts.append(f"## 3. Kernel and tier throughput\n\nFrom the JSON records in `{where}/`, each with the "
+                 "benchmark's own timestamp; rooflines are grey (hatched) bars measured in the same run. A record "
+                 "whose command reads \"Produced by\" was written by this script's `--run-benches`; the others are "
+                 "read as found, with their command rebuilt from the parameters they record.\n")
+    parts.append(render_benches(results_dir, out, measurements.get("ran_benches") or {}, measurements["machine"]))
+    parts.append(section_csd())
+    path = out / "REPORT.md"
+    path.write_text("\n".join(parts).rstrip() + "\n")
+    return path
+
+
+def environment() -> str:
+    return ", ".join(f"{k}={v}" for k, v in sorted(os.environ.items()) if k.startswith(("NSP_", "XLA_", "JAX_")))
+
+
+def print_sections(measurements: dict) -> None:
+    shared, internal = traffic_rows(measurements["traffic"])
+    print_table("Shared link, bytes per step", shared, SHARED_COLUMNS)
+    print_table("Store internal link, bytes per step", internal, INTERNAL_COLUMNS)
+    train = measurements["train"]
+    print_table(f"Training ({train['config']['steps']} steps; nsp dense vs optax max rel. param diff "
+                f"{train['dense_rel_err_max']:.3g})", train_rows(train), TRAIN_COLUMNS)
+
+
+def load_previous(path: Path, needed: bool) -> dict:
+    """The measurements of the last run (``{}`` when there is none and none is needed)."""
+    if not path.exists():
+        if needed:
+            raise SystemExit(f"{path} does not exist: run the report once without --reuse / --skip-train")
+        return {}
+    return json.loads(path.read_text())
+
+
+SETUP_KEYS = ("machine", "versions", "isa", "threads", "devices", "env")
+
+
+def describe_setup() -> dict:
+    """What the measurements of this run depend on besides the code: machine, libraries, kernel, devices."""
+    return {"machine": machine_info(), "versions": versions(), "isa": kernel_isa(), "threads": get_num_threads(),
+            "devices": ", ".join(str(d) for d in jax.devices()), "env": environment()}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="30 training steps and 4 held-out batches")
+    parser.add_argument("--steps", type=int, default=None, help="training steps (default 1000, 30 --quick)")
+    parser.add_argument("--batch", type=int, default=16, help="sequences per training step")
+    parser.add_argument("--seq", type=int, default=64, help="tokens per sequence (<= the model's block size)")
+    parser.add_argument("--model", default="tiny", help="GPT config of the training section (nsp.models.CONFIGS)")
+    parser.add_argument("--eval-batches", type=int, default=None, help="held-out batches (default 16, 4 --quick)")
+    parser.add_argument("--seed", type=int, default=0, help="seed of params, gradients, model init and batches")
+    parser.add_argument("--run-benches", action="store_true",
+                        help="first run the quick benchmark variants (update_kernel, store_update, topk)")
+    parser.add_argument("--skip-train", action="store_true",
+                        help="keep the training section of the previous report.json (remeasure the traffic)")
+    parser.add_argument("--reuse", action="store_true",
+                        help="measure nothing: re-render sections 1 and 2 from the previous report.json")
+    parser.add_argument("--results-dir", default=str(RESULTS_DIR), help="where the benchmarks' JSON records are")
+    parser.add_argument("--out", default=str(OUT_DIR), help="where REPORT.md, the PNGs and report.json go")
+    parser.add_argument("--dir", default=None, help="where the traffic section's temporary stores go "
+                        "(default: the system's temporary directory)")
+    args = parser.parse_args()
+    args.steps = args.steps or (30 if args.quick else 1000)
+    args.eval_batches = args.eval_batches or (4 if args.quick else 16)
+    if args.steps < 2:
+        parser.error("--steps must be >= 2 (the first step compiles and is not timed)")
+    if args.seq > get_config(args.model).block_size:
+        parser.error(f"--seq {args.seq} exceeds the block size of {args.model!r}")
+    out, results_dir = Path(args.out).absolute(), Path(args.results_dir).absolute()
+    json_path = out / "report.json"
+
+    t0 = time.perf_counter()
+    previous = load_previous(json_path, needed=args.reuse or args.skip_train)
+    # Commands of earlier --run-benches runs stay known: a record whose timestamp matches was written by them.
+    ran = {**previous.get("ran_benches", {}), **(run_benches(results_dir) if args.run_benches else {})}
+    if args.reuse:
+        traffic = previous["traffic"]
+    else:
+        print("section 1: traffic per optimizer step", flush=True)
+        traffic = run_traffic(args)
+    if args.reuse or args.skip_train:
+        train = previous["train"]
+    else:
+        print(f"section 2: training {args.model} for {args.steps} steps, {len(contenders())} runs in lockstep",
+              flush=True)
+        train = run_training(args)
+    # Re-rendered measurements keep the description of the machine and libraries they were made with.
+    setup = {k: previous[k] for k in SETUP_KEYS} if args.reuse else describe_setup()
+    measurements = {
+        "generated": time.strftime("%Y-%m-%d %H:%M:%S"), "command": command_line(), **setup,
+        "traffic": traffic, "train": train, "ran_benches": ran, "elapsed_s": time.perf_counter() - t0,
+    }
+    print_sections(measurements)
+    write_json("report", measurements, json_path)
+    path = render_report(measurements, results_dir, out)
+    print(f"\nwrote {path} and {json_path} ({time.perf_counter() - t0:.0f} s)")
+
+
+if __name__ == "__main__":
+    main()
