@@ -78,6 +78,10 @@ std::string ErrnoMessage(const std::string& what, const std::string& path) {
   return what + " " + path + ": " + std::strerror(errno);
 }
 
+std::string MissingPage(const std::string& path) {
+  return "page file " + path + " is missing: the store is damaged (every version holds all its pages)";
+}
+
 // Group commit of syncfs: shards on one file system that commit together (one step, several shards) share a
 // flush instead of each paying for one. A caller takes a ticket once its writes are done; a syncfs that starts
 // after that covers it, so a caller whose ticket an earlier flush already covered returns at once.
@@ -147,10 +151,9 @@ class FileBackend final : public Backend {
     const std::string path = PagePath(slot, state, page);
     const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
     if (fd < 0) {
-      if (errno == ENOENT) {  // zarr: a chunk never written holds the fill value
-        std::memset(dst, 0, sizeof(float) * n);
-        return {};
-      }
+      // zarr reads an absent chunk as the fill value, but every version the engine reads had all its pages
+      // written: an absent page means a damaged store, never zeros.
+      if (errno == ENOENT) return MissingPage(path);
       return ErrnoMessage("cannot open", path);
     }
     // Straight into the caller's buffer; the last page's padding and the CRC trailer go to a side buffer.
@@ -231,11 +234,7 @@ class FileBackend final : public Backend {
         direct_.store(false);
         return false;
       }
-      if (errno == ENOENT) {
-        std::memset(dst, 0, sizeof(float) * n);
-        return true;
-      }
-      *err = ErrnoMessage("cannot open", path);
+      *err = errno == ENOENT ? MissingPage(path) : ErrnoMessage("cannot open", path);
       return true;
     }
     iovec iov{dst, RoundUp(file_bytes_)};

@@ -336,6 +336,32 @@ def test_corrupt_page_names_the_state_and_page(tmp_path):
         assert store.version == 1
 
 
+
+def test_missing_page_is_an_error_never_zeros(tmp_path):
+    with open_store(tmp_path, "file", num_shards=1) as store:
+        store.initialize(make_params(), SPECS["adam"])
+        store.update(grad_for(1, store.layout), version=0, lr=0.01, step=1)
+        page = store.shard_paths[0] / "slot1" / "mu" / "c" / "2"
+        page.unlink()
+        with pytest.raises(RuntimeError, match=r"page file .*slot1/mu/c/2 is missing: the store is damaged"):
+            store.read("mu")
+        assert any("slot1/mu/c/2 is missing" in p for p in store.verify()["problems"])
+        with pytest.raises(storage.StoreError, match="is missing"):
+            store.update(grad_for(2, store.layout), version=1, lr=0.01, step=2)
+    # Reopening names the damage at once: the manifest's version lacks a page.
+    with pytest.raises(storage.StoreError, match=r"manifest names version 1, but .*slot1/mu/c holds \d+ of its \d+ pages"):
+        storage.open(tmp_path / "store")
+
+
+def test_manifest_naming_a_version_the_store_lacks_is_refused(tmp_path):
+    with open_store(tmp_path, "file", num_shards=2) as store:
+        store.initialize(make_params(), SPECS["adam"])
+        shards = store.shard_paths
+    for shard in shards:  # as if the manifests ran ahead of the pages (version 7 lives in slot 1: never written)
+        (shard / "MANIFEST.json").write_text('{"version": 7}')
+    with pytest.raises(storage.StoreError, match=r"manifest names version 7, but .*slot1/param/c holds 0 of its"):
+        storage.open(tmp_path / "store")
+
 _WRITER = textwrap.dedent("""
     import sys
     import numpy as np

@@ -612,11 +612,26 @@ def _open_existing(root: Path, tier, num_shards, page_bytes, shard_paths, pages_
     try:
         store.layout = Layout.from_json(meta["layout"])
         store.optimizer = OptimizerSpec(**meta["optimizer"])
-        store._make_engines(create=False, version=_recover_version(shards))
+        version = _recover_version(shards)
+        _check_pages_present(store, version)
+        store._make_engines(create=False, version=version)
     except BaseException:
         store.close()
         raise
     return store
+
+
+def _check_pages_present(store: StateStore, version: int) -> None:
+    """Every page of the committed version must exist (a version is committed only once all its pages are
+    durable): a manifest naming a version whose slot lacks pages is a damaged store, said at open."""
+    pages = store.layout.pages_per_shard
+    for shard in store.shard_paths:
+        for state, used in zip(STATES, store.optimizer.states_used()):
+            chunks = shard / f"slot{version % 2}" / state / "c"
+            present = sum(1 for p in chunks.iterdir() if p.name.isdigit()) if chunks.is_dir() else 0
+            if used and present < pages:
+                raise StoreError(f"store {store.root}: its manifest names version {version}, but "
+                                 f"{chunks} holds {present} of its {pages} pages: the store is damaged")
 
 
 def _recover_version(shards: list[Path]) -> int:
