@@ -7,6 +7,11 @@ change it without recompiling); the other hyperparameters are fixed when the sto
 returns updates such that ``optax.apply_updates(params, updates)`` gives the store's new params in the params'
 own dtype. Calling ``update`` twice with the same state gives the same result (the store replays the version);
 a state older than that is a clear error.
+
+With one device and one store shard, and gradient and params leaves of one dtype, the update takes the gradient
+leaves as they are and writes each leaf's new params over its gradient (``store_update_leaves``): the optimizer
+adds no memory to the step. Keep the params in bf16 on the accelerator (cast them after ``init``, which writes
+the fp32 master into the store) and the step holds 2 bytes of params and 2 of gradient per parameter.
 """
 
 from __future__ import annotations
