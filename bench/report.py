@@ -543,28 +543,39 @@ def pyplot():
     return plt
 
 
-def bar_chart(path: Path, labels: list[str], values: list[float], *, title: str, xlabel: str,
-              roofline: set[str] = frozenset(), log: bool = False, fmt: str = "{:.3g}") -> None:
-    """Horizontal bars, rooflines hatched in grey, each bar labelled with its value."""
-    plt = pyplot()
-    fig, ax = plt.subplots(figsize=(9, 0.45 * len(labels) + 1.4))
-    colors = ["#bbbbbb" if lab in roofline else "#3a76af" for lab in labels]
-    hatches = ["//" if lab in roofline else "" for lab in labels]
-    bars = ax.barh(range(len(labels)), values, color=colors)
-    for bar, hatch in zip(bars, hatches):
-        bar.set_hatch(hatch)
-    ax.set_yticks(range(len(labels)), labels, fontsize=8)
+def draw_bars(ax, labels: list[str], values: list[float], roof: list[bool], *, log: bool = False,
+              fmt: str = "{:.3g}", fontsize: int = 8) -> None:
+    """Horizontal bars on ``ax``, top to bottom, rooflines (``roof``) hatched in grey, each labelled with its value."""
+    bars = ax.barh(range(len(labels)), values, color=["#bbbbbb" if r else "#3a76af" for r in roof])
+    for bar, r in zip(bars, roof):
+        bar.set_hatch("//" if r else "")
+    ax.set_yticks(range(len(labels)), labels, fontsize=fontsize)
     ax.invert_yaxis()
     if log:
         ax.set_xscale("log")
     for i, v in enumerate(values):
         ax.text(v, i, " " + fmt.format(v), va="center", fontsize=7)
+
+
+def save_figure(fig, path: Path, suptitle: str | None = None) -> None:
+    """Writes ``fig`` as a PNG (with an overall title when given) and frees it."""
+    if suptitle:
+        fig.suptitle(suptitle, fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    pyplot().close(fig)
+
+
+def bar_chart(path: Path, labels: list[str], values: list[float], *, title: str, xlabel: str,
+              roofline: set[str] = frozenset(), log: bool = False, fmt: str = "{:.3g}") -> None:
+    """Horizontal bars, rooflines hatched in grey, each bar labelled with its value."""
+    plt = pyplot()
+    fig, ax = plt.subplots(figsize=(9, 0.45 * len(labels) + 1.4))
+    draw_bars(ax, labels, values, [lab in roofline for lab in labels], log=log, fmt=fmt)
     ax.set_xlabel(xlabel)
     ax.set_title(title, fontsize=9)
     ax.margins(x=0.15)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, path)
 
 
 def md_table(rows: list[dict], columns: list[tuple[str, str, str]]) -> str:
@@ -638,20 +649,12 @@ def render_store_update(d: dict, out: Path) -> tuple[str, str]:
         group = [(k, v) for k, v in group if k]
         vals = [moved / v / 1e9 if ax is axes[0] else n / v / 1e6 for _, v in group]
         roof = ["roofline" in k or "kernel alone" in k for k, _ in group]
-        bars = ax.barh(range(len(group)), vals, color=["#bbbbbb" if r else "#3a76af" for r in roof])
-        for bar, r in zip(bars, roof):
-            bar.set_hatch("//" if r else "")
-        ax.set_yticks(range(len(group)), [k for k, _ in group], fontsize=7)
-        ax.invert_yaxis()
-        for i, v in enumerate(vals):
-            ax.text(v, i, f" {v:.3g}", va="center", fontsize=7)
+        draw_bars(ax, [k for k, _ in group], vals, roof, fontsize=7)
         ax.set_title(title, fontsize=9)
         ax.margins(x=0.2)
-    fig.suptitle(f"store update, {n / 2**20:.0f}M params ({d['state_bytes'] / 2**20:.0f} MiB of p, m, v), "
-                 f"median of {d['repeats']} ({d['time']})", fontsize=9)
-    fig.tight_layout()
-    fig.savefig(out / "store_update.png", dpi=110)
-    plt.close(fig)
+    save_figure(fig, out / "store_update.png",
+                f"store update, {n / 2**20:.0f}M params ({d['state_bytes'] / 2**20:.0f} MiB of p, m, v), "
+                f"median of {d['repeats']} ({d['time']})")
     body = md_table(rows, [("name", "contender", ""), ("ms", "median ms", ".1f"), ("gbs", "GB/s moved", ".3f")])
     facts = (f"Raw disk ({d['probe_mode']}): write {d['write_gbs']:.3f} GB/s, read {d['read_gbs']:.3f} GB/s. "
              f"File tier at {d['file_tier_pct_of_disk']:.1f}% of the perfect update; DeepSpeed-style baseline at "
@@ -672,22 +675,13 @@ def render_topk(d: dict, out: Path) -> tuple[str, str]:
     for ax, inp in zip(axes[0], inputs):
         rows = [r for r in d["rows"] if r["input"] == inp]
         roof = [r["method"].startswith("roofline") for r in rows]
-        bars = ax.barh(range(len(rows)), [r["median_ms"] for r in rows],
-                       color=["#bbbbbb" if x else "#3a76af" for x in roof])
-        for bar, x in zip(bars, roof):
-            bar.set_hatch("//" if x else "")
-        ax.set_yticks(range(len(rows)), [r["method"] for r in rows], fontsize=8)
-        ax.invert_yaxis()
-        ax.set_xscale("log")
-        for i, r in enumerate(rows):
-            ax.text(r["median_ms"], i, f" {r['median_ms']:.3g} ms", va="center", fontsize=7)
+        draw_bars(ax, [r["method"] for r in rows], [r["median_ms"] for r in rows], roof, log=True,
+                  fmt="{:.3g} ms")
         ax.set_title(f"{inp}: median ms (log; lower is better)", fontsize=9)
         ax.margins(x=0.3)
-    fig.suptitle(f"Top-K {d['ratio']:.0%} of {d['size']:,} entries (k = {d['k']:,}), median of {d['repeats']} "
-                 f"({d['time']})", fontsize=9)
-    fig.tight_layout()
-    fig.savefig(out / "topk.png", dpi=110)
-    plt.close(fig)
+    save_figure(fig, out / "topk.png",
+                f"Top-K {d['ratio']:.0%} of {d['size']:,} entries (k = {d['k']:,}), median of {d['repeats']} "
+                 f"({d['time']})")
     body = md_table(d["rows"], [("input", "input", ""), ("method", "method", ""), ("median_ms", "median ms", ".1f"),
                                 ("speedup", "vs lax.top_k", ".2f"), ("l2_mass_pct", "L2 mass kept %", ".2f")])
     return command, f"{body}\n\n![top-k](topk.png)"
@@ -717,10 +711,7 @@ def render_train_step(d: dict, out: Path) -> tuple[str, str]:
                                        ("ratio", "x optax", ".2f"), ("update_ms", "update ms", ".1f"),
                                        ("in", "link in B/step", ",.0f"), ("table1_in", "Table I in", ",.0f"),
                                        ("out", "link out B/step", ",.0f"), ("table1_out", "Table I out", ",.0f")]))
-    fig.suptitle(f"GPT train step (median of {repeats}; {d['time']})", fontsize=9)
-    fig.tight_layout()
-    fig.savefig(out / "train_step.png", dpi=110)
-    plt.close(fig)
+    save_figure(fig, out / "train_step.png", f"GPT train step (median of {repeats}; {d['time']})")
     return command, "\n\n".join(parts) + "\n\n![train step](train_step.png)"
 
 
@@ -775,9 +766,7 @@ def render_fault_campaign(d: dict, out: Path) -> tuple[str, str]:
     ax.set_xticks(x, [r["mode"] for r in rows])
     ax.legend(fontsize=8)
     ax.set_title(f"fault campaign: {len(trials)} SIGKILLed runs of {d['steps']} steps ({d['time']})", fontsize=9)
-    fig.tight_layout()
-    fig.savefig(out / "fault_campaign.png", dpi=110)
-    plt.close(fig)
+    save_figure(fig, out / "fault_campaign.png")
     body = md_table(rows, [("mode", "kill point", ""), ("trials", "trials", "d"), ("killed", "killed", "d"),
                            ("identical", "bit-identical", "d"), ("corrupt", "corrupt", "d"),
                            ("lost", "max lost steps", "d")])
@@ -874,9 +863,7 @@ def plot_traffic(shared: list[dict], internal: list[dict], M: int, path: Path) -
     axes[1].set_xlabel("internal bytes per step / M")
     axes[1].legend(fontsize=7)
     axes[1].set_title("store internal link", fontsize=9)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, path)
 
 
 def plot_loss_curves(train: dict, path: Path) -> int:
@@ -902,9 +889,7 @@ def plot_loss_curves(train: dict, path: Path) -> int:
     ax.set_title(f"{train['config']['model']} GPT, batch {train['config']['batch']} x {train['config']['seq']} "
                  f"tokens, seed {train['config']['seed']}", fontsize=9)
     ax.legend(fontsize=7, ncol=2)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, path)
     return window
 
 
@@ -922,9 +907,7 @@ def plot_loss_vs_ratio(train: dict, path: Path) -> None:
     ax.set_xlabel("gradient entries kept")
     ax.set_ylabel("held-out loss")
     ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, path)
 
 
 # ---- the report ------------------------------------------------------------------------------------------------
@@ -939,7 +922,9 @@ def section_header(measurements: dict) -> str:
         f"Generated {measurements['generated']} by `{measurements['command']}` in "
         f"{measurements['elapsed_s'] / 60:.1f} min"
         + (" (section 2 is a `--quick` smoke run: few training steps, not for conclusions)."
-           if measurements["train"].get("quick") else "."),
+           if measurements["train"].get("quick") else ".")
+        + (f" Re-rendered {measurements['rerendered']} (section 3 read again from `bench/results/`)."
+           if measurements.get("rerendered") else ""),
         "Regenerate with `python bench/report.py` (options: `--help`). Every number below comes from a measurement "
         "made by that script (raw values in [`report.json`](report.json)) or from a benchmark's JSON record in "
         "`bench/results/`.",
@@ -1172,10 +1157,13 @@ def main() -> None:
         train = run_training(args)
     # Re-rendered measurements keep the description of the machine and libraries they were made with.
     setup = {k: previous[k] for k in SETUP_KEYS} if args.reuse else describe_setup()
-    measurements = {
-        "generated": time.strftime("%Y-%m-%d %H:%M:%S"), "command": command_line(), **setup,
-        "traffic": traffic, "train": train, "ran_benches": ran, "elapsed_s": time.perf_counter() - t0,
-    }
+    if args.reuse:  # the measurements keep the date and command that made them; the rendering is noted apart
+        made = {k: previous[k] for k in ("generated", "command", "elapsed_s")}
+        made["rerendered"] = f"{time.strftime('%Y-%m-%d %H:%M:%S')} by `{command_line()}`"
+    else:
+        made = {"generated": time.strftime("%Y-%m-%d %H:%M:%S"), "command": command_line(),
+                "elapsed_s": time.perf_counter() - t0}
+    measurements = {**made, **setup, "traffic": traffic, "train": train, "ran_benches": ran}
     print_sections(measurements)
     write_json("report", measurements, json_path)
     path = render_report(measurements, results_dir, out)
