@@ -1071,8 +1071,9 @@ def render_report(measurements: dict, results_dir: Path, out: Path) -> Path:
     where = results_dir.relative_to(REPO) if results_dir.is_relative_to(REPO) else results_dir
     parts.append(f"## 3. Kernel and tier throughput\n\nFrom the JSON records in `{where}/`, each with the "
                  "benchmark's own timestamp; rooflines are grey (hatched) bars measured in the same run. A record "
-                 "whose command reads \"Produced by\" was written by this script's `--run-benches`; the others are "
-                 "read as found, with their command rebuilt from the parameters they record.\n")
+                 "whose command reads \"Produced by\" names the command line that wrote it (recorded by the "
+                 "benchmark, or by this script's `--run-benches`); for older records the command is rebuilt from "
+                 "the parameters they record.\n")
     parts.append(render_benches(results_dir, out, measurements.get("ran_benches") or {}, measurements["machine"]))
     parts.append(section_csd())
     path = out / "REPORT.md"
