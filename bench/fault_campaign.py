@@ -74,11 +74,19 @@ def run_trial(i: int, mode: str, args, corpus: Path, workdir: Path, rng: random.
         trial_env["NSP_DEBUG_KILL_AT_COMMIT"] = str(rng.randrange(5, 4 * args.steps))
     elif mode == "snapshot":
         trial_env["NSP_DEBUG_KILL_AT_SNAPSHOT"] = str(rng.randrange(1, args.steps // 2 + 1))
+    started = time.perf_counter()
     proc = subprocess.Popen(train_cmd(run_dir, corpus, args.steps, topk), env=trial_env,
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     if mode == "random":
-        time.sleep(rng.uniform(0.5, args.random_window or args.reference_seconds))
-        proc.kill()
+        deadline = started + rng.uniform(0.5, args.random_window or args.reference_seconds)
+        while proc.poll() is None and time.perf_counter() < deadline:
+            time.sleep(0.02)
+        if proc.poll() is None:
+            proc.kill()
+        elif not args.random_window:
+            # The run ended before its kill: runs are shorter than the window (a warmer cache, a quieter
+            # machine), so later random kills aim within the length this one took.
+            args.reference_seconds = min(args.reference_seconds, time.perf_counter() - started)
     try:
         _, err = proc.communicate(timeout=600)
     except subprocess.TimeoutExpired:
@@ -134,9 +142,14 @@ def main() -> int:
     parser.add_argument("--random-window", type=float, default=0.0,
                         help="random kills land within this many seconds of the start (default: the length of "
                              "an uninterrupted run)")
+    parser.add_argument("--modes", default=",".join(MODES),
+                        help=f"kill modes to cycle through, comma-separated (default: {','.join(MODES)})")
     parser.add_argument("--dir", default=None, help="work directory (default: a temp dir here)")
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
+    args.modes = [m.strip() for m in args.modes.split(",") if m.strip()]
+    if not args.modes or any(m not in MODES for m in args.modes):
+        parser.error(f"--modes must name some of {', '.join(MODES)}")
     rng = random.Random(args.seed)
     Path(args.dir or os.getcwd()).mkdir(parents=True, exist_ok=True)
     workdir = Path(tempfile.mkdtemp(prefix="nsp-faults-", dir=args.dir or os.getcwd()))
@@ -162,7 +175,7 @@ def main() -> int:
         print(f"{args.trials} trials of `nsp train` (tiny, file tier, 4 shards, {args.steps} steps, checkpoint "
               f"every 2), killed with SIGKILL, resumed, compared with an uninterrupted run")
         for i in range(args.trials):
-            mode = MODES[i % len(MODES)]
+            mode = args.modes[i % len(args.modes)]
             r = run_trial(i, mode, args, corpus, workdir, rng, env)
             results.append(r)
             print(f"  trial {i:3d} {mode:8s} topk={int(r['topk'])} killed={int(r['killed'])} "
@@ -176,7 +189,7 @@ def main() -> int:
     corrupt = sum(r["corrupt"] for r in results)
     lost = [r["lost_steps"] for r in results if r["lost_steps"] is not None]
     print("\nmode      trials  killed  bit-identical  corrupt  lost steps (max)")
-    for mode in MODES:
+    for mode in dict.fromkeys(args.modes):
         rs = [r for r in results if r["mode"] == mode]
         if rs:
             ls = [r["lost_steps"] for r in rs if r["lost_steps"] is not None]

@@ -89,7 +89,7 @@ def test_topk_memory_tier_and_keep_n(tmp_path, corpus):
     assert rows[-1]["shared_in_bytes"] < 0.2 * rows[-1]["shared_out_bytes"]
 
 
-def test_ckpt_and_sample_commands(tmp_path, corpus, capsys):
+def test_ckpt_and_sample_commands(tmp_path, corpus, capsys, monkeypatch):
     run = tmp_path / "run"
     assert train(run, corpus, "--steps", "4", "--ckpt-every", "2") == 0
     capsys.readouterr()
@@ -103,6 +103,12 @@ def test_ckpt_and_sample_commands(tmp_path, corpus, capsys):
     capsys.readouterr()
     assert main(["sample", "--run-dir", str(run), "--prompt", "def ", "--tokens", "8"]) == 0
     assert capsys.readouterr().out.startswith("def ")
+    # Relative run directories work too (orbax itself takes only absolute paths).
+    monkeypatch.chdir(tmp_path)
+    assert main(["sample", "--run-dir", "run", "--prompt", "def ", "--tokens", "8"]) == 0
+    assert capsys.readouterr().out.startswith("def ")
+    assert main(["ckpt", "export", "--run-dir", "run", "--out", "export2"]) == 0
+    assert (tmp_path / "export2" / "params").is_dir()
 
 
 @pytest.mark.parametrize(

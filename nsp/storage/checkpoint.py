@@ -782,7 +782,7 @@ def load_train_state(step_dir: str | os.PathLike) -> Any:
     device — whatever mesh it was saved from (for sampling, export or inspection on another machine)."""
     import jax
 
-    path = Path(step_dir) / "train_state"
+    path = Path(step_dir).absolute() / "train_state"  # orbax takes absolute paths only
     if not path.is_dir():
         raise StoreError(f"{step_dir} holds no train state")
     checkpointer = ocp.StandardCheckpointer()
