@@ -79,6 +79,31 @@ def test_resume_is_bit_exact(tmp_path, corpus):
         np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
 
 
+
+def test_resume_is_bit_exact_on_one_device(tmp_path, corpus):
+    """The default `nsp train` on a one-device machine: one store shard, the gradient-leaves update path."""
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # this process has 4 emulated devices
+    env["NSP_CACHE_DIR"] = str(tmp_path / "cache")
+
+    def run(run_dir, *extra):
+        cmd = [sys.executable, "-m", "nsp.cli", "train", "--model", "tiny", "--run-dir", str(run_dir), "--data",
+               corpus, "--seq", "32", "--batch", "4", "--steps", "8", "--ckpt-every", "4", "--eval-every", "0",
+               *extra]
+        proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        return proc.stdout
+
+    straight, split = tmp_path / "straight", tmp_path / "split"
+    assert "1 shard(s)" in run(straight)
+    run(split, "--stop-after", "4")
+    assert "resumed" in run(split, "--resume")
+    (step_a, pa), (step_b, pb) = final_params(straight), final_params(split)
+    assert step_a == step_b == 8
+    import jax
+
+    for x, y in zip(jax.tree_util.tree_leaves(pa), jax.tree_util.tree_leaves(pb)):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
 def test_topk_memory_tier_and_keep_n(tmp_path, corpus):
     run = tmp_path / "run"
     assert train(run, corpus, "--steps", "8", "--ckpt-every", "2", "--keep-checkpoints", "2", "--tier", "memory",
