@@ -785,9 +785,10 @@ def load_train_state(step_dir: str | os.PathLike) -> Any:
     path = Path(step_dir).absolute() / "train_state"  # orbax takes absolute paths only
     if not path.is_dir():
         raise StoreError(f"{step_dir} holds no train state")
-    checkpointer = ocp.StandardCheckpointer()
-    metadata = checkpointer.metadata(path)
+    # The item's own metadata (the step directory, not the item's, holds the checkpoint-level metadata file).
+    metadata = ocp.StandardCheckpointHandler().metadata(path)
     tree = getattr(metadata, "item_metadata", metadata)
+    checkpointer = ocp.StandardCheckpointer()
     device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
     target = jax.tree_util.tree_map(lambda m: jax.ShapeDtypeStruct(m.shape, m.dtype, sharding=device), tree)
     return checkpointer.restore(path, target)
