@@ -269,41 +269,35 @@ std::string ShardEngine::Update(const ShardUpdate& u) {
   return err;
 }
 
+StateSpan ShardEngine::SlotSpan(const ShardUpdate& u, int64_t begin, int64_t n) const {
+  StateSpan span;
+  span.size = n;
+  span.param_in = backend_->PageAddress(u.src_slot, kParamState, 0) + begin;
+  span.param_out = backend_->PageAddress(u.dst_slot, kParamState, 0) + begin;
+  if (used_[kMuState]) {
+    span.mu_in = backend_->PageAddress(u.src_slot, kMuState, 0) + begin;
+    span.mu_out = backend_->PageAddress(u.dst_slot, kMuState, 0) + begin;
+  }
+  if (used_[kNuState]) {
+    span.nu_in = backend_->PageAddress(u.src_slot, kNuState, 0) + begin;
+    span.nu_out = backend_->PageAddress(u.dst_slot, kNuState, 0) + begin;
+  }
+  return span;
+}
+
 std::string ShardEngine::UpdateAddressable(const ShardUpdate& u) {
   if (u.pieces != nullptr) {
-    // Page by page: gather the page's gradient from the pieces, update the slots in place, scatter the params.
+    // Page by page: gather the page's gradient from the pieces, update the slots, scatter the params.
+    int64_t cursor = 0;
     for (int64_t page = 0; page < num_pages_; ++page) {
       const int64_t begin = page * page_elems_;
-      StateSpan span;
-      span.size = std::min(page_elems_, size_ - begin);
-      span.param_in = backend_->PageAddress(u.src_slot, kParamState, 0) + begin;
-      span.param_out = backend_->PageAddress(u.dst_slot, kParamState, 0) + begin;
-      if (used_[kMuState]) {
-        span.mu_in = backend_->PageAddress(u.src_slot, kMuState, 0) + begin;
-        span.mu_out = backend_->PageAddress(u.dst_slot, kMuState, 0) + begin;
-      }
-      if (used_[kNuState]) {
-        span.nu_in = backend_->PageAddress(u.src_slot, kNuState, 0) + begin;
-        span.nu_out = backend_->PageAddress(u.dst_slot, kNuState, 0) + begin;
-      }
-      int64_t cursor = 0;
+      const StateSpan span = SlotSpan(u, begin, std::min(page_elems_, size_ - begin));
       backend_->Compute(u.hp, span, GradForPage(u, page, &cursor));
       u.pieces->ScatterParams(begin, span.size, span.param_out);
     }
     return {};
   }
-  StateSpan span;
-  span.size = size_;
-  span.param_in = backend_->PageAddress(u.src_slot, kParamState, 0);
-  span.param_out = backend_->PageAddress(u.dst_slot, kParamState, 0);
-  if (used_[kMuState]) {
-    span.mu_in = backend_->PageAddress(u.src_slot, kMuState, 0);
-    span.mu_out = backend_->PageAddress(u.dst_slot, kMuState, 0);
-  }
-  if (used_[kNuState]) {
-    span.nu_in = backend_->PageAddress(u.src_slot, kNuState, 0);
-    span.nu_out = backend_->PageAddress(u.dst_slot, kNuState, 0);
-  }
+  StateSpan span = SlotSpan(u, 0, size_);
   span.param_copy_out = u.params_out;
   span.param_bf16_out = u.params_bf16_out;
   PageGrad g;
@@ -606,14 +600,7 @@ std::string ShardEngine::WritePages(int slot, int state, int64_t first_page, con
 }
 
 std::string ShardEngine::WriteState(int slot, int state, const float* in) {
-  for (int64_t page = 0; page < num_pages_; ++page) {
-    const int64_t n = std::min(page_elems_, size_ - page * page_elems_);
-    if (std::string e = backend_->WritePage(slot, state, page, const_cast<float*>(in) + page * page_elems_, n, false);
-        !e.empty()) {
-      return e;
-    }
-  }
-  return {};
+  return WritePages(slot, state, 0, in, size_);
 }
 
 }  // namespace nsp

@@ -141,6 +141,9 @@ class ShardEngine {
  private:
   bool Addressable() const;
   std::string UpdateAddressable(const ShardUpdate& u);
+  // Elements [begin, begin + n) of every used state, read from slot src and written to slot dst, in place
+  // (page-addressable backends).
+  StateSpan SlotSpan(const ShardUpdate& u, int64_t begin, int64_t n) const;
   std::string UpdateStreamed(const ShardUpdate& u);
   PageGrad GradForPage(const ShardUpdate& u, int64_t page, int64_t* cursor);
   char* GradStage();

@@ -27,7 +27,7 @@ from jax.sharding import Mesh
 
 from nsp.optim._shards import shard_flat
 from nsp.optim.compress import Compressed
-from nsp.primitives.store_update import StoreUpdateResult, store_update, store_update_leaves
+from nsp.primitives.store_update import store_update, store_update_leaves
 from nsp.storage import OptimizerSpec, StateStore
 
 
@@ -114,13 +114,13 @@ def scale_by_storage(
             out = store_update(store, values=updates.values.astype(jnp.float32), indices=updates.indices,
                                version=state.version, lr=lr, step=state.count + 1, mesh=mesh, axis_name=axis_name,
                                staleness=staleness)
+            new_params, version = layout.unflatten(out.params, params, dtype=jnp.float32), out.version
         elif _leaves_path(layout, updates, params, mesh):
             # One store shard, gradient and params of one dtype: the update reads the gradient leaves where they
             # are and writes the new params over them (no flat copies: the leanest step in memory).
             new_leaves, version = store_update_leaves(
                 store, jax.tree_util.tree_leaves(updates), version=state.version, lr=lr, step=state.count + 1,
                 staleness=staleness)
-            out = StoreUpdateResult(None, version, None)
             new_params = jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(params), new_leaves)
         else:
             leaves = jax.tree_util.tree_leaves(updates)
@@ -129,13 +129,12 @@ def scale_by_storage(
             flat = shard_flat(layout.flatten(updates, dtype=dtype), mesh, axis_name)
             out = store_update(store, flat, version=state.version, lr=lr, step=state.count + 1, mesh=mesh,
                                axis_name=axis_name, staleness=staleness)
-        if out.params is not None:
-            new_params = layout.unflatten(out.params, params, dtype=jnp.float32)
+            new_params, version = layout.unflatten(out.params, params, dtype=jnp.float32), out.version
         # p + (new - p) recovers new exactly whenever the subtraction is exact (Sterbenz: new and p are close).
         new_updates = jax.tree_util.tree_map(lambda n, p: n - p.astype(jnp.float32), new_params, params)
         # A skipped step (non-finite gradient) leaves the version, and so the step count, where they were.
-        applied = (out.version - state.version).astype(state.count.dtype)
-        return new_updates, StorageState(state.count + applied, out.version)
+        applied = (version - state.version).astype(state.count.dtype)
+        return new_updates, StorageState(state.count + applied, version)
 
     return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 

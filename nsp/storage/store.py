@@ -258,14 +258,16 @@ class StateStore:
         def init_shard(i):
             engine = self._engines[i]
             begin = i * layout.shard_size
+            size = min(chunk, layout.shard_size)
+            mu0, nu0 = np.zeros(size, np.float32), np.full(size, optimizer.initial_nu, np.float32)
             for at in range(0, layout.shard_size, chunk):
                 n = min(chunk, layout.shard_size - at)
                 page = at // layout.page_elems
                 engine.write_pages(0, 0, page, layout.gather(leaves, begin + at, n))
                 if used[1]:
-                    engine.write_pages(0, 1, page, np.zeros(n, np.float32))
+                    engine.write_pages(0, 1, page, mu0[:n])
                 if used[2]:
-                    engine.write_pages(0, 2, page, np.full(n, optimizer.initial_nu, np.float32))
+                    engine.write_pages(0, 2, page, nu0[:n])
             engine.sync(0)
 
         try:
@@ -627,9 +629,11 @@ def _check_pages_present(store: StateStore, version: int) -> None:
     pages = store.layout.pages_per_shard
     for shard in store.shard_paths:
         for state, used in zip(STATES, store.optimizer.states_used()):
+            if not used:
+                continue
             chunks = shard / f"slot{version % 2}" / state / "c"
             present = sum(1 for p in chunks.iterdir() if p.name.isdigit()) if chunks.is_dir() else 0
-            if used and present < pages:
+            if present < pages:
                 raise StoreError(f"store {store.root}: its manifest names version {version}, but "
                                  f"{chunks} holds {present} of its {pages} pages: the store is damaged")
 
