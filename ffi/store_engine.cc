@@ -287,13 +287,32 @@ StateSpan ShardEngine::SlotSpan(const ShardUpdate& u, int64_t begin, int64_t n) 
 
 std::string ShardEngine::UpdateAddressable(const ShardUpdate& u) {
   if (u.pieces != nullptr) {
-    // Page by page: gather the page's gradient from the pieces, update the slots, scatter the params.
-    int64_t cursor = 0;
-    for (int64_t page = 0; page < num_pages_; ++page) {
-      const int64_t begin = page * page_elems_;
-      const StateSpan span = SlotSpan(u, begin, std::min(page_elems_, size_ - begin));
-      backend_->Compute(u.hp, span, GradForPage(u, page, &cursor));
-      u.pieces->ScatterParams(begin, span.size, span.param_out);
+    // Piece by piece, with no copies: the kernel reads each piece's gradient where it lies and writes the new
+    // params over it (element by element, each read before its write), while updating the slots.
+    const ShardPieces& pieces = *u.pieces;
+    int64_t end = 0;
+    for (size_t i = 0; i < pieces.sizes.size(); ++i) {
+      StateSpan span = SlotSpan(u, pieces.starts[i], pieces.sizes[i]);
+      if (pieces.type == GradType::kF32) {
+        span.param_copy_out = static_cast<float*>(pieces.out[i]);
+      } else {
+        span.param_bf16_out = static_cast<uint16_t*>(pieces.out[i]);
+      }
+      PageGrad g;
+      g.type = pieces.type;
+      g.dense = pieces.grad[i];
+      backend_->Compute(u.hp, span, g);
+      end = pieces.starts[i] + pieces.sizes[i];
+    }
+    // The shard's padding past the last piece: a zero gradient (it keeps its zeros), a page at a time.
+    for (int64_t begin = end; begin < size_; begin += page_elems_) {
+      const int64_t n = std::min(page_elems_, size_ - begin);
+      PageGrad g;
+      g.type = pieces.type;
+      char* stage = GradStage();
+      std::memset(stage, 0, static_cast<size_t>(n * GradBytes(pieces.type)));
+      g.dense = stage;
+      backend_->Compute(u.hp, SlotSpan(u, begin, n), g);
     }
     return {};
   }
@@ -469,7 +488,7 @@ std::string ShardEngine::Step(ShardUpdate u, int64_t version) {
   if (std::string e = Update(u); !e.empty()) return e;
   if (std::string e = Sync(u.dst_slot); !e.empty()) return e;
   if (std::string e = Commit(version + 1); !e.empty()) return e;
-  previous_valid_ = true;
+  previous_valid_ = backend_->KeepsPrevious();
   return {};
 }
 

@@ -124,6 +124,11 @@ def test_snapshot_is_hard_links_and_copies_nothing(tmp_path):
         step(live, 2)
         assert os.stat(shard0).st_ino != os.stat(snap0).st_ino
         assert os.stat(snap0).st_nlink == 1
+        # A page nothing else links is rewritten in place (its blocks are allocated already): same inode.
+        replaced = os.stat(shard0).st_ino
+        step(live, 3)
+        step(live, 4)
+        assert os.stat(shard0).st_ino == replaced and os.stat(shard0).st_nlink == 1
         # SNAPSHOT.json lists every file with its size, and the store metadata travels with it.
         record = json.loads((tmp_path / "snap" / "SNAPSHOT.json").read_text())
         assert record["version"] == 1 and record["layout"]["num_shards"] == 2

@@ -76,11 +76,12 @@ OPTIMIZERS = {
 }
 
 
+@pytest.mark.parametrize("in_place", [False, True], ids=["two-slots", "in-place"])
 @pytest.mark.parametrize("name", sorted(OPTIMIZERS))
-def test_mlp_memory_tier_follows_optax(name):
+def test_mlp_memory_tier_follows_optax(name, in_place):
     params, loss = mlp_problem()
     make, ref = OPTIMIZERS[name]
-    with nsp.storage.open(tier="memory", page_bytes=PAGE) as store:
+    with nsp.storage.open(tier="memory", page_bytes=PAGE, in_place=in_place) as store:
         assert_same_trajectory(make(store), ref, params, loss)
 
 
@@ -277,13 +278,13 @@ def test_bad_input_is_refused_before_anything_is_written(tmp_path):
             jax.jit(nsp.optim.adam(1e-3, store=store).init)(params)
 
 
-@pytest.mark.parametrize("tier", ["memory", "file"])
+@pytest.mark.parametrize("tier", ["memory", "memory-in-place", "file"])
 def test_staleness_one_updates_with_params_one_step_old(tmp_path, tier):
     """With staleness=1 the step returns the previous update's params at once and this update streams in the
     background: the gradient of step t is taken at the params of step t - 2 (bounded staleness)."""
     params, loss = mlp_problem()
-    path = None if tier == "memory" else tmp_path / "s"
-    with nsp.storage.open(path, tier=tier, page_bytes=PAGE) as store:
+    path = None if tier.startswith("memory") else tmp_path / "s"
+    with nsp.storage.open(path, tier=tier.split("-")[0], page_bytes=PAGE, in_place=tier.endswith("in-place")) as store:
         tx = nsp.optim.adam(1e-2, store=store, staleness=1)
         step = make_step(tx, loss)
         p, s = params, tx.init(params)

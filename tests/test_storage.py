@@ -82,11 +82,12 @@ def open_store(tmp_path, tier, **kw):
     return storage.open(None if tier == "memory" else tmp_path / "store", tier=tier, **kw)
 
 
-@pytest.mark.parametrize("tier", ["memory", "file"])
+@pytest.mark.parametrize("tier", ["memory", "memory-in-place", "file"])
 @pytest.mark.parametrize("kind", sorted(SPECS))
 def test_store_steps_equal_in_ram_steps(tmp_path, tier, kind):
     params, spec = make_params(), SPECS[kind]
-    with open_store(tmp_path, tier) as store:
+    kw = {"in_place": True} if tier == "memory-in-place" else {}
+    with open_store(tmp_path, tier.split("-")[0], **kw) as store:
         store.initialize(params, spec)
         ref = Reference(store.layout, params, spec)
         for step in range(1, 6):
@@ -179,6 +180,29 @@ def test_replay_gives_the_same_bytes_and_old_versions_are_refused(tmp_path):
             store.update(grad_for(1, store.layout), version=0, lr=0.01, step=1)
         with pytest.raises(storage.StoreError, match="no longer holds version 7"):
             store.read("param", version=7)
+
+
+def test_in_place_memory_store_updates_one_copy_and_refuses_replays(tmp_path):
+    params = make_params()
+    with open_store(tmp_path, "memory", in_place=True) as store:
+        assert "in place" in repr(store)
+        store.initialize(params, SPECS["adam"])
+        ref = Reference(store.layout, params, SPECS["adam"])
+        for step in (1, 2):
+            store.update(grad_for(step, store.layout), version=step - 1, lr=0.01, step=step)
+            ref.step(grad_for(step, store.layout), step, 0.01)
+        assert store.held_versions() == [2]  # one copy: the version before is gone
+        with pytest.raises(storage.StoreError, match="no longer holds version 1"):
+            store.update(grad_for(2, store.layout), version=1, lr=0.01, step=2)
+        # The refused replay wrote nothing, and a non-finite gradient skips the step untouched.
+        bad = grad_for(3, store.layout)
+        bad[5] = np.nan
+        assert store.update(bad, version=2, lr=0.01, step=3)["skipped"]
+        for state, expected in (("param", ref.p), ("mu", ref.m), ("nu", ref.v)):
+            np.testing.assert_array_equal(store.read(state), np.asarray(expected))
+        assert store.version == 2
+    with pytest.raises(ValueError, match="in_place=True is for the memory tier"):
+        storage.open(tmp_path / "f", tier="file", in_place=True)
 
 
 def test_engine_buffers_are_bounded_by_pages_in_flight(tmp_path):
@@ -536,9 +560,10 @@ def test_non_finite_gradient_skips_the_step_and_leaves_the_store_untouched(tmp_p
         assert store.version == 2
 
 
-@pytest.mark.parametrize("variable", ["NSP_DIRECT_WRITES", "NSP_NO_DIRECT_IO"])
+@pytest.mark.parametrize("variable", ["NSP_DIRECT_WRITES", "NSP_NO_DIRECT_IO", "NSP_REPLACE_PAGES"])
 def test_other_io_paths_give_the_same_bytes(tmp_path, monkeypatch, variable):
-    """Direct writes (opt-in) and fully buffered I/O (opt-out of direct reads) store exactly the same state."""
+    """Direct writes (opt-in), fully buffered I/O (opt-out of direct reads) and replacing every page (opt-out of
+    in-place rewrites) store exactly the same state."""
     monkeypatch.setenv(variable, "1")
     params, spec = make_params(), SPECS["adamw"]
     with open_store(tmp_path, "file") as store:

@@ -1,9 +1,10 @@
 """Checkpoints straight from the storage tier: snapshots by hard link, restore, orbax integration, export.
 
 A store's committed version ``t`` lives in slot ``t % 2`` of every shard as zarr v3 arrays, one file per page.
-Pages are never overwritten in place: the engine writes a temporary file and renames it over the old one. A hard
-link to a page file therefore keeps that page's bytes forever, whatever the store writes later (the rename gives
-the store a new inode and leaves ours alone). A snapshot is just those links::
+A page file another link shares is never overwritten in place: the engine rewrites in place only a file with one
+link (fastest: its blocks are allocated already), and replaces any other (a temporary file renamed over it, a new
+inode). A hard link to a page file therefore keeps that page's bytes forever, whatever the store writes later. A
+snapshot is just those links::
 
     DEST/SNAPSHOT.json                         written last (atomically): version, layout summary, file list
     DEST/nsp_store.json                        a copy of the store's metadata (layout, optimizer, tier)
