@@ -42,7 +42,7 @@ class MemoryBackend final : public Backend {
     for (int slot = 0; slot < (in_place ? 1 : 2); ++slot) {
       for (int s = 0; s < kNumStates; ++s) {
         if (!states_used[s]) continue;
-        // 64-byte aligned, so the kernel can stream its out-of-place writes into the other slot.
+        // 64-byte aligned, so the kernel may stream its out-of-place writes into the other slot.
         void* p = nullptr;
         if (::posix_memalign(&p, 64, sizeof(float) * static_cast<size_t>(size)) != 0) throw std::bad_alloc();
         std::memset(p, 0, sizeof(float) * static_cast<size_t>(size));

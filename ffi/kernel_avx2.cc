@@ -2,7 +2,6 @@
 // dispatcher only calls into it after checking the CPU supports both. It deliberately includes no standard
 // library headers (see kernel_block.h).
 #include <immintrin.h>
-#include <cstdlib>
 
 #include "kernel_block.h"
 
@@ -29,11 +28,10 @@ inline void StoreBf16(uint16_t* dst, __m256 x) {
   _mm_storeu_si128(reinterpret_cast<__m128i*>(dst), _mm256_castsi256_si128(packed));
 }
 
-// Out-of-place outputs (a store writing the other version slot, the params copy) are written with streaming
-// stores when aligned: the destination lines are not read first, which saves a third of the memory traffic.
-static const bool kExpNoNt = std::getenv("NSP_EXP_NO_NT") != nullptr;
+// Out-of-place outputs (a store writing the other version slot, the params copy) can be written with streaming
+// stores when aligned (Coefficients::streaming, opt-in): the destination lines are not read first.
 inline bool Streamable(const float* out, const float* in) {
-  return !kExpNoNt && out != nullptr && out != in && (reinterpret_cast<unsigned long>(out) & 31) == 0;
+  return out != nullptr && out != in && (reinterpret_cast<unsigned long>(out) & 31) == 0;
 }
 
 inline void Store(float* dst, __m256 v, bool stream) {
@@ -47,10 +45,11 @@ inline void Store(float* dst, __m256 v, bool stream) {
 template <int KIND, bool GRAD_BF16>
 void Avx2Block(const Coefficients& c, const Block& b) {
   const int64_t n8 = b.n & ~int64_t{7};
-  const bool nt_p = Streamable(b.p_out, b.p_in), nt_m = Streamable(b.m_out, b.m_in);
   const float* gf = static_cast<const float*>(b.grad);
+  const bool nt_p = c.streaming && Streamable(b.p_out, b.p_in), nt_m = c.streaming && Streamable(b.m_out, b.m_in);
+  const bool nt_v = c.streaming && Streamable(b.v_out, b.v_in);
   // A params copy written over the fp32 gradient it was computed from is in place: its lines are in cache.
-  const bool nt_v = Streamable(b.v_out, b.v_in), nt_copy = Streamable(b.p32_copy, b.p_in) && b.p32_copy != gf;
+  const bool nt_copy = c.streaming && Streamable(b.p32_copy, b.p_in) && b.p32_copy != gf;
   const uint16_t* gh = static_cast<const uint16_t*>(b.grad);
   const __m256 lr = _mm256_set1_ps(c.lr);
   const __m256 mu_a = _mm256_set1_ps(c.mu_a), mu_b = _mm256_set1_ps(c.mu_b);

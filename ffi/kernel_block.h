@@ -21,6 +21,7 @@ struct Coefficients {
   float momentum;      // SGD
   int32_t nesterov;    // SGD
   int32_t sgd_has_momentum;
+  int32_t streaming;   // write out-of-place outputs with streaming (non-temporal) stores
 };
 
 // Pointers for one block; `grad` is fp32 or bf16 (uint16_t) as the kernel was chosen for.

@@ -15,6 +15,7 @@
 #include <type_traits>
 
 #include "backend.h"
+#include "crc32c.h"
 #include "engine_registry.h"
 #include "store_engine.h"
 #include "thread_pool.h"
@@ -326,4 +327,13 @@ NB_MODULE(_nsp_ffi, m) {
       },
       nb::arg("p"), nb::arg("g"), nb::arg("m"), nb::arg("v"),
       "Streams p, g, m, v in and p, m, v out (28 B/param) with trivial arithmetic: the memory roofline.");
+
+  m.def(
+      "crc32c",
+      [](nb::ndarray<const uint8_t, nb::ndim<1>, nb::c_contig, nb::device::cpu> data, uint32_t crc) {
+        nb::gil_scoped_release release;
+        return nsp::Crc32cExtend(crc, data.data(), data.shape(0));
+      },
+      nb::arg("data"), nb::arg("crc") = 0,
+      "CRC-32C of a uint8 array (continuing `crc`): the checksum the file tier stores with every page.");
 }
