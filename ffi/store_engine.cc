@@ -2,6 +2,8 @@
 
 #include <fcntl.h>
 #include <signal.h>
+#include <sys/resource.h>
+#include <sys/syscall.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -9,18 +11,28 @@
 #include <atomic>
 #include <condition_variable>
 #include <cerrno>
+#include <cstdlib>
 #include <cstring>
 #include <deque>
 #include <mutex>
 #include <new>
+#include <string>
 #include <thread>
 
 #include "kernel_block.h"
+#include "thread_pool.h"
 
 namespace nsp {
 namespace {
 
 int64_t GradBytes(GradType t) { return t == GradType::kF32 ? 4 : 2; }
+
+// A staleness-1 step in the background yields the CPU to the foreground (see StepAsync), unless
+// NSP_BACKGROUND_PRIORITY=normal.
+const bool kYieldToForeground = [] {
+  const char* env = std::getenv("NSP_BACKGROUND_PRIORITY");
+  return env == nullptr || std::string(env) != "normal";
+}();
 
 
 // A closable blocking queue of page numbers (buffer set and page travel together).
@@ -573,6 +585,11 @@ std::string ShardEngine::StepAsync(const ShardUpdate& update, int64_t version) {
   u.params_out = async_params_.data();
   u.params_bf16_out = nullptr;
   pending_ = std::thread([this, u, version] {
+    // The step runs beside the caller's next forward/backward, which keeps every core busy: computing on one
+    // thread at the lowest priority (inherited by the reader and writer it starts) lets it use the cores the
+    // foreground leaves idle instead of stalling the foreground's parallel loops; its I/O needs no CPU.
+    if (kYieldToForeground) ::setpriority(PRIO_PROCESS, static_cast<id_t>(::syscall(SYS_gettid)), 19);
+    SerialScope serial(kYieldToForeground);
     pending_error_ = Step(u, version);
     if (!pending_error_.empty()) async_params_valid_ = false;
   });

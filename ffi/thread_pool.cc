@@ -141,8 +141,19 @@ void SetNumThreads(int n) {
   // `old` is destroyed (its workers joined) by whoever releases it last: here, or a caller still running in it.
 }
 
+namespace {
+thread_local bool t_serial = false;
+}  // namespace
+
+SerialScope::SerialScope(bool enable) : previous_(t_serial) { t_serial = t_serial || enable; }
+SerialScope::~SerialScope() { t_serial = previous_; }
+
 void ParallelFor(int num_tasks, const std::function<void(int)>& task) {
   if (num_tasks <= 0) return;
+  if (t_serial) {
+    for (int i = 0; i < num_tasks; ++i) task(i);
+    return;
+  }
   Pool()->Run(num_tasks, task);
 }
 

@@ -14,4 +14,17 @@ void SetNumThreads(int n);
 // Runs task(i) for every i in [0, num_tasks) and returns when all are done.
 void ParallelFor(int num_tasks, const std::function<void(int)>& task);
 
+// While one is alive, ParallelFor called on its thread runs the tasks right there, one after another: for work
+// in the background that must not take the pool's cores from the foreground.
+class SerialScope {
+ public:
+  explicit SerialScope(bool enable = true);
+  ~SerialScope();
+  SerialScope(const SerialScope&) = delete;
+  SerialScope& operator=(const SerialScope&) = delete;
+
+ private:
+  bool previous_;
+};
+
 }  // namespace nsp
