@@ -218,7 +218,9 @@ def test_topk_with_error_feedback_trains_tiny_gpt():
         return cross_entropy_loss(nnx.merge(graphdef, p)(tokens[:, :-1]), tokens[:, 1:])
 
     finals = {}
-    for name, compression in (("dense", None), ("topk", nsp.optim.TopK(0.01))):
+    runs = (("dense", None), ("topk", nsp.optim.TopK(0.01)),
+            ("topk_classic_ef", nsp.optim.TopK(0.01, residual_decay=1.0)))
+    for name, compression in runs:
         with nsp.storage.open(tier="memory") as store:
             tx = nsp.optim.adam(3e-3, store=store, compression=compression)
 
@@ -234,11 +236,65 @@ def test_topk_with_error_feedback_trains_tiny_gpt():
             finals[name] = float(np.mean([loss(p, t) for t in held_out]))
     start = float(np.mean([loss(params, t) for t in held_out]))
     assert finals["dense"] < 0.6 * start, (start, finals)  # it learned something
-    # Measured here: dense 2.377, Top-K 1% with error feedback 2.754 (+16%) after 200 steps from scratch;
-    # error feedback and Adam's normalisation interact (the accumulated remainder inflates nu). The bound below
-    # guards against regressions; closing the gap to 5% needs a better compressor, not a looser test.
+    # Measured here after 200 steps from scratch: dense 2.377; Top-K 1% with the default error feedback
+    # (residual_decay=0.5) 2.643 (+11.2%); with classic error feedback (residual_decay=1) 2.754 (+15.9%). Classic
+    # error feedback sends stale accumulated remainders as rare large spikes, which inflate Adam's second moment
+    # in the store. Other compressors measured did not close the gap to 5% at 1% traffic (per-leaf Top-K was
+    # worse, 3.008); Top-K needed ~10% of the entries per step for +3.7%. The bounds guard against regressions.
     assert finals["topk"] < 0.7 * start, (start, finals)
-    assert finals["topk"] <= 1.20 * finals["dense"], finals
+    assert finals["topk"] <= 1.14 * finals["dense"], finals
+    assert finals["topk"] <= 0.98 * finals["topk_classic_ef"], finals
+
+
+def test_residual_decay_scales_the_unsent_remainder():
+    grads = {"a": jnp.arange(1, 101, dtype=jnp.float32), "b": -jnp.arange(1, 101, dtype=jnp.float32) / 10}
+    params = jax.tree_util.tree_map(jnp.zeros_like, grads)
+    dropped = np.concatenate([np.arange(1, 101), -np.arange(1, 101) / 10]).astype(np.float32)
+    dropped[98:100] = 0.0  # k = 2 of 200: the two largest, a[98] and a[99]
+    for decay in (1.0, 0.5, 0.0):
+        tx = nsp.optim.topk_compress(0.01, residual_decay=decay)
+        state = tx.init(params)
+        update = jax.jit(tx.update)
+        out, state = update(grads, state, params)
+        np.testing.assert_array_equal(np.asarray(out.indices), [98, 99])
+        np.testing.assert_allclose(np.asarray(state.residual), decay * dropped, rtol=1e-6)
+        # The next step selects from the gradient plus the decayed remainder.
+        out, state = update(grads, state, params)
+        expect = np.concatenate([np.asarray(grads["a"]), np.asarray(grads["b"])]) + decay * dropped
+        top = np.sort(np.argsort(-np.abs(expect), kind="stable")[:2])
+        np.testing.assert_array_equal(np.asarray(out.indices), top)
+        np.testing.assert_allclose(np.asarray(out.values), expect[top], rtol=1e-6)
+    # The nsp.optim aliases pass TopK.residual_decay through.
+    with nsp.storage.open(tier="memory", page_bytes=PAGE) as store:
+        tx = nsp.optim.sgd(1.0, store=store, compression=nsp.optim.TopK(0.01, residual_decay=0.25))
+        _, (topk_state, _) = jax.jit(tx.update)(grads, tx.init(params), params)
+        np.testing.assert_allclose(np.asarray(topk_state.residual), 0.25 * dropped, rtol=1e-6)
+
+
+def test_residual_decay_is_the_same_sharded_over_a_mesh():
+    mesh = jax.make_mesh((4,), ("d",), axis_types=(jax.sharding.AxisType.Auto,))
+    params, loss = mlp_problem()
+    results = []
+    for kw in ({}, {"mesh": mesh, "axis_name": "d"}):
+        tx = nsp.optim.topk_compress(0.05, residual_decay=0.5, num_shards=4, **kw)
+        update = jax.jit(tx.update)
+        state, p = tx.init(params), params
+        for _ in range(3):
+            out, state = update(jax.grad(loss)(p), state, p)
+            p = jax.tree_util.tree_map(lambda x: x * 0.9, p)
+        results.append((out, state))
+    (out, state), (mesh_out, mesh_state) = results
+    np.testing.assert_array_equal(np.asarray(mesh_out.indices), np.asarray(out.indices))
+    np.testing.assert_allclose(np.asarray(mesh_out.values), np.asarray(out.values), rtol=1e-6)
+    np.testing.assert_allclose(np.asarray(mesh_state.residual), np.asarray(state.residual), rtol=1e-6)
+
+
+@pytest.mark.parametrize("decay", [-0.1, 1.5, True, "0.5", float("nan")])
+def test_residual_decay_must_be_in_unit_interval(decay):
+    with pytest.raises(ValueError, match="residual_decay must be a number in"):
+        nsp.optim.topk_compress(0.01, residual_decay=decay)
+    with nsp.storage.open(tier="memory") as store, pytest.raises(ValueError, match="residual_decay must be a"):
+        nsp.optim.adam(1e-3, store=store, compression=nsp.optim.TopK(0.01, residual_decay=decay))
 
 
 def test_compressed_updates_reach_only_kept_entries_without_error_feedback():

@@ -27,8 +27,8 @@ def _with_compression(tx, store, compression: TopK | None, mesh, axis_name):
     if not isinstance(compression, TopK):
         raise TypeError(f"compression must be None or nsp.optim.TopK(ratio), got {compression!r}")
     compress = topk_compress(compression.ratio, error_feedback=compression.error_feedback,
-                             method=compression.method, num_shards=store.num_shards, mesh=mesh,
-                             axis_name=axis_name)
+                             residual_decay=compression.residual_decay, method=compression.method,
+                             num_shards=store.num_shards, mesh=mesh, axis_name=axis_name)
     return optax.chain(compress, tx)
 
 

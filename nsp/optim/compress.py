@@ -4,11 +4,21 @@
 vector into the store's equal shards, and keeps the ``ratio`` largest-magnitude entries of each shard. What it
 emits is a ``Compressed`` update (values and shard-local sorted indices, ``k`` per shard), which the storage
 transforms decompress inside the update kernel. With error feedback the entries it drops are kept in the state
-and added to the next step's gradient, so nothing is lost, only delayed.
+and added to the next step's gradient; ``residual_decay`` scales that remainder down each step it stays unsent.
+
+Why the remainder decays by default (``residual_decay=0.5``): the store runs Adam on the decompressed gradient,
+and Adam normalises each entry by its own history. Plain error feedback (``residual_decay=1``) sends an entry
+only once its accumulated remainder is large, i.e. stale gradient summed over many steps; those rare large
+spikes inflate Adam's second moment for that entry and point where the gradient pointed steps ago. Letting the
+remainder fade keeps the selection close to the current gradient. Measured on the tiny GPT (200 seeded steps of
+Adam at 3e-3, held-out loss; dense Adam 2.377): Top-K 1% with ``residual_decay=1`` 2.754 (+15.9%), 0.5 2.643
+(+11.2%), 0.25 2.634, no error feedback 2.633; 0.5 also beat 1 on two other seeds (2.687 vs 2.910, 2.678 vs
+2.820) and at ratios 0.1%, 3% and 10% (2.919 vs 3.012, 2.555 vs 2.569, 2.452 vs 2.465).
 """
 
 from __future__ import annotations
 
+import numbers
 from typing import Any, NamedTuple
 
 import jax
@@ -19,6 +29,9 @@ from jax.sharding import Mesh
 from nsp.optim._shards import map_shards, shard_flat
 from nsp.primitives.topk import METHODS, kept_count, topk_compress as _topk
 
+#: Default factor applied to the unsent remainder each step (see the module docstring for the measurements).
+DEFAULT_RESIDUAL_DECAY = 0.5
+
 
 class TopK(NamedTuple):
     """Top-K compression settings for the ``nsp.optim`` aliases.
@@ -27,11 +40,14 @@ class TopK(NamedTuple):
       ratio: fraction of each shard's entries kept (0 < ratio <= 1).
       error_feedback: carry the dropped remainder into the next step.
       method: ``"auto"``, ``"exact"``, ``"approx"`` or ``"threshold"`` (see ``nsp.primitives.topk_compress``).
+      residual_decay: factor in ``[0, 1]`` applied to the remainder each step it stays unsent (with error
+        feedback only); 1 is classic error feedback, where nothing is lost.
     """
 
     ratio: float
     error_feedback: bool = True
     method: str = "auto"
+    residual_decay: float = DEFAULT_RESIDUAL_DECAY
 
 
 class Compressed(NamedTuple):
@@ -50,7 +66,8 @@ class TopKState(NamedTuple):
     """State of ``topk_compress``.
 
     Attributes:
-      residual: the flat, padded fp32 remainder not yet sent (error feedback), or an empty array without it.
+      residual: the flat, padded fp32 remainder not yet sent (error feedback; already scaled by
+        ``residual_decay``), or an empty array without it.
     """
 
     residual: jax.Array
@@ -72,10 +89,18 @@ def flatten_padded(tree: Any, num_shards: int, dtype=jnp.float32) -> jax.Array:
     return jnp.concatenate(parts)
 
 
+def _check_residual_decay(residual_decay: float) -> float:
+    if (isinstance(residual_decay, bool) or not isinstance(residual_decay, numbers.Real)
+            or not 0.0 <= float(residual_decay) <= 1.0):
+        raise ValueError(f"residual_decay must be a number in [0, 1], got {residual_decay!r}")
+    return float(residual_decay)
+
+
 def topk_compress(
     ratio: float,
     *,
     error_feedback: bool = True,
+    residual_decay: float = DEFAULT_RESIDUAL_DECAY,
     method: str = "auto",
     num_shards: int = 1,
     mesh: Mesh | None = None,
@@ -87,6 +112,11 @@ def topk_compress(
       ratio: fraction kept per shard (``0 < ratio <= 1``).
       error_feedback: add the entries dropped so far to the next update (recommended; needs one fp32 copy of
         the flattened params in the state).
+      residual_decay: with error feedback, the remainder left after each step's selection is multiplied by
+        this factor before it is carried on: ``1.0`` is classic error feedback (nothing is lost, only delayed),
+        ``0.0`` keeps nothing (like ``error_feedback=False``, but still holding the state). The default 0.5
+        trained better than 1.0 with Adam in the store at every ratio measured (module docstring). Ignored
+        without error feedback.
       method: selection method of ``nsp.primitives.topk_compress``.
       num_shards: shards of the store that consumes the result (``store.num_shards``).
       mesh, axis_name: when the store is sharded over a mesh axis: each device compresses its own shard.
@@ -94,6 +124,10 @@ def topk_compress(
     Returns:
       An optax transform whose updates are a ``Compressed``; chain it right before an ``nsp.optim`` storage
       transform.
+
+    Raises:
+      ValueError: for an unknown ``method``, a ``ratio`` outside ``(0, 1]``, a ``residual_decay`` outside
+        ``[0, 1]``, or ``num_shards < 1``.
 
     Example::
 
@@ -106,6 +140,7 @@ def topk_compress(
     if method not in METHODS:
         raise ValueError(f"unknown method {method!r}; expected one of {METHODS}")
     kept_count(1000, ratio=ratio)  # validates ratio with a clear message
+    decay = _check_residual_decay(residual_decay)
     if num_shards < 1:
         raise ValueError(f"num_shards must be >= 1, got {num_shards}")
 
@@ -127,7 +162,11 @@ def topk_compress(
 
         def compress_shard(shard):
             values, indices = _topk(shard, k=k, method=method)
-            rest = shard.at[indices].set(0.0) if error_feedback else jnp.zeros((0,), shard.dtype)
+            if not error_feedback:
+                return values, indices, jnp.zeros((0,), shard.dtype)
+            rest = shard.at[indices].set(0.0)
+            if decay != 1.0:
+                rest = rest * decay
             return values, indices, rest
 
         values, indices, residual = map_shards(compress_shard, num_shards, mesh, axis_name, flat)
