@@ -41,6 +41,8 @@ class TrainConfig:
     topk: float = 0.0
     # Keep what Top-K drops for the next step (error feedback).
     error_feedback: bool = True
+    # Factor on the kept remainder each step it stays unsent (1 = classic error feedback; 0.5 trained better).
+    topk_residual_decay: float = 0.5
     # 1: each update streams in the background while the next forward/backward runs on params one step old.
     staleness: int = 0
     # Training steps (the total, also when resuming).
@@ -76,6 +78,7 @@ class TrainConfig:
             (self.seq >= 1, "seq must be >= 1"),
             (self.lr > 0, "lr must be > 0"),
             (0 <= self.topk < 1, "topk must be in [0, 1) (0 = dense)"),
+            (0 <= self.topk_residual_decay <= 1, "topk_residual_decay must be in [0, 1]"),
             (self.page_mib > 0, "page_mib must be > 0"),
             (self.log_every >= 1, "log_every must be >= 1"),
             (self.eval_every >= 0 and self.ckpt_every >= 0, "eval_every and ckpt_every must be >= 0"),
