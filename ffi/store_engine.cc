@@ -609,11 +609,19 @@ std::vector<std::string> ShardEngine::Verify(int slot, int state) {
 }
 
 std::string ShardEngine::ReadState(int slot, int state, float* out) {
+  // Pages that are not addressable go through one aligned page buffer, so the backend can read them its
+  // fastest way (direct I/O), then into `out` (a memcpy costs a fraction of the read).
+  AlignedBuffer bounce;
+  if (backend_->PageAddress(slot, state, 0) == nullptr) bounce = AlignedBuffer(backend_->PageBufferBytes(page_elems_));
   for (int64_t page = 0; page < num_pages_; ++page) {
     const int64_t n = std::min(page_elems_, size_ - page * page_elems_);
-    if (std::string e = backend_->ReadPage(slot, state, page, out + page * page_elems_, n, false); !e.empty()) {
-      return e;
+    float* dst = out + page * page_elems_;
+    if (bounce.data == nullptr) {
+      if (std::string e = backend_->ReadPage(slot, state, page, dst, n, false); !e.empty()) return e;
+      continue;
     }
+    if (std::string e = backend_->ReadPage(slot, state, page, bounce.data, n, true); !e.empty()) return e;
+    std::memcpy(dst, bounce.data, sizeof(float) * static_cast<size_t>(n));
   }
   return {};
 }
