@@ -20,21 +20,27 @@ RESULTS_DIR = Path(__file__).resolve().parent / "results"
 
 
 def time_interleaved(
-    contenders: dict[str, Callable[[], Any]], *, repeats: int = 7, warmup: int = 2
+    contenders: dict[str, Callable[[], Any]], *, repeats: int = 7, warmup: int = 2,
+    after_round: Callable[[], Any] | None = None,
 ) -> dict[str, list[float]]:
     """Runs every contender ``warmup`` times, then ``repeats`` interleaved rounds; returns seconds per call.
 
-    A contender must block until its work is done (call ``jax.block_until_ready`` inside it).
+    A contender must block until its work is done (call ``jax.block_until_ready`` inside it). ``after_round``,
+    if given, runs untimed after every round (warm-up included).
     """
     for fn in contenders.values():
         for _ in range(warmup):
             fn()
+    if after_round is not None:
+        after_round()
     times: dict[str, list[float]] = {name: [] for name in contenders}
     for _ in range(repeats):
         for name, fn in contenders.items():
             t0 = time.perf_counter()
             fn()
             times[name].append(time.perf_counter() - t0)
+        if after_round is not None:
+            after_round()
     return times
 
 

@@ -29,6 +29,8 @@ int64_t GradBytes(GradType t) { return t == GradType::kF32 ? 4 : 2; }
 
 // A staleness-1 step in the background yields the CPU to the foreground (see StepAsync), unless
 // NSP_BACKGROUND_PRIORITY=normal.
+constexpr int kReaders = 2;  // page reader threads of a streamed update
+
 const bool kYieldToForeground = [] {
   const char* env = std::getenv("NSP_BACKGROUND_PRIORITY");
   return env == nullptr || std::string(env) != "normal";
@@ -242,7 +244,7 @@ char* ShardEngine::GradStage() {
   return reinterpret_cast<char*>(grad_stage_.data);
 }
 
-PageGrad ShardEngine::GradForPage(const ShardUpdate& u, int64_t page, int64_t* cursor) {
+PageGrad ShardEngine::GradForPage(const ShardUpdate& u, int64_t page) {
   PageGrad g;
   g.type = u.grad_type;
   const int64_t begin = page * page_elems_;
@@ -256,11 +258,10 @@ PageGrad ShardEngine::GradForPage(const ShardUpdate& u, int64_t page, int64_t* c
     g.dense = static_cast<const char*>(u.grad) + begin * GradBytes(u.grad_type);
     return g;
   }
+  // Pages may arrive in any order: find this page's run of the sorted indices.
   const int64_t end = std::min(begin + page_elems_, size_);
-  int64_t lo = *cursor;
-  int64_t hi = lo;
-  while (hi < u.count && u.indices[hi] < end) ++hi;
-  *cursor = hi;
+  const int64_t lo = std::lower_bound(u.indices, u.indices + u.count, begin) - u.indices;
+  const int64_t hi = std::lower_bound(u.indices + lo, u.indices + u.count, end) - u.indices;
   g.indices = u.indices + lo;
   g.values = static_cast<const char*>(u.values) + lo * GradBytes(u.grad_type);
   g.count = hi - lo;
@@ -357,10 +358,19 @@ std::string ShardEngine::UpdateStreamed(const ShardUpdate& u) {
   ErrorSlot error;
   for (int s = 0; s < pages_in_flight_; ++s) free_sets.Push({s, -1});
 
-  std::thread reader([&] {
-    for (int64_t page = 0; page < num_pages_ && !error.failed(); ++page) {
+  // Two readers take the pages in turn: while one checks a page's checksums (CPU), the other's read keeps the
+  // disk busy. Pages therefore reach the compute loop in about, not exactly, their order.
+  std::atomic<int64_t> next_page{0};
+  std::atomic<int> readers_left{kReaders};
+  auto read_pages = [&] {
+    for (;;) {
       Work w;
-      if (!free_sets.Pop(&w)) break;
+      if (error.failed() || !free_sets.Pop(&w)) break;
+      const int64_t page = next_page.fetch_add(1);
+      if (page >= num_pages_) {
+        free_sets.Push(w);
+        break;
+      }
       for (int s = 0; s < kNumStates && !error.failed(); ++s) {
         if (!used_[s]) continue;
         if (std::string e = backend_->ReadPage(u.src_slot, s, page, buffers_[w.set][s].data, page_len(page), true);
@@ -370,8 +380,10 @@ std::string ShardEngine::UpdateStreamed(const ShardUpdate& u) {
       }
       ready.Push({w.set, page});
     }
-    ready.Close();
-  });
+    if (readers_left.fetch_sub(1) == 1) ready.Close();
+  };
+  std::vector<std::thread> readers;
+  for (int r = 0; r < kReaders; ++r) readers.emplace_back(read_pages);
 
   std::thread writer([&] {
     Work w;
@@ -406,7 +418,6 @@ std::string ShardEngine::UpdateStreamed(const ShardUpdate& u) {
   });
 
   // Compute on the calling thread (the kernel itself fans out over the thread pool).
-  int64_t cursor = 0;
   int64_t computed = 0;
   Work w;
   while (ready.Pop(&w)) {
@@ -422,7 +433,7 @@ std::string ShardEngine::UpdateStreamed(const ShardUpdate& u) {
     if (used_[kMuState]) span.mu_in = span.mu_out = buffers_[w.set][kMuState].data;
     if (used_[kNuState]) span.nu_in = span.nu_out = buffers_[w.set][kNuState].data;
     if (u.params_bf16_out != nullptr) span.param_bf16_out = u.params_bf16_out + begin;
-    backend_->Compute(u.hp, span, GradForPage(u, w.page, &cursor));
+    backend_->Compute(u.hp, span, GradForPage(u, w.page));
     if (u.pieces != nullptr) u.pieces->ScatterParams(begin, span.size, pbuf);
     writes.PushParam(w);
     ++computed;
@@ -433,7 +444,7 @@ std::string ShardEngine::UpdateStreamed(const ShardUpdate& u) {
     while (ready.Pop(&w)) {
     }
   }
-  reader.join();
+  for (auto& r : readers) r.join();
   // The writer exits once every queued write has drained.
   writes.Close();
   writer.join();

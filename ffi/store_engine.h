@@ -145,7 +145,7 @@ class ShardEngine {
   // (page-addressable backends).
   StateSpan SlotSpan(const ShardUpdate& u, int64_t begin, int64_t n) const;
   std::string UpdateStreamed(const ShardUpdate& u);
-  PageGrad GradForPage(const ShardUpdate& u, int64_t page, int64_t* cursor);
+  PageGrad GradForPage(const ShardUpdate& u, int64_t page);
   char* GradStage();
   void CountUpdate(const ShardUpdate& u);
 
