@@ -376,13 +376,17 @@ class Contender:
     kind: str  # "optax" or "nsp"
     ratio: float | None = None
     error_feedback: bool | None = None
+    residual_decay: float | None = None  # with error feedback: nsp.optim.TopK's residual_decay
 
 
 def contenders() -> list[Contender]:
     runs = [Contender("optax.adamw (RAM)", "optax"), Contender("nsp adamw, memory tier, dense", "nsp")]
+    decay = nsp.optim.TopK(1.0).residual_decay  # the default
     for c in RATIOS:
-        runs.append(Contender(f"nsp Top-K {c:.0%} + error feedback", "nsp", c, True))
+        runs.append(Contender(f"nsp Top-K {c:.0%} + error feedback", "nsp", c, True, decay))
         runs.append(Contender(f"nsp Top-K {c:.0%}, no error feedback", "nsp", c, False))
+    # Classic error feedback (nothing of the remainder decays) at the smallest ratio, for comparison.
+    runs.append(Contender(f"nsp Top-K {RATIOS[-1]:.0%} + classic error feedback", "nsp", RATIOS[-1], True, 1.0))
     return runs
 
 
@@ -401,7 +405,9 @@ def make_tx(contender: Contender, config: TrainConfig, store) -> optax.GradientT
         opt = optax.adamw(schedule, config.b1, config.b2, weight_decay=config.weight_decay)
     else:
         compression = (None if contender.ratio is None
-                       else nsp.optim.TopK(contender.ratio, error_feedback=contender.error_feedback))
+                       else nsp.optim.TopK(contender.ratio, error_feedback=contender.error_feedback,
+                                           residual_decay=1.0 if contender.residual_decay is None
+                                           else contender.residual_decay))
         opt = nsp.optim.adamw(schedule, config.b1, config.b2, weight_decay=config.weight_decay, store=store,
                               compression=compression)
     return optax.chain(optax.clip_by_global_norm(config.clip), opt)
@@ -494,6 +500,7 @@ def run_training(args) -> dict:
             c = run.contender
             results.append({
                 "name": c.name, "kind": c.kind, "ratio": c.ratio, "error_feedback": c.error_feedback,
+                "residual_decay": c.residual_decay,
                 "held_out_loss": held_out_loss(run.params), "final_train_loss": run.losses[-1],
                 # The first step compiles; the median of the others is the step time.
                 "step_ms": median(run.step_s[1:]) * 1e3 if len(run.step_s) > 1 else None,
@@ -512,13 +519,27 @@ def run_training(args) -> dict:
     }
 
 
+def _ef_label(r: dict) -> str:
+    if r["error_feedback"] is None:
+        return "-"
+    if not r["error_feedback"]:
+        return "no"
+    decay = r.get("residual_decay")  # absent from reports made before residual_decay existed
+    return "yes" if decay is None else f"yes, remainder x{decay:g}/step"
+
+
+def _classic_ef(r: dict) -> bool:
+    """The comparison run with classic error feedback (residual_decay 1)."""
+    return bool(r["error_feedback"]) and r.get("residual_decay") == 1.0
+
+
 def train_rows(train: dict) -> list[dict]:
     dense = next(r for r in train["runs"] if r["name"].startswith("nsp adamw"))
     rows = []
     for r in train["runs"]:
         rows.append({
             "name": r["name"], "ratio": "100%" if r["ratio"] is None else f"{r['ratio']:.0%}",
-            "ef": "-" if r["error_feedback"] is None else ("yes" if r["error_feedback"] else "no"),
+            "ef": _ef_label(r),
             "held_out": r["held_out_loss"], "vs_dense": r["held_out_loss"] / dense["held_out_loss"] - 1,
             "train": r["final_train_loss"], "step_ms": r["step_ms"], "update_ms": r["update_ms"],
         })
@@ -885,7 +906,8 @@ def plot_loss_curves(train: dict, path: Path) -> int:
                      "linestyle": "-" if r["kind"] == "optax" else ":", "linewidth": 1.6}
         else:
             shade = cmap(RATIOS.index(r["ratio"]) / (len(RATIOS) - 1) * 0.85)
-            style = {"color": shade, "linestyle": "-" if r["error_feedback"] else "--", "linewidth": 1.0}
+            style = {"color": shade, "linestyle": "-." if _classic_ef(r) else "-" if r["error_feedback"] else "--",
+                     "linewidth": 1.0}
         ax.plot(x, smooth, label=r["name"], **style)
     ax.set_xlabel("step")
     ax.set_ylabel(f"training loss (moving average of {window})" if window > 1 else "training loss")
@@ -900,9 +922,14 @@ def plot_loss_vs_ratio(train: dict, path: Path) -> None:
     plt = pyplot()
     fig, ax = plt.subplots(figsize=(6, 3.6))
     for ef, style in ((True, "-o"), (False, "--s")):
-        pts = sorted((r["ratio"], r["held_out_loss"]) for r in train["runs"] if r["error_feedback"] is ef)
+        pts = sorted((r["ratio"], r["held_out_loss"]) for r in train["runs"]
+                     if r["error_feedback"] is ef and not _classic_ef(r))
         ax.plot([p[0] * 100 for p in pts], [p[1] for p in pts], style,
                 label="Top-K + error feedback" if ef else "Top-K, no error feedback")
+    classic = [r for r in train["runs"] if _classic_ef(r)]
+    if classic:
+        ax.plot([r["ratio"] * 100 for r in classic], [r["held_out_loss"] for r in classic], "^", color="gray",
+                label="Top-K + classic error feedback")
     for r, color in zip(train["runs"][:2], ("black", "#d62728")):
         ax.axhline(r["held_out_loss"], color=color, linestyle=":", linewidth=1, label=r["name"])
     ax.set_xscale("log")
@@ -1029,7 +1056,9 @@ def section_training(train: dict, out: Path) -> str:
         f"AdamW (b1 {cfg['b1']:g}, b2 {cfg['b2']:g}, weight decay {cfg['weight_decay']:g}) with `nsp train`'s "
         f"schedule (linear warm-up over {min(cfg['warmup_steps'], cfg['steps'])} steps to {cfg['lr']:g}, cosine "
         f"decay to {cfg['lr'] * cfg['min_lr_ratio']:g}). nsp runs keep their state in a memory-tier store; Top-K "
-        "runs compress the clipped gradient with `nsp.optim.TopK(c, error_feedback=...)`. All runs advance in "
+        "runs compress the clipped gradient with `nsp.optim.TopK(c, error_feedback=...)` (with error feedback the "
+        "unsent remainder is scaled by `residual_decay` each step: the default 0.5, and 1 for the classic-error-"
+        "feedback run). All runs advance in "
         "lockstep on the same batches; each step is timed to completion (the store's update included), and the "
         f"step time is the median over steps 2..{cfg['steps']} (step 1 compiles). Held-out loss: the mean over "
         f"{cfg['eval_batches']} fixed held-out batches (`Batcher(seed={cfg['seed'] + 1})`); before training it is "
