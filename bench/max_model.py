@@ -2,6 +2,7 @@
 
     python bench/max_model.py                 # cap 3 GiB of address space, GPTs 1024 wide, 1 to 64 layers
     python bench/max_model.py --cap-gib 4 --width 768
+    python bench/max_model.py --no-f32-accum --mmap-threshold 0   # the model's and glibc's defaults
 
 Each attempt is a subprocess under ``RLIMIT_AS`` (``prlimit --as``: the cap counts all the process's address
 space, JAX and XLA included) that builds a GPT of ``--width`` and ``n_layer`` layers, sets up its optimizer, and
@@ -14,9 +15,21 @@ contender's largest model.
              side keeps bf16 params, and the update takes the bf16 gradient leaves and writes the new params over
              them (``store_update_leaves``): about 4 bytes per parameter in memory.
 
-Both compute in bf16 on the same batch (1 x ``--seq`` tokens). The store lives in ``--dir`` (default: a temporary
-directory here; it needs about 12 bytes per parameter of disk). The last line reads
-``nsp file tier trains <R>x the parameters of optax.adamw under <cap> GiB``.
+Both compute in bf16 on the same batch (1 x ``--seq`` tokens), and both get the same model and process settings:
+
+  --f32-accum        (default on; ``--no-f32-accum`` for the model's default) ``GPTConfig(f32_accum=True)``: the
+                     Linear matmuls are bf16 x bf16 -> fp32 dots with a written-out backward pass. Without it
+                     XLA:CPU (no bf16 -> bf16 dot) converts every bf16 weight to an fp32 copy and keeps the copies
+                     alive through the backward pass: the step's temporaries drop from ~4.5 to ~2.0 bytes per
+                     parameter for bf16 params (nsp), from ~4.5 to ~2.5 for fp32 params (optax).
+  --mmap-threshold   (default 131072) ``MALLOC_MMAP_THRESHOLD_`` for the attempts (as is ``MALLOC_ARENA_MAX=2``):
+                     blocks from that size up are mmapped and unmapped when freed. glibc's default raises the
+                     threshold to the size of the blocks freed (up to 32 MiB), so freed parameter-sized blocks
+                     stay in the heap, which only shrinks from its top: the fp32 params that nsp's setup
+                     replaces with bf16 ones would keep their address space. 0 leaves glibc's default.
+
+The store lives in ``--dir`` (default: a temporary directory here; it needs about 12 bytes per parameter of disk).
+The last line reads ``nsp file tier trains <R>x the parameters of optax.adamw under <cap> GiB``.
 """
 
 from __future__ import annotations
@@ -51,7 +64,7 @@ def child(args) -> None:
     from nsp.models.gpt import GPTConfig
 
     cfg = GPTConfig(vocab_size=256, block_size=args.seq, n_layer=args.layers, n_head=args.width // 64,
-                    n_embd=args.width, dtype=jnp.bfloat16)
+                    n_embd=args.width, dtype=jnp.bfloat16, f32_accum=args.f32_accum)
     t0 = time.perf_counter()
     graphdef, params = nnx.split(GPT(cfg, rngs=nnx.Rngs(0)), nnx.Param)
     n_params = sum(x.size for x in jax.tree_util.tree_leaves(params))
@@ -99,12 +112,15 @@ def attempt(contender: str, layers: int, args, workdir: Path) -> dict | None:
     store = workdir / f"store-{layers}"
     cap = int(args.cap_gib * 2**30)
     cmd = [sys.executable, __file__, "--child", contender, "--layers", str(layers), "--width", str(args.width),
-           "--seq", str(args.seq), "--store", str(store)]
+           "--seq", str(args.seq), "--store", str(store), "--f32-accum" if args.f32_accum else "--no-f32-accum"]
 
     def limit():
         resource.setrlimit(resource.RLIMIT_AS, (cap, cap))
 
     env = dict(os.environ, MALLOC_ARENA_MAX="2")  # the same malloc settings for both contenders
+    env.pop("MALLOC_MMAP_THRESHOLD_", None)
+    if args.mmap_threshold:
+        env["MALLOC_MMAP_THRESHOLD_"] = str(args.mmap_threshold)
     t0 = time.perf_counter()
     try:
         proc = subprocess.run(cmd, preexec_fn=limit, env=env, capture_output=True, text=True, timeout=args.timeout)
@@ -146,6 +162,11 @@ def main() -> None:
     parser.add_argument("--max-layers", type=int, default=64, help="upper end of the search")
     parser.add_argument("--timeout", type=float, default=900, help="seconds an attempt may take")
     parser.add_argument("--dir", default=None, help="where the nsp stores go (default: a temp dir here)")
+    parser.add_argument("--f32-accum", action=argparse.BooleanOptionalAction, default=True,
+                        help="GPTConfig(f32_accum=...) for both contenders: bf16 x bf16 -> fp32 dots in the Linear "
+                             "layers (default on)")
+    parser.add_argument("--mmap-threshold", type=int, default=131072,
+                        help="MALLOC_MMAP_THRESHOLD_ (bytes) of the attempts; 0: glibc's dynamic default")
     parser.add_argument("--verbose", action="store_true", help="print the end of a failed attempt's stderr")
     parser.add_argument("--json", default=None)
     parser.add_argument("--child", choices=CONTENDERS, help=argparse.SUPPRESS)
@@ -162,7 +183,8 @@ def main() -> None:
     base.mkdir(parents=True, exist_ok=True)
     workdir = Path(tempfile.mkdtemp(prefix="nsp-maxmodel-", dir=base))
     print(f"largest GPT (width {args.width}, batch 1 x {args.seq} tokens) that trains two steps under a "
-          f"{args.cap_gib:g} GiB address-space cap (RLIMIT_AS)", flush=True)
+          f"{args.cap_gib:g} GiB address-space cap (RLIMIT_AS); both contenders: f32_accum={args.f32_accum}, "
+          f"MALLOC_MMAP_THRESHOLD_={args.mmap_threshold or 'glibc default'}, MALLOC_ARENA_MAX=2", flush=True)
     rows = []
     try:
         for contender in CONTENDERS:
@@ -179,7 +201,9 @@ def main() -> None:
     print_table(f"largest model under {args.cap_gib:g} GiB", rows,
                 [("contender", "contender", ""), ("layers", "layers", "d"), ("params_m", "params (M)", ".1f"),
                  ("ratio", "vs optax", ".2f"), ("peak_rss_gib", "peak RSS (GiB)", ".2f"), ("step_s", "step (s)", ".1f")])
-    write_json("max_model", {"cap_gib": args.cap_gib, "width": args.width, "seq": args.seq, "rows": rows}, args.json)
+    write_json("max_model", {"cap_gib": args.cap_gib, "width": args.width, "seq": args.seq,
+                             "f32_accum": args.f32_accum, "mmap_threshold": args.mmap_threshold, "rows": rows},
+               args.json)
     ratio = rows[1]["ratio"]
     print(f"nsp file tier trains {ratio:.2f}x the parameters of optax.adamw under {args.cap_gib:g} GiB"
           if ratio else "optax.adamw fit no model under the cap: raise --cap-gib")
