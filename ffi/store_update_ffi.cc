@@ -15,6 +15,8 @@
 // vector: operands lr, step, version, shard, apply, then one (f32|bf16) buffer per leaf in the layout's order;
 // results version s32[], then the leaves' new params in the same dtypes. Python aliases each result to its
 // gradient operand, so the update neither concatenates the gradient nor allocates the params it returns.
+// Its apply operand may be -1: the handler then checks the leaves for NaN/Inf itself (one vectorised pass in
+// C++, where XLA:CPU's reduction over a standalone gradient ran at a quarter of memory speed).
 #include <string>
 #include <utility>
 
@@ -36,7 +38,8 @@ struct Call {
   ShardEngine* engine;
   ShardUpdate update;
   int64_t version;
-  bool apply;  // false: the gradient is not finite, skip the step
+  bool apply;         // false: the gradient is not finite, skip the step
+  bool check_finite;  // the apply operand was -1: the handler checks the gradient itself
 };
 
 // The engine of store shard `shard` and the update's hyperparameters: what every target starts from.
@@ -53,7 +56,7 @@ ffi::ErrorOr<Call> StartCall(ffi::Buffer<ffi::F32> lr, ffi::Buffer<ffi::S32> ste
   if (engine == nullptr) return ffi::Unexpected(Invalid("the store was closed"));
   auto hyper = ffi_common::HyperParams(kOp, lr, step, kind, b1, b2, eps, weight_decay, momentum, nesterov);
   if (hyper.has_error()) return ffi::Unexpected(hyper.error());
-  Call call{engine, {}, version.typed_data()[0], apply.typed_data()[0] != 0};
+  Call call{engine, {}, version.typed_data()[0], apply.typed_data()[0] != 0, apply.typed_data()[0] < 0};
   call.update.hp = *hyper;
   return call;
 }
@@ -168,6 +171,11 @@ ffi::Error PiecesImpl(ffi::Buffer<ffi::F32> lr, ffi::Buffer<ffi::S32> step, ffi:
     pieces.sizes.push_back(static_cast<int64_t>(g->element_count()));
   }
   if (std::string err = pieces.Finalize(call->engine->size()); !err.empty()) return Invalid(err);
+  if (call->check_finite) {
+    for (size_t i = 0; i < pieces.sizes.size() && call->apply; ++i) {
+      call->apply = AllFinite(pieces.grad[i], pieces.type, pieces.sizes[i]);
+    }
+  }
   call->update.grad_type = pieces.type;
   call->update.pieces = &pieces;
   auto committed = RunStep(*call, staleness);

@@ -72,6 +72,9 @@ void UpdateSparse(const UpdateHyperParams& hp, const StateSpan& span, const int3
 // with trivial arithmetic: the memory roofline the update kernel is measured against.
 void StreamRoofline(float* p, const float* g, float* m, float* v, int64_t size);
 
+// Whether every one of the n values (fp32 or bf16) is finite: one multithreaded pass at memory speed.
+bool AllFinite(const void* data, GradType type, int64_t n);
+
 // Name of the instruction set the kernels dispatch to on this machine ("avx2-fma" or "portable").
 const char* KernelIsa();
 

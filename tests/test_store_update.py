@@ -179,15 +179,20 @@ def test_leaves_update_equals_flat_update_and_reuses_the_gradient(tmp_path, tier
         np.testing.assert_array_equal(leaves_store.read("param"), flat_store.read("param"))
         assert leaves_store.stats()["shared_in_bytes"] == 3 * layout.padded_total * jnp.dtype(dtype).itemsize
 
-        # A non-finite gradient skips the step: the committed params come back, the version stays.
-        bad = [jnp.full(leaf.shape, jnp.nan, dtype) for leaf in layout.leaves]
-        new, version = leaves_step(bad, 3, 4)
-        assert int(version) == 3 == leaves_store.version
-        committed = leaves_store.read("param")
-        for leaf, x in zip(layout.leaves, new):
-            np.testing.assert_array_equal(np.asarray(x.astype(jnp.float32)).ravel(),
-                                          np.asarray(jnp.asarray(committed[leaf.offset:leaf.offset + leaf.size])
-                                                     .astype(dtype).astype(jnp.float32)))
+        # A non-finite gradient skips the step: the committed params come back, the version stays. One bad value
+        # is enough, wherever it sits: -inf at the very end of the last leaf, NaN inside the first.
+        g = jnp.asarray(grad_at(4, layout)).astype(dtype)
+        good = [g[leaf.offset:leaf.offset + leaf.size].reshape(leaf.shape) for leaf in layout.leaves]
+        for which, at, value in ((-1, -1, -jnp.inf), (0, good[0].size // 2, jnp.nan)):
+            bad = list(good)
+            bad[which] = bad[which].ravel().at[at].set(value).reshape(bad[which].shape)
+            new, version = leaves_step(bad, 3, 4)
+            assert int(version) == 3 == leaves_store.version
+            committed = leaves_store.read("param")
+            for leaf, x in zip(layout.leaves, new):
+                np.testing.assert_array_equal(np.asarray(x.astype(jnp.float32)).ravel(),
+                                              np.asarray(jnp.asarray(committed[leaf.offset:leaf.offset + leaf.size])
+                                                         .astype(dtype).astype(jnp.float32)))
     finally:
         for s in stores:
             s.close()
