@@ -41,8 +41,8 @@ class TrainConfig:
     topk: float = 0.0
     # Keep what Top-K drops for the next step (error feedback).
     error_feedback: bool = True
-    # Factor on the kept remainder each step it stays unsent (1 = classic error feedback; 0.5 trained better).
-    topk_residual_decay: float = 0.5
+    # Factor on the kept remainder each step it stays unsent (1 = classic error feedback, nothing dropped).
+    topk_residual_decay: float = 1.0
     # 1: each update streams in the background while the next forward/backward runs on params one step old.
     staleness: int = 0
     # Training steps (the total, also when resuming).
