@@ -204,16 +204,9 @@ class FileBackend final : public Backend {
     if (std::string err; RewriteInPlace(slot, path, iov, &err)) return err;
     const int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
     if (fd < 0) return ErrnoMessage("cannot create", tmp);
-    const ssize_t put = WriteFullV(fd, iov, 3);
-    const int write_errno = errno;
-    const bool complete = put == static_cast<ssize_t>(file_bytes_);
-    // Start write-back now so the commit's sync finds little left to do.
-    if (complete) ::sync_file_range(fd, 0, 0, SYNC_FILE_RANGE_WRITE);
-    const bool closed = ::close(fd) == 0;
-    if (!complete || !closed) {
+    if (std::string err = WriteAndClose(fd, iov, tmp); !err.empty()) {
       ::unlink(tmp.c_str());
-      errno = !complete ? (put < 0 ? write_errno : ENOSPC) : errno;
-      return ErrnoMessage("cannot write", tmp);
+      return err;
     }
     if (::rename(tmp.c_str(), path.c_str()) != 0) {
       const std::string err = ErrnoMessage("cannot rename into", path);
@@ -223,6 +216,19 @@ class FileBackend final : public Backend {
     std::lock_guard<std::mutex> lock(written_mu_);
     written_[slot].push_back({path, /*cached=*/true});
     return {};
+  }
+
+  // Writes a whole page file (data, padding, checksum) to `fd` from offset 0, starts its write-back at once (so
+  // the commit's sync finds little left to do) and closes it. Returns "" or an error naming `path`.
+  std::string WriteAndClose(int fd, iovec* iov, const std::string& path) {
+    const ssize_t put = WriteFullV(fd, iov, 3);
+    const int write_errno = errno;
+    const bool complete = put == static_cast<ssize_t>(file_bytes_);
+    if (complete) ::sync_file_range(fd, 0, 0, SYNC_FILE_RANGE_WRITE);
+    const bool closed = ::close(fd) == 0;
+    if (complete && closed) return {};
+    errno = !complete ? (put < 0 ? write_errno : ENOSPC) : errno;
+    return ErrnoMessage("cannot write", path);
   }
 
   // Rewrites an existing page file in place when nothing else shares it: a file of the right size with one
@@ -240,16 +246,8 @@ class FileBackend final : public Backend {
       ::close(fd);
       return false;
     }
-    const ssize_t put = WriteFullV(fd, iov, 3);
-    const int write_errno = errno;
-    const bool complete = put == static_cast<ssize_t>(file_bytes_);
-    if (complete) ::sync_file_range(fd, 0, 0, SYNC_FILE_RANGE_WRITE);  // start write-back now, as WritePage does
-    const bool closed = ::close(fd) == 0;
-    if (!complete || !closed) {
-      errno = !complete ? (put < 0 ? write_errno : ENOSPC) : errno;
-      *err = ErrnoMessage("cannot write", path);
-      return true;
-    }
+    *err = WriteAndClose(fd, iov, path);
+    if (!err->empty()) return true;
     std::lock_guard<std::mutex> lock(written_mu_);
     written_[slot].push_back({path, /*cached=*/true});
     return true;

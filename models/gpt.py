@@ -244,9 +244,11 @@ def _f32_accum_dot_general(lhs, rhs, dimension_numbers, precision=None, preferre
     backward pass is written out (custom VJP) because JAX's transpose would dot a float32 cotangent with the bf16
     weight, which brings the copy back. Only ``dW = x.T @ g`` still upcasts its (activation-sized) operands."""
     if dimension_numbers != (((lhs.ndim - 1,), (0,)), ((), ())):
-        raise NotImplementedError(f"f32_accum supports x[..., K] @ w[K, N] only, got {dimension_numbers}")
+        raise ValueError(f"GPTConfig.f32_accum's dot_general serves nnx.Linear's x[..., K] @ w[K, N] only; "
+                         f"got dimension numbers {dimension_numbers}")
     if precision is not None or preferred_element_type is not None or out_sharding is not None:
-        raise NotImplementedError("f32_accum: precision, preferred_element_type and out_sharding are not supported")
+        raise ValueError("GPTConfig.f32_accum's dot_general sets its own result type: it takes no precision, "
+                         "preferred_element_type or out_sharding")
     return _f32_accum_matmul(lhs, rhs)
 
 
