@@ -297,7 +297,8 @@ def main() -> None:
     parser.add_argument("--dir", default=None,
                         help="directory on the file system to measure (a temporary folder is made in it and "
                              "removed at exit); default: the current directory")
-    parser.add_argument("--pages-in-flight", type=int, default=4, help="file-tier pipeline depth")
+    parser.add_argument("--pages-in-flight", type=int, default=nsp.storage.PAGES_IN_FLIGHT_DEFAULT,
+                        help="file-tier pipeline depth (default: nsp's)")
     parser.add_argument("--page-mib", type=float, default=4.0, help="page size of the stores and probe requests")
     parser.add_argument("--threads", type=int, default=None, help="kernel threads (default: nsp's, all cores)")
     parser.add_argument("--json", default=None, help="where to write the JSON record")

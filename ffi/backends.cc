@@ -166,7 +166,7 @@ class FileBackend final : public Backend {
     iovec iov[3] = {{dst, data_bytes}, {read_pad_.data(), pad_bytes}, {&stored_crc, checksum_ ? 4u : 0u}};
     const ssize_t got = ReadFullV(fd, iov, 3);
     const int read_errno = errno;
-    ::posix_fadvise(fd, 0, 0, POSIX_FADV_DONTNEED);  // the state is bigger than RAM by design: don't cache it
+    DropFromCache(fd);  // the state is bigger than RAM by design: don't cache it
     ::close(fd);
     if (got < 0) {
       errno = read_errno;
@@ -345,7 +345,7 @@ class FileBackend final : public Backend {
       if (!w.cached) continue;
       const int fd = ::open(w.path.c_str(), O_RDONLY | O_CLOEXEC);
       if (fd >= 0) {
-        ::posix_fadvise(fd, 0, 0, POSIX_FADV_DONTNEED);
+        DropFromCache(fd);
         ::close(fd);
       }
     }
@@ -355,6 +355,15 @@ class FileBackend final : public Backend {
  private:
   static constexpr size_t kAlign = 4096;  // O_DIRECT alignment of buffers, offsets and sizes
   static size_t RoundUp(size_t bytes) { return (bytes + kAlign - 1) / kAlign * kAlign; }
+
+  // Drops a page file from the page cache, except its last, partial block (the checksum trailer): rewriting
+  // that block in place would otherwise read it back from disk first, one small synchronous read per page
+  // file queued behind the update's page reads (it tripled the writer's time here). Kept, it costs 4 KiB of
+  // cache per page file.
+  void DropFromCache(int fd) const {
+    const off_t whole_blocks = static_cast<off_t>(file_bytes_ / kAlign * kAlign);
+    if (whole_blocks > 0) ::posix_fadvise(fd, 0, whole_blocks, POSIX_FADV_DONTNEED);
+  }
 
   std::string CorruptMessage(int state, int64_t page, const std::string& path) const {
     return std::string("checksum mismatch: state '") + StateName(state) + "', page " + std::to_string(page) +

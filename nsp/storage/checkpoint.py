@@ -53,7 +53,7 @@ import orbax.checkpoint as ocp
 import tensorstore as ts
 
 from nsp.storage import store as store_lib
-from nsp.storage.layout import Layout
+from nsp.storage.layout import PAGES_IN_FLIGHT_DEFAULT, Layout
 from nsp.storage.store import (
     MANIFEST,
     METADATA,
@@ -545,7 +545,7 @@ def restore_store(
     shard_paths: list[str | os.PathLike] | None = None,
     overwrite: bool = False,
     mode: str = "auto",
-    pages_in_flight: int = 4,
+    pages_in_flight: int = PAGES_IN_FLIGHT_DEFAULT,
 ) -> StateStore:
     """Rebuilds a store from a snapshot and opens it (``nsp.storage.open``); it reads bit-identically.
 
@@ -707,7 +707,7 @@ class StoreRestore(ocp.args.CheckpointArgs):
     shard_paths: list[str | os.PathLike] | None = None
     overwrite: bool = False
     mode: str = "auto"
-    pages_in_flight: int = 4
+    pages_in_flight: int = PAGES_IN_FLIGHT_DEFAULT
 
 
 def make_checkpoint_manager(directory: str | os.PathLike, max_to_keep: int | None = 3, *,
@@ -754,7 +754,7 @@ def save_checkpoint(manager: ocp.CheckpointManager, step: int, store: StateStore
 def restore_checkpoint(manager: ocp.CheckpointManager, step: int | None, store_path: str | os.PathLike | None,
                        train_state_template: Any = None, *, tier: str = "file",
                        shard_paths: list[str | os.PathLike] | None = None, overwrite: bool = False,
-                       mode: str = "auto", pages_in_flight: int = 4) -> tuple[StateStore, Any, dict | None]:
+                       mode: str = "auto", pages_in_flight: int = PAGES_IN_FLIGHT_DEFAULT) -> tuple[StateStore, Any, dict | None]:
     """Restores ``(store, train_state, meta)`` of ``step`` (``None``: the latest). The store is rebuilt at
     ``store_path`` (see ``restore_store``); ``train_state`` follows ``train_state_template`` (arrays or
     ``jax.ShapeDtypeStruct`` leaves; ``None`` restores what was saved as is). Missing items come back as None."""

@@ -17,6 +17,9 @@ import jax.numpy as jnp
 import numpy as np
 
 PAGE_BYTES_DEFAULT = 4 * 2**20  # 4 MiB pages (Angel-PTM)
+# Page sets a file-tier shard streams through: with fewer, the readers wait on the writer (4 measured ~20% slower
+# than 8 on an update of 1.1 GiB of state; 16 and 32 gained nothing more). 8 x 3 x 4 MiB = 96 MiB per shard.
+PAGES_IN_FLIGHT_DEFAULT = 8
 _STATE_ITEMSIZE = 4  # master params and moments are fp32
 
 

@@ -34,7 +34,7 @@ import tensorstore as ts
 
 from nsp import _nsp_ffi
 from nsp.primitives.fused_update import KINDS, _DEFAULT_EPS
-from nsp.storage.layout import PAGE_BYTES_DEFAULT, Layout, check_page_bytes
+from nsp.storage.layout import PAGE_BYTES_DEFAULT, PAGES_IN_FLIGHT_DEFAULT, Layout, check_page_bytes
 
 FORMAT_VERSION = 1
 TIERS = ("memory", "file", "csd")
@@ -517,7 +517,7 @@ def open(  # noqa: A001  (mirrors tensorstore.open / builtins.open on purpose)
     num_shards: int | None = None,
     page_bytes: int | None = None,
     shard_paths: list[str | os.PathLike] | None = None,
-    pages_in_flight: int = 4,
+    pages_in_flight: int = PAGES_IN_FLIGHT_DEFAULT,
     checksum: bool = True,
     in_place: bool = False,
 ) -> StateStore:
@@ -534,7 +534,7 @@ def open(  # noqa: A001  (mirrors tensorstore.open / builtins.open on purpose)
       For an existing store, ``None`` accepts what it was created with; a value must match it.
       shard_paths: one directory per shard (each on its own disk, say); default ``path/shards/NNNNN``.
       pages_in_flight: buffers the file tier streams through per shard (peak extra memory is
-        ``pages_in_flight x 3 x page_bytes`` per shard).
+        ``pages_in_flight x 3 x page_bytes`` per shard; 8 by default).
       checksum: CRC-32C per page (zarr v3 ``crc32c`` codec), verified on every read.
       in_place: ``memory`` tier only. ``False`` (default) keeps two version slots: an update reads version
         ``t`` and writes ``t+1`` beside it, so the step can be replayed from ``t``. ``True`` keeps one copy of
