@@ -21,26 +21,30 @@ RESULTS_DIR = Path(__file__).resolve().parent / "results"
 
 def time_interleaved(
     contenders: dict[str, Callable[[], Any]], *, repeats: int = 7, warmup: int = 2,
-    after_round: Callable[[], Any] | None = None,
+    before: dict[str, Callable[[], Any]] | None = None,
 ) -> dict[str, list[float]]:
     """Runs every contender ``warmup`` times, then ``repeats`` interleaved rounds; returns seconds per call.
 
-    A contender must block until its work is done (call ``jax.block_until_ready`` inside it). ``after_round``,
-    if given, runs untimed after every round (warm-up included).
+    A contender must block until its work is done (call ``jax.block_until_ready`` inside it). ``before`` maps a
+    contender's name to a function run untimed right before each of its calls (warm-up included).
     """
-    for fn in contenders.values():
+    before = before or {}
+    unknown = set(before) - set(contenders)
+    if unknown:
+        raise ValueError(f"before names contenders that are not timed: {sorted(unknown)}")
+    for name, fn in contenders.items():
         for _ in range(warmup):
+            if name in before:
+                before[name]()
             fn()
-    if after_round is not None:
-        after_round()
     times: dict[str, list[float]] = {name: [] for name in contenders}
     for _ in range(repeats):
         for name, fn in contenders.items():
+            if name in before:
+                before[name]()
             t0 = time.perf_counter()
             fn()
             times[name].append(time.perf_counter() - t0)
-        if after_round is not None:
-            after_round()
     return times
 
 

@@ -10,7 +10,8 @@ contenders in RAM; the gradient is made once and never timed):
                      allocated anew) and a rewrite in place (blocks already allocated), each O_DIRECT from
                      page-aligned (mmap) buffers and buffered; the fastest is the roofline's write bandwidth
   raw disk reads     as many bytes read sequentially, O_DIRECT and buffered (uncached), from a file rewritten
-                     after every round (read a round after it was written, like the state); the fastest counts
+                     right before each file-tier update (so it is as old as the state that update writes and
+                     the next round reads); the fastest counts
   perfect update     derived: bytes read / read bandwidth + bytes written / write bandwidth (p, m, v are read and
                      written: 12 + 12 B/param; the gradient comes from RAM) -- the roofline of the file tier
   nsp file tier      store.update(grad, version=store.version, step=store.version + 1): read, compute and write
@@ -140,9 +141,10 @@ class DiskProbe:
     the file tier does with a page no snapshot shares), each direct (O_DIRECT) and buffered (+ fsync); reading
     direct and buffered (dropped from the page cache first). The roofline takes the fastest write and read.
 
-    The reads read a second file that ``refresh`` rewrites after every round, so it is read a round after it was
-    written, as the store reads its state: a virtual disk's host-side cache then helps the probe no more than it
-    helps the update (reading the file the write contenders have just written measured up to 3x faster here).
+    The reads read a second file that ``refresh`` rewrites (untimed) right before each file-tier update, when
+    that update writes the state the next round reads: both are read with the same writes in between, so a
+    virtual disk's host-side cache helps the probe no more than it helps the update (reading recently written
+    data measured up to 3-4x faster here than reading data a few GB of writes old).
     """
 
     def __init__(self, directory: str, size: int, block: int):
@@ -489,7 +491,10 @@ def run(args, work: Workdir, n: int, page_bytes: int, page_elems: int, repeats: 
     for name, fn in {**disk_group, **memory_group}.items():
         if name != names["nsp"]:
             fn()
-    times = time_interleaved(disk_group, repeats=repeats, warmup=warmup - 1, after_round=probe.refresh)
+    # The read probe's file is rewritten right before each file-tier update, the moment the state nsp reads next
+    # round is written: both are then read with the same writes in between (this virtual disk reads recently
+    # written data several times faster, so a fresher probe file would flatter the roofline).
+    times = time_interleaved(disk_group, repeats=repeats, warmup=warmup - 1, before={names["nsp"]: probe.refresh})
     times.update(time_interleaved(memory_group, repeats=repeats, warmup=warmup - 1))
     timed_s = time.perf_counter() - t0
     for phase in base_phases.values():  # keep only the timed rounds' phases
