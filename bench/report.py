@@ -733,8 +733,12 @@ def render_train_step(d: dict, out: Path) -> tuple[str, str]:
             ax.text(r["ms"], i, f" {r['ms']:.3g}", va="center", fontsize=7)
         ax.set_title(f"{model} ({m['params'] / 1e6:.2f}M params): ms per step", fontsize=9)
         ax.margins(x=0.2)
-        parts.append(f"**{model}** ({m['params']:,} params; staleness 1 hides "
-                     f"{m.get('staleness_hidden_fraction', float('nan')):.0%} of the file tier's update)\n\n"
+        steady = m.get("staleness_hidden_fraction_steady")
+        hides = (f"{steady:.0%} of the file tier's update in steady state, "
+                 f"{m.get('staleness_hidden_fraction', float('nan')):.0%} counting each call's final drain"
+                 if steady is not None else
+                 f"{m.get('staleness_hidden_fraction', float('nan')):.0%} of the file tier's update")
+        parts.append(f"**{model}** ({m['params']:,} params; staleness 1 hides {hides})\n\n"
                      + md_table(rows, [("contender", "contender", ""), ("ms", "step ms", ".1f"),
                                        ("ratio", "x optax", ".2f"), ("update_ms", "update ms", ".1f"),
                                        ("in", "link in B/step", ",.0f"), ("table1_in", "Table I in", ",.0f"),
