@@ -329,6 +329,20 @@ NB_MODULE(_nsp_ffi, m) {
       "Streams p, g, m, v in and p, m, v out (28 B/param) with trivial arithmetic: the memory roofline.");
 
   m.def(
+      "all_finite",
+      [](F32In data) {
+        nb::gil_scoped_release release;
+        return nsp::AllFinite(data.data(), nsp::GradType::kF32, static_cast<int64_t>(data.shape(0)));
+      },
+      nb::arg("data"), "Whether a float32 array holds no NaN or Inf (one multithreaded pass, no temporaries).");
+  m.def(
+      "all_finite_bf16",
+      [](U16In data) {
+        nb::gil_scoped_release release;
+        return nsp::AllFinite(data.data(), nsp::GradType::kBF16, static_cast<int64_t>(data.shape(0)));
+      },
+      nb::arg("data"), "Whether bfloat16 values, given as their uint16 bit patterns, hold no NaN or Inf.");
+  m.def(
       "crc32c",
       [](nb::ndarray<const uint8_t, nb::ndim<1>, nb::c_contig, nb::device::cpu> data, uint32_t crc) {
         nb::gil_scoped_release release;

@@ -219,6 +219,7 @@ bool AllFinite(const void* data, GradType type, int64_t n) {
   // as a branch-free OR over signed compares so the compiler vectorises it.
   using U32 = uint32_t __attribute__((may_alias));
   using U16 = uint16_t __attribute__((may_alias));
+  if (n <= 0) return true;  // an empty leaf (SplitWork needs at least one element)
   const Split split = SplitWork(n);
   std::atomic<bool> bad{false};
   ParallelFor(split.num_tasks, [&](int t) {

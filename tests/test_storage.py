@@ -603,6 +603,46 @@ def test_page_checksum_is_crc32c():
     assert _nsp_ffi.crc32c(data[5000:], crc=head) == _crc32c_reference(data.tobytes())
 
 
+def test_all_finite_finds_nan_and_inf_anywhere():
+    """The multithreaded NaN/Inf check store.update runs first: every position of a vector long enough to be
+    split across threads, both signs, the largest finite values (which must pass), bf16 bit patterns, empty."""
+    import ml_dtypes
+
+    from nsp import _nsp_ffi
+
+    n = (1 << 17) + 3  # several tasks, and a tail
+    x = np.random.default_rng(0).standard_normal(n).astype(np.float32)
+    assert _nsp_ffi.all_finite(x) and _nsp_ffi.all_finite(np.zeros(0, np.float32))
+    x[[0, n // 2, n - 1]] = [np.finfo(np.float32).max, -np.finfo(np.float32).max, np.finfo(np.float32).tiny]
+    assert _nsp_ffi.all_finite(x)
+    for pos in (0, 1, n // 2, n - 2, n - 1):
+        for bad in (np.nan, np.inf, -np.inf):
+            y = x.copy()
+            y[pos] = bad
+            assert not _nsp_ffi.all_finite(y), (pos, bad)
+    b = np.random.default_rng(1).standard_normal(n).astype(ml_dtypes.bfloat16)
+    b[[0, n - 1]] = np.array([ml_dtypes.finfo(ml_dtypes.bfloat16).max] * 2, ml_dtypes.bfloat16)
+    assert _nsp_ffi.all_finite_bf16(b.view(np.uint16))
+    for pos in (0, n // 3, n - 1):
+        for bad in (np.nan, np.inf, -np.inf):
+            c = b.copy()
+            c[pos] = bad
+            assert not _nsp_ffi.all_finite_bf16(c.view(np.uint16)), (pos, bad)
+
+
+def test_non_finite_bf16_gradient_skips_the_step(tmp_path):
+    import ml_dtypes
+
+    with open_store(tmp_path, "memory") as store:
+        store.initialize(make_params(), SPECS["adam"])
+        g = grad_for(1, store.layout).astype(ml_dtypes.bfloat16)
+        g[-1] = np.inf
+        out = store.update(g, version=0, lr=0.01, step=1)
+        assert out["skipped"] and store.version == 0
+        assert not store.update(grad_for(1, store.layout).astype(ml_dtypes.bfloat16), version=0, lr=0.01,
+                                step=1)["skipped"]
+
+
 _STREAMING_SCRIPT = r"""
 import hashlib, sys
 import numpy as np
