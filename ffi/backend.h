@@ -56,6 +56,9 @@ class Backend {
 
   // Runs the update kernel on one page, near the state. The default runs the host CPU kernel.
   virtual void Compute(const UpdateHyperParams& hp, const StateSpan& span, const PageGrad& grad);
+  // Compute for a dense gradient that stops, returning false, at the first NaN/Inf it meets (the span's
+  // outputs are then partly written). The default runs the host CPU kernel with its in-pass check.
+  virtual bool ComputeIfFinite(const UpdateHyperParams& hp, const StateSpan& span, const void* grad, GradType type);
 };
 
 // Host-memory tier: two version slots of every state in RAM; with `in_place`, one memory that both slots

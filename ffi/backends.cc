@@ -33,6 +33,10 @@ void Backend::Compute(const UpdateHyperParams& hp, const StateSpan& span, const 
   }
 }
 
+bool Backend::ComputeIfFinite(const UpdateHyperParams& hp, const StateSpan& span, const void* grad, GradType type) {
+  return UpdateDenseIfFinite(hp, span, grad, type);
+}
+
 namespace {
 
 class MemoryBackend final : public Backend {

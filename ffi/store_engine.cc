@@ -277,8 +277,11 @@ std::string ShardEngine::Update(const ShardUpdate& u) {
   if (u.grad == nullptr && u.pieces == nullptr) {
     if (std::string err = ValidateSparseIndices(u.indices, u.count, size_); !err.empty()) return err;
   }
+  if (u.check_finite && (u.pieces == nullptr || u.skipped == nullptr || !ChecksFiniteInPass())) {
+    return "internal error: an in-pass finiteness check needs pieces, a skipped flag and a two-slot addressable store";
+  }
   std::string err = Addressable() ? UpdateAddressable(u) : UpdateStreamed(u);
-  if (err.empty()) CountUpdate(u);
+  if (err.empty() && !(u.check_finite && *u.skipped)) CountUpdate(u);
   return err;
 }
 
@@ -311,10 +314,17 @@ std::string ShardEngine::UpdateAddressable(const ShardUpdate& u) {
       } else {
         span.param_bf16_out = static_cast<uint16_t*>(pieces.out[i]);
       }
-      PageGrad g;
-      g.type = pieces.type;
-      g.dense = pieces.grad[i];
-      backend_->Compute(u.hp, span, g);
+      if (u.check_finite) {
+        if (!backend_->ComputeIfFinite(u.hp, span, pieces.grad[i], pieces.type)) {
+          *u.skipped = true;  // slot dst is half written and stays uncommitted: Step skips the step
+          return {};
+        }
+      } else {
+        PageGrad g;
+        g.type = pieces.type;
+        g.dense = pieces.grad[i];
+        backend_->Compute(u.hp, span, g);
+      }
       end = pieces.starts[i] + pieces.sizes[i];
     }
     // The shard's padding past the last piece: a zero gradient (it keeps its zeros), a page at a time.
@@ -508,7 +518,13 @@ std::string ShardEngine::Step(ShardUpdate u, int64_t version) {
   previous_valid_ = false;  // the other slot is about to be overwritten
   u.src_slot = static_cast<int>(version % 2);
   u.dst_slot = 1 - u.src_slot;
+  if (u.check_finite) *u.skipped = false;
   if (std::string e = Update(u); !e.empty()) return e;
+  if (u.check_finite && *u.skipped) {  // a NaN/Inf met in the pass: version stays committed, as Skip leaves it
+    if (version != version_) return "internal error: an in-pass check ran on a replay";
+    stats_.skipped += 1;
+    return CommittedParamsOut(u, version);
+  }
   if (std::string e = Sync(u.dst_slot); !e.empty()) return e;
   if (std::string e = Commit(version + 1); !e.empty()) return e;
   previous_valid_ = backend_->KeepsPrevious();
@@ -523,6 +539,10 @@ std::string ShardEngine::Skip(const ShardUpdate& u, int64_t version) {
            std::to_string(version_) + ")";
   }
   stats_.skipped += 1;
+  return CommittedParamsOut(u, version);
+}
+
+std::string ShardEngine::CommittedParamsOut(const ShardUpdate& u, int64_t version) {
   if (u.pieces != nullptr) {  // the committed params into the pieces, a page at a time
     const int slot = static_cast<int>(version % 2);
     AlignedBuffer page_buffer(backend_->PageBufferBytes(page_elems_));

@@ -70,6 +70,11 @@ struct ShardUpdate {
   uint16_t* params_bf16_out = nullptr;
   // Or, instead of `grad` and the outputs above: the gradient in, and the new params out, as pieces.
   const ShardPieces* pieces = nullptr;
+  // Pieces on a store that ChecksFiniteInPass(), stepping from its committed version: check the gradient for
+  // NaN/Inf inside the update's own pass. When it is not finite, Step skips the step (the outputs get the
+  // committed params back, nothing is committed) and sets *skipped.
+  bool check_finite = false;
+  bool* skipped = nullptr;
 };
 
 class ShardEngine {
@@ -98,6 +103,11 @@ class ShardEngine {
   // A step whose gradient is not finite (NaN/Inf: an overflowed loss scale, a diverged batch) is skipped: the
   // store stays at `version`, untouched, and the caller gets that version's params back.
   std::string Skip(const ShardUpdate& update, int64_t version);
+  // Whether a step can check its gradient inside the update pass (ShardUpdate::check_finite): the state is
+  // addressable (no pages to write back) and the update writes the other slot, so a half-done update of a
+  // non-finite gradient leaves the committed version whole and is simply not committed. After such a skip the
+  // version before the committed one is gone (its slot was partly overwritten), so it cannot be replayed.
+  bool ChecksFiniteInPass() const { return Addressable() && backend_->KeepsPrevious(); }
 
   // Bounded staleness 1 (Angel-PTM's lock-free updating): finishes the step in the background and returns at
   // once. Waits for the previous background step, hands the caller that step's new params (so the caller's
@@ -145,6 +155,8 @@ class ShardEngine {
   // (page-addressable backends).
   StateSpan SlotSpan(const ShardUpdate& u, int64_t begin, int64_t n) const;
   std::string UpdateStreamed(const ShardUpdate& u);
+  // Writes the params of committed version `version` into the update's outputs (a skipped step's result).
+  std::string CommittedParamsOut(const ShardUpdate& u, int64_t version);
   PageGrad GradForPage(const ShardUpdate& u, int64_t page);
   char* GradStage();
   void CountUpdate(const ShardUpdate& u);

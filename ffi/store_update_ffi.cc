@@ -15,8 +15,9 @@
 // vector: operands lr, step, version, shard, apply, then one (f32|bf16) buffer per leaf in the layout's order;
 // results version s32[], then the leaves' new params in the same dtypes. Python aliases each result to its
 // gradient operand, so the update neither concatenates the gradient nor allocates the params it returns.
-// Its apply operand may be -1: the handler then checks the leaves for NaN/Inf itself (one vectorised pass in
-// C++, where XLA:CPU's reduction over a standalone gradient ran at a quarter of memory speed).
+// Its apply operand may be -1: the handler then checks the leaves for NaN/Inf itself: inside the update's own
+// pass on a two-slot memory store (a non-finite gradient leaves the committed slot whole), else in one
+// vectorised pass before it (XLA:CPU's reduction over a standalone gradient ran at a quarter of memory speed).
 #include <string>
 #include <utility>
 
@@ -171,16 +172,23 @@ ffi::Error PiecesImpl(ffi::Buffer<ffi::F32> lr, ffi::Buffer<ffi::S32> step, ffi:
     pieces.sizes.push_back(static_cast<int64_t>(g->element_count()));
   }
   if (std::string err = pieces.Finalize(call->engine->size()); !err.empty()) return Invalid(err);
+  bool skipped_in_pass = false;
   if (call->check_finite) {
-    for (size_t i = 0; i < pieces.sizes.size() && call->apply; ++i) {
-      call->apply = AllFinite(pieces.grad[i], pieces.type, pieces.sizes[i]);
+    if (staleness == 0 && call->engine->ChecksFiniteInPass() && call->version == call->engine->version()) {
+      // Two slots in RAM: check inside the update's own pass (no pass over the gradient of its own).
+      call->update.check_finite = true;
+      call->update.skipped = &skipped_in_pass;
+    } else {
+      for (size_t i = 0; i < pieces.sizes.size() && call->apply; ++i) {
+        call->apply = AllFinite(pieces.grad[i], pieces.type, pieces.sizes[i]);
+      }
     }
   }
   call->update.grad_type = pieces.type;
   call->update.pieces = &pieces;
   auto committed = RunStep(*call, staleness);
   if (committed.has_error()) return committed.error();
-  version_out->typed_data()[0] = *committed;
+  version_out->typed_data()[0] = skipped_in_pass ? static_cast<int32_t>(call->version) : *committed;
   return ffi::Error::Success();
 }
 

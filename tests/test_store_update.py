@@ -198,6 +198,57 @@ def test_leaves_update_equals_flat_update_and_reuses_the_gradient(tmp_path, tier
             s.close()
 
 
+@pytest.mark.parametrize("where", ["first", "middle", "last"])
+def test_two_slot_memory_store_checks_finiteness_inside_the_update_pass(where):
+    """On a two-slot memory store the leaves update checks the gradient inside its own pass (no pass over it
+    first): a NaN met after part of the state was already written to the other slot still skips the step. The
+    committed state stays bit-identical, the outputs get its params back, the next good step equals a store that
+    never saw the bad one, and the version before the committed one is gone (its slot was partly written)."""
+    rng = np.random.default_rng(0)
+    params = {"a": jnp.asarray(rng.standard_normal((700, 500)), jnp.float32),  # several threads' blocks
+              "b": jnp.asarray(rng.standard_normal(77), jnp.float32)}
+    stores = [storage.open(None, tier="memory", num_shards=1, page_bytes=PAGE) for _ in range(2)]
+    for st in stores:
+        st.initialize(params, storage.OptimizerSpec("adamw", weight_decay=0.01))
+    store, clean = stores
+    layout = store.layout
+
+    def leaves_of(g):
+        return [jnp.asarray(g[leaf.offset:leaf.offset + leaf.size].reshape(leaf.shape)) for leaf in layout.leaves]
+
+    def step_fn(st):
+        return jax.jit(lambda grads, version, t: store_update_leaves(st, grads, version=version, lr=0.01, step=t))
+
+    step, clean_step = step_fn(store), step_fn(clean)
+    try:
+        for t in (1, 2):
+            step(leaves_of(grad_at(t, layout)), t - 1, t)
+            clean_step(leaves_of(grad_at(t, layout)), t - 1, t)
+        before = {s: store.read(s) for s in ("param", "mu", "nu")}
+        bad = grad_at(3, layout)
+        at = {"first": 0, "middle": layout.leaves[0].size * 3 // 4, "last": layout.total - 1}[where]
+        bad[at] = np.nan
+        new, version = step(leaves_of(bad), 2, 3)
+        assert int(version) == 2 == store.version
+        assert store.stats()["skipped"] == 1 and store.stats()["updates"] == 2
+        for s in ("param", "mu", "nu"):
+            np.testing.assert_array_equal(store.read(s), before[s])
+        for leaf, x in zip(layout.leaves, new):
+            np.testing.assert_array_equal(np.asarray(x).ravel(), before["param"][leaf.offset:leaf.offset + leaf.size])
+        with pytest.raises(Exception, match="no longer holds version 1"):
+            jax.block_until_ready(step(leaves_of(grad_at(2, layout)), 1, 2))
+        new, version = step(leaves_of(grad_at(3, layout)), 2, 3)
+        clean_new, _ = clean_step(leaves_of(grad_at(3, layout)), 2, 3)
+        assert int(version) == 3 == store.version
+        for x, y in zip(new, clean_new):
+            np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+        for s in ("param", "mu", "nu"):
+            np.testing.assert_array_equal(store.read(s), clean.read(s))
+    finally:
+        for st in stores:
+            st.close()
+
+
 def test_leaves_update_rejects_what_it_cannot_take(tmp_path, mesh4):
     params = params_tree()
     with storage.open(None, tier="memory", num_shards=1, page_bytes=PAGE) as store:

@@ -169,6 +169,9 @@ def store_update_leaves(
     Returns:
       ``(params, version)``: the new params leaves in the gradient's dtype, and the version the store committed.
       A gradient with NaN or Inf skips the step (the committed params come back, ``version`` is unchanged).
+      On a two-slot memory store the check runs inside the update's own pass; a step skipped there has
+      partly overwritten the slot of the version before the committed one, so that version can no longer be
+      replayed afterwards.
     """
     layout = store.layout
     if layout is None:
@@ -187,8 +190,8 @@ def store_update_leaves(
         if tuple(g.shape) != spec.shape:
             raise ValueError(f"gradient leaf {spec.path} has shape {tuple(g.shape)}, the layout says {spec.shape}")
 
-    # apply = -1: the handler checks the leaves for NaN/Inf itself (a vectorised pass in C++, faster than XLA's
-    # reduction over the leaves), and skips the step if any is found.
+    # apply = -1: the handler checks the leaves for NaN/Inf itself (inside the update pass on a two-slot memory
+    # store, else a vectorised C++ pass first: both faster than XLA's reduction), and skips the step if any is found.
     scalars = [jnp.asarray(lr, jnp.float32), jnp.asarray(step, jnp.int32), jnp.asarray(version, jnp.int32),
                jnp.int32(0), jnp.int32(-1)]
     out_types = [jax.ShapeDtypeStruct((), jnp.int32)] + [jax.ShapeDtypeStruct(g.shape, g.dtype) for g in grads]
