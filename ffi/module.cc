@@ -330,18 +330,21 @@ NB_MODULE(_nsp_ffi, m) {
 
   m.def(
       "all_finite",
-      [](F32In data) {
+      [](nb::ndarray<nb::ndim<1>, nb::c_contig, nb::device::cpu> data) {
+        nsp::GradType type;
+        if (data.dtype() == nb::dtype<float>()) {
+          type = nsp::GradType::kF32;
+        } else if (data.dtype() == nb::dtype<uint16_t>()) {
+          type = nsp::GradType::kBF16;
+        } else {
+          throw nb::type_error("all_finite takes float32 values, or bfloat16 values as their uint16 bit patterns");
+        }
         nb::gil_scoped_release release;
-        return nsp::AllFinite(data.data(), nsp::GradType::kF32, static_cast<int64_t>(data.shape(0)));
+        return nsp::AllFinite(data.data(), type, static_cast<int64_t>(data.shape(0)));
       },
-      nb::arg("data"), "Whether a float32 array holds no NaN or Inf (one multithreaded pass, no temporaries).");
-  m.def(
-      "all_finite_bf16",
-      [](U16In data) {
-        nb::gil_scoped_release release;
-        return nsp::AllFinite(data.data(), nsp::GradType::kBF16, static_cast<int64_t>(data.shape(0)));
-      },
-      nb::arg("data"), "Whether bfloat16 values, given as their uint16 bit patterns, hold no NaN or Inf.");
+      nb::arg("data"),
+      "Whether a float32 array (or bfloat16 values given as uint16 bit patterns) holds no NaN or Inf: one "
+      "multithreaded pass, no temporaries.");
   m.def(
       "crc32c",
       [](nb::ndarray<const uint8_t, nb::ndim<1>, nb::c_contig, nb::device::cpu> data, uint32_t crc) {

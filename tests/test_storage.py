@@ -622,12 +622,14 @@ def test_all_finite_finds_nan_and_inf_anywhere():
             assert not _nsp_ffi.all_finite(y), (pos, bad)
     b = np.random.default_rng(1).standard_normal(n).astype(ml_dtypes.bfloat16)
     b[[0, n - 1]] = np.array([ml_dtypes.finfo(ml_dtypes.bfloat16).max] * 2, ml_dtypes.bfloat16)
-    assert _nsp_ffi.all_finite_bf16(b.view(np.uint16))
+    assert _nsp_ffi.all_finite(b.view(np.uint16))
     for pos in (0, n // 3, n - 1):
         for bad in (np.nan, np.inf, -np.inf):
             c = b.copy()
             c[pos] = bad
-            assert not _nsp_ffi.all_finite_bf16(c.view(np.uint16)), (pos, bad)
+            assert not _nsp_ffi.all_finite(c.view(np.uint16)), (pos, bad)
+    with pytest.raises(TypeError, match="float32 values, or bfloat16"):
+        _nsp_ffi.all_finite(np.zeros(4, np.float64))
 
 
 def test_non_finite_bf16_gradient_skips_the_step(tmp_path):

@@ -371,9 +371,8 @@ class StateStore:
         kw_shards = self._split_grads(grad, indices, values)
         params = np.empty(n * shard_size, np.float32) if params_out else None
         # One multithreaded C++ pass per array (numpy's isfinite is one thread plus a temporary as big as the
-        # gradient); bf16 arrays travel as uint16 bit patterns.
-        finite = all(_nsp_ffi.all_finite_bf16(a) if k.endswith("_bf16") else _nsp_ffi.all_finite(a)
-                     for kw in kw_shards for k, a in kw.items() if k != "indices")
+        # gradient); bf16 arrays travel as uint16 bit patterns, which all_finite reads as bf16.
+        finite = all(_nsp_ffi.all_finite(a) for kw in kw_shards for k, a in kw.items() if k != "indices")
         if not finite:  # skip the step on every shard: the store stays at `version`
             if version != self.version:
                 raise StoreError(f"cannot skip from version {version}: the store is at {self.version}")
