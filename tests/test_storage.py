@@ -109,6 +109,36 @@ def test_store_steps_equal_in_ram_steps(tmp_path, tier, kind):
         assert store.version == 5
 
 
+@pytest.mark.parametrize("tier", ["memory", "file"])
+def test_update_writes_params_into_a_caller_buffer(tmp_path, tier):
+    """params_into: every step (and a skipped one) lands in the same caller array, equal to a fresh-array store's
+    result; a wrong buffer is refused before anything runs."""
+    params, spec = make_params(), SPECS["adam"]
+    with open_store(tmp_path, tier) as store:
+        store.initialize(params, spec)
+        ref = Reference(store.layout, params, spec)
+        buf = np.full(store.layout.padded_total, np.nan, np.float32)
+        for step in (1, 2):
+            out = store.update(grad_for(step, store.layout), version=step - 1, lr=0.01, step=step, params_into=buf)
+            ref.step(grad_for(step, store.layout), step, 0.01)
+            assert out["params"] is buf
+            np.testing.assert_array_equal(buf, np.asarray(ref.p))
+        bad = grad_for(3, store.layout)
+        bad[0] = np.nan
+        buf[:] = 0
+        assert store.update(bad, version=2, lr=0.01, step=3, params_into=buf)["params"] is buf
+        np.testing.assert_array_equal(buf, np.asarray(ref.p))  # skipped: the committed params
+        n = store.layout.padded_total
+        for wrong in (np.zeros(n, np.float64), np.zeros(n - 1, np.float32), np.zeros((2, n), np.float32)[:, 0],
+                      [0.0] * n):
+            with pytest.raises(ValueError, match="params_into must be"):
+                store.update(grad_for(3, store.layout), version=2, lr=0.01, step=3, params_into=wrong)
+        with pytest.raises(ValueError, match="needs params_out"):
+            store.update(grad_for(3, store.layout), version=2, lr=0.01, step=3, params_out=False,
+                         params_into=np.zeros(n, np.float32))
+        assert store.version == 2 and store.stats()["updates"] == 2
+
+
 def test_bf16_gradients_and_bf16_params_out(tmp_path):
     params, spec = make_params(), SPECS["adamw"]
     with open_store(tmp_path, "file") as store:

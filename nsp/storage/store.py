@@ -341,7 +341,8 @@ class StateStore:
     # ---- updates ---------------------------------------------------------------------------------------------
 
     def update(self, grad: Any = None, *, version: int, lr: float, step: int, indices: Any = None,
-               values: Any = None, params_out: bool = True, bf16_out: bool = False) -> dict[str, np.ndarray]:
+               values: Any = None, params_out: bool = True, bf16_out: bool = False,
+               params_into: np.ndarray | None = None) -> dict[str, np.ndarray]:
         """Runs one optimizer step on every shard, reading ``version`` and committing ``version + 1``.
 
         Args:
@@ -355,6 +356,9 @@ class StateStore:
             values (Top-K compressed gradients).
           params_out: return the new fp32 params.
           bf16_out: return a bf16 copy of the new params.
+          params_into: a float32, C-contiguous array of ``layout.padded_total`` elements to write the new params
+            into (and return as ``"params"``) instead of a fresh array: a loop of updates then allocates nothing
+            (a fresh array's first touch costs about as much as the kernel's pass). Needs ``params_out``.
 
         Returns:
           ``{"params": flat fp32, "params_bf16": flat bf16}`` (those asked for), ``layout.padded_total`` long, and
@@ -369,7 +373,18 @@ class StateStore:
                              f"(committed: {self.version})")
         n, shard_size = self.num_shards, self.layout.shard_size
         kw_shards = self._split_grads(grad, indices, values)
-        params = np.empty(n * shard_size, np.float32) if params_out else None
+        if params_into is not None:
+            if not params_out:
+                raise ValueError("params_into needs params_out=True")
+            if (not isinstance(params_into, np.ndarray) or params_into.dtype != np.float32
+                    or params_into.shape != (n * shard_size,) or not params_into.flags.c_contiguous
+                    or not params_into.flags.writeable):
+                what = (f"{params_into.dtype}{list(params_into.shape)}" if isinstance(params_into, np.ndarray)
+                        else type(params_into).__name__)
+                raise ValueError(f"params_into must be a writeable, C-contiguous float32 array of "
+                                 f"{n * shard_size} elements (layout.padded_total), got {what}")
+        params = params_into if params_into is not None else (
+            np.empty(n * shard_size, np.float32) if params_out else None)
         # One multithreaded C++ pass per array (numpy's isfinite is one thread plus a temporary as big as the
         # gradient); bf16 arrays travel as uint16 bit patterns, which all_finite reads as bf16.
         finite = all(_nsp_ffi.all_finite(a) for kw in kw_shards for k, a in kw.items() if k != "indices")
