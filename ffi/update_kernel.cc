@@ -21,7 +21,8 @@ using internal::Block;
 using internal::BlockKernel;
 using internal::Coefficients;
 
-// Elements per sparse block: 8 KiB of fp32 gradient stays in L1 while the block is updated.
+// Elements per block of a compressed update (decompressed into it) or of a checked one (checked, then
+// updated): 8 KiB of fp32 gradient stays in L1 while the block is updated.
 constexpr int64_t kSparseBlock = 2048;
 // Below this many elements per task, splitting across threads costs more than it saves.
 constexpr int64_t kMinPerTask = 1 << 16;
