@@ -491,9 +491,7 @@ def run(args, work: Workdir, n: int, page_bytes: int, page_elems: int, repeats: 
     for name, fn in {**disk_group, **memory_group}.items():
         if name != names["nsp"]:
             fn()
-    # The read probe's file is rewritten right before each file-tier update, the moment the state nsp reads next
-    # round is written: both are then read with the same writes in between (this virtual disk reads recently
-    # written data several times faster, so a fresher probe file would flatter the roofline).
+    # The read probe's file is rewritten right before each file-tier update (why: DiskProbe's docstring).
     times = time_interleaved(disk_group, repeats=repeats, warmup=warmup - 1, before={names["nsp"]: probe.refresh})
     times.update(time_interleaved(memory_group, repeats=repeats, warmup=warmup - 1))
     timed_s = time.perf_counter() - t0

@@ -25,8 +25,6 @@
 namespace nsp {
 namespace {
 
-int64_t GradBytes(GradType t) { return t == GradType::kF32 ? 4 : 2; }
-
 // A staleness-1 step in the background yields the CPU to the foreground (see StepAsync), unless
 // NSP_BACKGROUND_PRIORITY=normal.
 constexpr int kReaders = 2;  // page reader threads of a streamed update
@@ -591,7 +589,7 @@ std::string ShardEngine::StepAsync(const ShardUpdate& update, int64_t version) {
   // The caller's buffers live only for this call: copy what the background step reads (first: with pieces the
   // params below may land on the gradient's memory).
   ShardUpdate u = update;
-  const size_t gbytes = update.grad_type == GradType::kF32 ? 4 : 2;
+  const size_t gbytes = static_cast<size_t>(GradBytes(update.grad_type));
   if (update.pieces != nullptr) {
     async_grad_.resize(gbytes * static_cast<size_t>(size_));
     update.pieces->GatherGrad(0, size_, async_grad_.data());

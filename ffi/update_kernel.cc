@@ -166,7 +166,7 @@ void UpdateDense(const UpdateHyperParams& hp, const StateSpan& span, const void*
   if (span.size == 0) return;
   const Coefficients c = MakeCoefficients(hp);
   const BlockKernel kernel = SelectKernel(hp.kind, grad_type);
-  const int64_t gbytes = grad_type == GradType::kF32 ? 4 : 2;
+  const int64_t gbytes = GradBytes(grad_type);
   const Split split = SplitWork(span.size);
   ParallelFor(split.num_tasks, [&](int t) {
     const int64_t begin = t * split.chunk;
@@ -251,7 +251,7 @@ bool UpdateDenseIfFinite(const UpdateHyperParams& hp, const StateSpan& span, con
   if (span.size == 0) return true;
   const Coefficients c = MakeCoefficients(hp);
   const BlockKernel kernel = SelectKernel(hp.kind, grad_type);
-  const int64_t gbytes = grad_type == GradType::kF32 ? 4 : 2;
+  const int64_t gbytes = GradBytes(grad_type);
   const Split split = SplitWork(span.size);
   std::atomic<bool> bad{false};
   ParallelFor(split.num_tasks, [&](int t) {

@@ -17,6 +17,7 @@ namespace nsp {
 enum class OptimizerKind : int32_t { kAdam = 0, kAdamW = 1, kSgd = 2, kAdagrad = 3 };
 
 enum class GradType : int32_t { kF32 = 0, kBF16 = 1 };
+inline int64_t GradBytes(GradType t) { return t == GradType::kF32 ? 4 : 2; }
 
 // Hyperparameters of one update call. `step` is the 1-based number of this update (bias correction uses b^step).
 struct UpdateHyperParams {
