@@ -152,7 +152,7 @@ class FileBackend final : public Backend {
   std::string ReadPage(int slot, int state, int64_t page, float* dst, int64_t n, bool scratch) override {
     if (scratch && direct_.load()) {
       std::string err;
-      if (ReadDirect(slot, state, page, dst, n, &err)) return err;
+      if (ReadDirect(slot, state, page, dst, &err)) return err;
     }
     const std::string path = PagePath(slot, state, page);
     const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
@@ -260,7 +260,7 @@ class FileBackend final : public Backend {
   // Direct I/O (O_DIRECT) straight between the engine's aligned page buffers and the disk: no page-cache copy,
   // no cache pollution. Returns false when the file system refuses O_DIRECT (tmpfs, some network file
   // systems); the caller then takes the buffered path, and so do all later calls.
-  bool ReadDirect(int slot, int state, int64_t page, float* dst, int64_t n, std::string* err) {
+  bool ReadDirect(int slot, int state, int64_t page, float* dst, std::string* err) {
     if (reinterpret_cast<uintptr_t>(dst) % kAlign != 0) return false;
     const std::string path = PagePath(slot, state, page);
     const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC | O_DIRECT);

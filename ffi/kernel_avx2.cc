@@ -48,7 +48,7 @@ struct Step {
 };
 
 template <int KIND, bool GRAD_BF16>
-void Avx2Block(const Coefficients& c, const Block& b) {
+bool Avx2Block(const Coefficients& c, const Block& b) {
   const int64_t n8 = b.n & ~int64_t{7}, n16 = b.n & ~int64_t{15};
   const float* gf = static_cast<const float*>(b.grad);
   const bool nt_p = c.streaming && Streamable(b.p_out, b.p_in), nt_m = c.streaming && Streamable(b.m_out, b.m_in);
@@ -68,9 +68,14 @@ void Avx2Block(const Coefficients& c, const Block& b) {
   constexpr bool kAdamLike = KIND == kAdam || KIND == kAdamW;
   const bool writes_m = kAdamLike || (KIND == kSgd && c.sgd_has_momentum);
   constexpr bool kWritesV = kAdamLike || KIND == kAdagrad;
+  // Lanes whose gradient had all exponent bits set (Inf or NaN), or-ed over the block.
+  const __m256i exponent = _mm256_set1_epi32(0x7f800000);
+  __m256i non_finite = _mm256_setzero_si256();
 
   auto step = [&](int64_t i) __attribute__((always_inline)) -> Step {
     __m256 g = GRAD_BF16 ? LoadBf16(gh + i) : _mm256_loadu_ps(gf + i);
+    const __m256i g_exponent = _mm256_and_si256(_mm256_castps_si256(g), exponent);
+    non_finite = _mm256_or_si256(non_finite, _mm256_cmpeq_epi32(g_exponent, exponent));
     const __m256 p = _mm256_loadu_ps(b.p_in + i);
     Step s{};
     __m256 update;
@@ -137,7 +142,7 @@ void Avx2Block(const Coefficients& c, const Block& b) {
     const Step s[1] = {step(i)};
     store(i, s, 1);
   }
-  if (nt_p || nt_m || nt_v || nt_copy) _mm_sfence();  // order the streaming stores before anyone reads them
+  // No fence here: the dispatcher fences once per task (FenceStreamingStores), not once per block.
   if (n8 < b.n) {
     // The last < 8 elements go through the same vector code on a zero-padded copy, so every element is
     // computed identically wherever it sits (a store's pages and an in-memory update agree bit for bit).
@@ -153,13 +158,14 @@ void Avx2Block(const Coefficients& c, const Block& b) {
     const Block tail{p_in, p_out, b.m_in ? m_in : nullptr, b.m_out ? m_out : nullptr,
                      b.v_in ? v_in : nullptr, b.v_out ? v_out : nullptr, b.p16_out ? p16 : nullptr,
                      b.p32_copy ? copy : nullptr, g, 8};
-    Avx2Block<KIND, GRAD_BF16>(c, tail);
+    if (!Avx2Block<KIND, GRAD_BF16>(c, tail)) non_finite = exponent;
     __builtin_memcpy(b.p_out + n8, p_out, r * 4);
     if (b.m_out != nullptr) __builtin_memcpy(b.m_out + n8, m_out, r * 4);
     if (b.v_out != nullptr) __builtin_memcpy(b.v_out + n8, v_out, r * 4);
     if (b.p16_out != nullptr) __builtin_memcpy(b.p16_out + n8, p16, r * 2);
     if (b.p32_copy != nullptr) __builtin_memcpy(b.p32_copy + n8, copy, r * 4);
   }
+  return _mm256_testz_si256(non_finite, non_finite) != 0;
 }
 
 template <int KIND>

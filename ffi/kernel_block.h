@@ -21,7 +21,7 @@ struct Coefficients {
   float momentum;      // SGD
   int32_t nesterov;    // SGD
   int32_t sgd_has_momentum;
-  int32_t streaming;   // write out-of-place outputs with streaming (non-temporal) stores
+  int32_t streaming;   // write out-of-place outputs with streaming (non-temporal) stores; the caller fences
 };
 
 // Pointers for one block; `grad` is fp32 or bf16 (uint16_t) as the kernel was chosen for.
@@ -38,7 +38,9 @@ struct Block {
   int64_t n;
 };
 
-using BlockKernel = void (*)(const Coefficients&, const Block&);
+// Returns whether every gradient value of the block was finite (no NaN/Inf): the kernel tests each value as it
+// loads it, so a caller that can discard the block's outputs checks the gradient at no extra pass.
+using BlockKernel = bool (*)(const Coefficients&, const Block&);
 
 // grad_bf16: 0/1. Returns the kernel for one (kind, gradient dtype) pair; bf16 output is handled inside.
 BlockKernel PortableKernel(int32_t kind, int grad_bf16);

@@ -31,11 +31,15 @@ inline uint16_t F32ToBf16(float f) {
 }
 
 template <int KIND, bool GRAD_BF16>
-void PortableBlock(const Coefficients& c, const Block& b) {
+bool PortableBlock(const Coefficients& c, const Block& b) {
   const float* gf = static_cast<const float*>(b.grad);
   const uint16_t* gh = static_cast<const uint16_t*>(b.grad);
+  uint32_t non_finite = 0;
   for (int64_t i = 0; i < b.n; ++i) {
     float g = GRAD_BF16 ? Bf16ToF32(gh[i]) : gf[i];
+    uint32_t g_bits;
+    std::memcpy(&g_bits, &g, sizeof g_bits);
+    non_finite |= (g_bits & 0x7f800000u) == 0x7f800000u;  // all exponent bits set: Inf or NaN
     const float p = b.p_in[i];
     float update;  // the step is p <- p - lr * update
     if constexpr (KIND == kAdam || KIND == kAdamW) {
@@ -66,6 +70,7 @@ void PortableBlock(const Coefficients& c, const Block& b) {
     if (b.p16_out != nullptr) b.p16_out[i] = F32ToBf16(new_p);
     if (b.p32_copy != nullptr) b.p32_copy[i] = new_p;
   }
+  return non_finite == 0;
 }
 
 template <int KIND>

@@ -76,10 +76,10 @@ void StreamRoofline(float* p, const float* g, float* m, float* v, int64_t size);
 // Whether every one of the n values (fp32 or bf16) is finite: one multithreaded pass at memory speed.
 bool AllFinite(const void* data, GradType type, int64_t n);
 
-// UpdateDense that checks the gradient for NaN/Inf as it goes: each block of the gradient is checked and then
-// updated while it is still in L1, so the check costs no pass over memory of its own. Returns false as soon as
-// a non-finite value turns up, with the span's outputs then partly written: only for updates whose inputs stay
-// intact (another version slot) and whose outputs the caller can restore.
+// UpdateDense that checks the gradient for NaN/Inf as it goes: the kernel tests each gradient value as it loads
+// it, so the check costs neither a pass over memory nor a stall between blocks. Returns false once a block with
+// a non-finite value is done (that block's outputs and some others' are then written from it): only for updates
+// whose inputs stay intact (another version slot) and whose outputs the caller can restore.
 bool UpdateDenseIfFinite(const UpdateHyperParams& hp, const StateSpan& span, const void* grad, GradType grad_type);
 
 // Name of the instruction set the kernels dispatch to on this machine ("avx2-fma" or "portable").

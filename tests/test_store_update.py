@@ -201,9 +201,9 @@ def test_leaves_update_equals_flat_update_and_reuses_the_gradient(tmp_path, tier
 @pytest.mark.parametrize("where", ["first", "middle", "last"])
 def test_two_slot_memory_store_checks_finiteness_inside_the_update_pass(where):
     """On a two-slot memory store the leaves update checks the gradient inside its own pass (no pass over it
-    first): a NaN met after part of the state was already written to the other slot still skips the step. The
-    committed state stays bit-identical, the outputs get its params back, the next good step equals a store that
-    never saw the bad one, and the version before the committed one is gone (its slot was partly written)."""
+    first): a NaN or Inf met after part of the state was already written to the other slot still skips the step.
+    The committed state stays bit-identical, the outputs get its params back, the next good step equals a store
+    that never saw the bad one, and the version before the committed one is gone (its slot was partly written)."""
     rng = np.random.default_rng(0)
     params = {"a": jnp.asarray(rng.standard_normal((700, 500)), jnp.float32),  # several threads' blocks
               "b": jnp.asarray(rng.standard_normal(77), jnp.float32)}
@@ -227,7 +227,7 @@ def test_two_slot_memory_store_checks_finiteness_inside_the_update_pass(where):
         before = {s: store.read(s) for s in ("param", "mu", "nu")}
         bad = grad_at(3, layout)
         at = {"first": 0, "middle": layout.leaves[0].size * 3 // 4, "last": layout.total - 1}[where]
-        bad[at] = np.nan
+        bad[at] = {"first": np.nan, "middle": np.inf, "last": -np.inf}[where]  # the kernel tests each kind
         new, version = step(leaves_of(bad), 2, 3)
         assert int(version) == 2 == store.version
         assert store.stats()["skipped"] == 1 and store.stats()["updates"] == 2
