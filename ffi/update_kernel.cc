@@ -25,8 +25,8 @@ using internal::Block;
 using internal::BlockKernel;
 using internal::Coefficients;
 
-// Elements per block of a compressed update (decompressed into it) or of a checked one (checked, then
-// updated): 8 KiB of fp32 gradient stays in L1 while the block is updated.
+// Elements per block of a compressed update (decompressed into it: 8 KiB of fp32 gradient stays in L1 while the
+// block is updated) or of a checked one (a block with a NaN/Inf stops the rest of the update).
 constexpr int64_t kSparseBlock = 2048;
 // Below this many elements per task, splitting across threads costs more than it saves.
 constexpr int64_t kMinPerTask = 1 << 16;
