@@ -232,34 +232,26 @@ void StreamRoofline(float* p, const float* g, float* m, float* v, int64_t size) 
   });
 }
 
-namespace {
-
-// Whether elements [begin, end) of `data` are all finite. NaN and Inf are the values whose exponent bits are
-// all ones: |bits| above the largest finite value. Written as a branch-free OR over signed compares so the
-// compiler vectorises it.
-bool RangeFinite(const void* data, GradType type, int64_t begin, int64_t end) {
+bool AllFinite(const void* data, GradType type, int64_t n) {
+  // NaN and Inf are the values whose exponent bits are all ones: |bits| above the largest finite value. Written
+  // as a branch-free OR over signed compares so the compiler vectorises it.
   using U32 = uint32_t __attribute__((may_alias));
   using U16 = uint16_t __attribute__((may_alias));
-  int32_t any = 0;
-  if (type == GradType::kF32) {
-    const U32* x = static_cast<const U32*>(data);
-    for (int64_t i = begin; i < end; ++i) any |= static_cast<int32_t>(x[i] & 0x7fffffffu) > 0x7f7fffff;
-  } else {
-    const U16* x = static_cast<const U16*>(data);
-    for (int64_t i = begin; i < end; ++i) any |= static_cast<int16_t>(x[i] & 0x7fffu) > 0x7f7f;
-  }
-  return any == 0;
-}
-
-}  // namespace
-
-bool AllFinite(const void* data, GradType type, int64_t n) {
   if (n <= 0) return true;  // an empty leaf (SplitWork needs at least one element)
   const Split split = SplitWork(n);
   std::atomic<bool> bad{false};
   ParallelFor(split.num_tasks, [&](int t) {
     const int64_t begin = t * split.chunk;
-    if (!RangeFinite(data, type, begin, std::min(n, begin + split.chunk))) bad.store(true, std::memory_order_relaxed);
+    const int64_t end = std::min(n, begin + split.chunk);
+    int32_t any = 0;
+    if (type == GradType::kF32) {
+      const U32* x = static_cast<const U32*>(data);
+      for (int64_t i = begin; i < end; ++i) any |= static_cast<int32_t>(x[i] & 0x7fffffffu) > 0x7f7fffff;
+    } else {
+      const U16* x = static_cast<const U16*>(data);
+      for (int64_t i = begin; i < end; ++i) any |= static_cast<int16_t>(x[i] & 0x7fffu) > 0x7f7f;
+    }
+    if (any != 0) bad.store(true, std::memory_order_relaxed);
   });
   return !bad.load();
 }

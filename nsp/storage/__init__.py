@@ -3,4 +3,5 @@
 from nsp.storage.layout import PAGE_BYTES_DEFAULT, PAGES_IN_FLIGHT_DEFAULT, Layout, Leaf
 from nsp.storage.store import OptimizerSpec, StateStore, StoreError, open
 
-__all__ = ["PAGE_BYTES_DEFAULT", "PAGES_IN_FLIGHT_DEFAULT", "Layout", "Leaf", "OptimizerSpec", "StateStore", "StoreError", "open"]
+__all__ = ["PAGE_BYTES_DEFAULT", "PAGES_IN_FLIGHT_DEFAULT", "Layout", "Leaf", "OptimizerSpec", "StateStore", "StoreError",
+           "open"]

@@ -754,7 +754,8 @@ def save_checkpoint(manager: ocp.CheckpointManager, step: int, store: StateStore
 def restore_checkpoint(manager: ocp.CheckpointManager, step: int | None, store_path: str | os.PathLike | None,
                        train_state_template: Any = None, *, tier: str = "file",
                        shard_paths: list[str | os.PathLike] | None = None, overwrite: bool = False,
-                       mode: str = "auto", pages_in_flight: int = PAGES_IN_FLIGHT_DEFAULT) -> tuple[StateStore, Any, dict | None]:
+                       mode: str = "auto",
+                       pages_in_flight: int = PAGES_IN_FLIGHT_DEFAULT) -> tuple[StateStore, Any, dict | None]:
     """Restores ``(store, train_state, meta)`` of ``step`` (``None``: the latest). The store is rebuilt at
     ``store_path`` (see ``restore_store``); ``train_state`` follows ``train_state_template`` (arrays or
     ``jax.ShapeDtypeStruct`` leaves; ``None`` restores what was saved as is). Missing items come back as None."""
