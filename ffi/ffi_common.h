@@ -28,7 +28,7 @@ inline ffi::ErrorOr<GradType> GradTypeOf(const char* op, const ffi::AnyBuffer& b
 inline ffi::ErrorOr<UpdateHyperParams> HyperParams(const char* op, ffi::Buffer<ffi::F32> lr,
                                                    ffi::Buffer<ffi::S32> step, int32_t kind, double b1, double b2,
                                                    double eps, double weight_decay, double momentum,
-                                                   bool nesterov) {
+                                                   bool nesterov, bool lazy) {
   if (lr.element_count() != 1 || step.element_count() != 1) {
     return ffi::Unexpected(Invalid(op, "lr and step must be scalars"));
   }
@@ -42,6 +42,7 @@ inline ffi::ErrorOr<UpdateHyperParams> HyperParams(const char* op, ffi::Buffer<f
   hp.weight_decay = weight_decay;
   hp.momentum = momentum;
   hp.nesterov = nesterov;
+  hp.lazy = lazy;
   if (std::string err = ValidateHyperParams(hp); !err.empty()) return ffi::Unexpected(Invalid(op, err));
   return hp;
 }
@@ -56,7 +57,8 @@ auto WithHyperParamAttrs(Binding binding) {
       .template Attr<double>("eps")
       .template Attr<double>("weight_decay")
       .template Attr<double>("momentum")
-      .template Attr<bool>("nesterov");
+      .template Attr<bool>("nesterov")
+      .template Attr<bool>("lazy");
 }
 
 }  // namespace nsp::ffi_common

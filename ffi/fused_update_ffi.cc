@@ -30,8 +30,8 @@ ffi::ErrorOr<Prepared> Prepare(ffi::Buffer<ffi::F32> lr, ffi::Buffer<ffi::S32> s
                                ffi::Buffer<ffi::F32> mu, ffi::Buffer<ffi::F32> nu,
                                ffi::ResultBuffer<ffi::F32> param_out, ffi::ResultBuffer<ffi::F32> mu_out,
                                ffi::ResultBuffer<ffi::F32> nu_out, ffi::RemainingRets extra, int32_t kind, double b1,
-                               double b2, double eps, double weight_decay, double momentum, bool nesterov) {
-  auto hyper = ffi_common::HyperParams(kOp, lr, step, kind, b1, b2, eps, weight_decay, momentum, nesterov);
+                               double b2, double eps, double weight_decay, double momentum, bool nesterov, bool lazy) {
+  auto hyper = ffi_common::HyperParams(kOp, lr, step, kind, b1, b2, eps, weight_decay, momentum, nesterov, lazy);
   if (hyper.has_error()) return ffi::Unexpected(hyper.error());
   Prepared out;
   out.hp = *hyper;
@@ -75,9 +75,9 @@ ffi::Error DenseImpl(ffi::Buffer<ffi::F32> lr, ffi::Buffer<ffi::S32> step, ffi::
                      ffi::AnyBuffer grad, ffi::Buffer<ffi::F32> mu, ffi::Buffer<ffi::F32> nu,
                      ffi::ResultBuffer<ffi::F32> param_out, ffi::ResultBuffer<ffi::F32> mu_out,
                      ffi::ResultBuffer<ffi::F32> nu_out, ffi::RemainingRets extra, int32_t kind, double b1, double b2,
-                     double eps, double weight_decay, double momentum, bool nesterov) {
+                     double eps, double weight_decay, double momentum, bool nesterov, bool lazy) {
   auto prepared = Prepare(lr, step, param, mu, nu, param_out, mu_out, nu_out, extra, kind, b1, b2, eps,
-                          weight_decay, momentum, nesterov);
+                          weight_decay, momentum, nesterov, lazy);
   if (prepared.has_error()) return prepared.error();
   auto grad_type = ffi_common::GradTypeOf(kOp, grad);
   if (grad_type.has_error()) return grad_type.error();
@@ -93,9 +93,9 @@ ffi::Error SparseImpl(ffi::Buffer<ffi::F32> lr, ffi::Buffer<ffi::S32> step, ffi:
                       ffi::Buffer<ffi::F32> nu, ffi::ResultBuffer<ffi::F32> param_out,
                       ffi::ResultBuffer<ffi::F32> mu_out, ffi::ResultBuffer<ffi::F32> nu_out,
                       ffi::RemainingRets extra, int32_t kind, double b1, double b2, double eps,
-                      double weight_decay, double momentum, bool nesterov) {
+                      double weight_decay, double momentum, bool nesterov, bool lazy) {
   auto prepared = Prepare(lr, step, param, mu, nu, param_out, mu_out, nu_out, extra, kind, b1, b2, eps,
-                          weight_decay, momentum, nesterov);
+                          weight_decay, momentum, nesterov, lazy);
   if (prepared.has_error()) return prepared.error();
   auto value_type = ffi_common::GradTypeOf(kOp, values);
   if (value_type.has_error()) return value_type.error();

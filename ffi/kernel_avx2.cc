@@ -65,6 +65,7 @@ bool Avx2Block(const Coefficients& c, const Block& b) {
   const __m256 momentum = _mm256_set1_ps(c.momentum);
   const __m256 zero = _mm256_setzero_ps();
   const bool has_l2 = c.l2 != 0.0f;
+  const bool lazy = c.lazy != 0;
   constexpr bool kAdamLike = KIND == kAdam || KIND == kAdamW;
   const bool writes_m = kAdamLike || (KIND == kSgd && c.sgd_has_momentum);
   constexpr bool kWritesV = kAdamLike || KIND == kAdagrad;
@@ -77,12 +78,15 @@ bool Avx2Block(const Coefficients& c, const Block& b) {
     const __m256i g_exponent = _mm256_and_si256(_mm256_castps_si256(g), exponent);
     non_finite = _mm256_or_si256(non_finite, _mm256_cmpeq_epi32(g_exponent, exponent));
     const __m256 p = _mm256_loadu_ps(b.p_in + i);
+    const __m256 g_in = g;  // before L2 weight decay: what decides a lazy update's skip
     Step s{};
-    __m256 update;
+    __m256 update, m_old = zero, v_old = zero;
     if constexpr (kAdamLike) {
       if (KIND == kAdam && has_l2) g = _mm256_fmadd_ps(l2, p, g);
-      s.m = _mm256_fmadd_ps(mu_a, _mm256_loadu_ps(b.m_in + i), _mm256_mul_ps(mu_b, g));
-      s.v = _mm256_fmadd_ps(nu_a, _mm256_loadu_ps(b.v_in + i), _mm256_mul_ps(_mm256_mul_ps(nu_b, g), g));
+      m_old = _mm256_loadu_ps(b.m_in + i);
+      v_old = _mm256_loadu_ps(b.v_in + i);
+      s.m = _mm256_fmadd_ps(mu_a, m_old, _mm256_mul_ps(mu_b, g));
+      s.v = _mm256_fmadd_ps(nu_a, v_old, _mm256_mul_ps(_mm256_mul_ps(nu_b, g), g));
       const __m256 denom = _mm256_add_ps(_mm256_sqrt_ps(_mm256_mul_ps(s.v, inv_bc2)), eps);
       update = _mm256_div_ps(_mm256_mul_ps(s.m, inv_bc1), denom);
       if (KIND == kAdamW) update = _mm256_fmadd_ps(wd, p, update);
@@ -90,17 +94,25 @@ bool Avx2Block(const Coefficients& c, const Block& b) {
       if (has_l2) g = _mm256_fmadd_ps(l2, p, g);
       update = g;
       if (c.sgd_has_momentum) {
-        s.m = _mm256_fmadd_ps(momentum, _mm256_loadu_ps(b.m_in + i), g);
+        m_old = _mm256_loadu_ps(b.m_in + i);
+        s.m = _mm256_fmadd_ps(momentum, m_old, g);
         update = c.nesterov ? _mm256_fmadd_ps(momentum, s.m, g) : s.m;
       }
     } else {
       static_assert(KIND == kAdagrad);
       if (has_l2) g = _mm256_fmadd_ps(l2, p, g);
-      s.v = _mm256_fmadd_ps(g, g, _mm256_loadu_ps(b.v_in + i));
+      v_old = _mm256_loadu_ps(b.v_in + i);
+      s.v = _mm256_fmadd_ps(g, g, v_old);
       const __m256 scaled = _mm256_div_ps(g, _mm256_sqrt_ps(_mm256_add_ps(s.v, eps)));
       update = _mm256_and_ps(_mm256_cmp_ps(s.v, zero, _CMP_GT_OQ), scaled);
     }
     s.p = _mm256_fnmadd_ps(lr, update, p);
+    if (lazy) {  // lanes with a zero gradient keep param and states
+      const __m256 skip = _mm256_cmp_ps(g_in, zero, _CMP_EQ_OQ);
+      s.p = _mm256_blendv_ps(s.p, p, skip);
+      s.m = _mm256_blendv_ps(s.m, m_old, skip);
+      s.v = _mm256_blendv_ps(s.v, v_old, skip);
+    }
     return s;
   };
   // Stores `count` consecutive steps output by output. With two steps, each output's 64-byte line is written by

@@ -22,6 +22,7 @@ struct Coefficients {
   int32_t nesterov;    // SGD
   int32_t sgd_has_momentum;
   int32_t streaming;   // write out-of-place outputs with streaming (non-temporal) stores; the caller fences
+  int32_t lazy;        // elements with a zero gradient keep param and states (UpdateHyperParams::lazy)
 };
 
 // Pointers for one block; `grad` is fp32 or bf16 (uint16_t) as the kernel was chosen for.

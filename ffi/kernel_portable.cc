@@ -41,6 +41,14 @@ bool PortableBlock(const Coefficients& c, const Block& b) {
     std::memcpy(&g_bits, &g, sizeof g_bits);
     non_finite |= (g_bits & 0x7f800000u) == 0x7f800000u;  // all exponent bits set: Inf or NaN
     const float p = b.p_in[i];
+    if (c.lazy && g == 0.0f) {  // a lazy update leaves elements without gradient as they are
+      b.p_out[i] = p;
+      if (b.m_out != nullptr) b.m_out[i] = b.m_in[i];
+      if (b.v_out != nullptr) b.v_out[i] = b.v_in[i];
+      if (b.p16_out != nullptr) b.p16_out[i] = F32ToBf16(p);
+      if (b.p32_copy != nullptr) b.p32_copy[i] = p;
+      continue;
+    }
     float update;  // the step is p <- p - lr * update
     if constexpr (KIND == kAdam || KIND == kAdamW) {
       if (KIND == kAdam && c.l2 != 0.0f) g += c.l2 * p;

@@ -75,7 +75,7 @@ std::unique_ptr<nsp::Backend> MakeBackend(const std::string& tier, const std::st
 // Builds one update from Python arguments: a dense gradient (fp32, or bf16 as uint16) or compressed
 // (indices, values), and where the new params go.
 nsp::ShardUpdate MakeUpdate(const nsp::ShardEngine& e, int kind, float lr, int64_t step, double b1, double b2,
-                            double eps, double weight_decay, double momentum, bool nesterov,
+                            double eps, double weight_decay, double momentum, bool nesterov, bool lazy,
                             const std::optional<F32In>& grad, const std::optional<U16In>& grad_bf16,
                             const std::optional<I32In>& indices, const std::optional<F32In>& values,
                             const std::optional<U16In>& values_bf16, std::optional<F32Array>& params_out,
@@ -90,6 +90,7 @@ nsp::ShardUpdate MakeUpdate(const nsp::ShardEngine& e, int kind, float lr, int64
   u.hp.weight_decay = weight_decay;
   u.hp.momentum = momentum;
   u.hp.nesterov = nesterov;
+  u.hp.lazy = lazy;
   Check(nsp::ValidateHyperParams(u.hp));
   const int64_t n = e.size();
   if (grad) {
@@ -160,12 +161,12 @@ NB_MODULE(_nsp_ffi, m) {
       .def(
           "update",
           [](nsp::ShardEngine& e, int src_slot, int dst_slot, int kind, float lr, int64_t step, double b1, double b2,
-             double eps, double weight_decay, double momentum, bool nesterov, std::optional<F32In> grad,
+             double eps, double weight_decay, double momentum, bool nesterov, bool lazy, std::optional<F32In> grad,
              std::optional<U16In> grad_bf16, std::optional<I32In> indices, std::optional<F32In> values,
              std::optional<U16In> values_bf16, std::optional<F32Array> params_out,
              std::optional<U16Array> params_bf16_out) {
-            nsp::ShardUpdate u = MakeUpdate(e, kind, lr, step, b1, b2, eps, weight_decay, momentum, nesterov, grad,
-                                            grad_bf16, indices, values, values_bf16, params_out, params_bf16_out);
+            nsp::ShardUpdate u = MakeUpdate(e, kind, lr, step, b1, b2, eps, weight_decay, momentum, nesterov, lazy,
+                                            grad, grad_bf16, indices, values, values_bf16, params_out, params_bf16_out);
             u.src_slot = src_slot;
             u.dst_slot = dst_slot;
             std::string err;
@@ -177,6 +178,7 @@ NB_MODULE(_nsp_ffi, m) {
           },
           nb::arg("src_slot"), nb::arg("dst_slot"), nb::arg("kind"), nb::arg("lr"), nb::arg("step"), nb::arg("b1"),
           nb::arg("b2"), nb::arg("eps"), nb::arg("weight_decay"), nb::arg("momentum"), nb::arg("nesterov"),
+          nb::arg("lazy"),
           nb::arg("grad").none() = nb::none(), nb::arg("grad_bf16").none() = nb::none(),
           nb::arg("indices").none() = nb::none(), nb::arg("values").none() = nb::none(),
           nb::arg("values_bf16").none() = nb::none(), nb::arg("params_out").none() = nb::none(),
@@ -237,12 +239,13 @@ NB_MODULE(_nsp_ffi, m) {
            })
       .def("step",
            [](nsp::ShardEngine& e, int64_t version, int kind, float lr, int64_t step, double b1, double b2,
-              double eps, double weight_decay, double momentum, bool nesterov, std::optional<F32In> grad,
+              double eps, double weight_decay, double momentum, bool nesterov, bool lazy, std::optional<F32In> grad,
               std::optional<U16In> grad_bf16, std::optional<I32In> indices, std::optional<F32In> values,
               std::optional<U16In> values_bf16, std::optional<F32Array> params_out,
               std::optional<U16Array> params_bf16_out) {
-             nsp::ShardUpdate u = MakeUpdate(e, kind, lr, step, b1, b2, eps, weight_decay, momentum, nesterov, grad,
-                                             grad_bf16, indices, values, values_bf16, params_out, params_bf16_out);
+             nsp::ShardUpdate u = MakeUpdate(e, kind, lr, step, b1, b2, eps, weight_decay, momentum, nesterov, lazy,
+                                             grad, grad_bf16, indices, values, values_bf16, params_out,
+                                             params_bf16_out);
              std::string err;
              {
                nb::gil_scoped_release release;
@@ -252,6 +255,7 @@ NB_MODULE(_nsp_ffi, m) {
            },
            nb::arg("version"), nb::arg("kind"), nb::arg("lr"), nb::arg("step"), nb::arg("b1"), nb::arg("b2"),
            nb::arg("eps"), nb::arg("weight_decay"), nb::arg("momentum"), nb::arg("nesterov"),
+          nb::arg("lazy"),
            nb::arg("grad").none() = nb::none(), nb::arg("grad_bf16").none() = nb::none(),
            nb::arg("indices").none() = nb::none(), nb::arg("values").none() = nb::none(),
            nb::arg("values_bf16").none() = nb::none(), nb::arg("params_out").none() = nb::none(),

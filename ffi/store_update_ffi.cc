@@ -47,7 +47,7 @@ struct Call {
 ffi::ErrorOr<Call> StartCall(ffi::Buffer<ffi::F32> lr, ffi::Buffer<ffi::S32> step, ffi::Buffer<ffi::S32> version,
                              ffi::Buffer<ffi::S32> shard, ffi::Buffer<ffi::S32> apply, ffi::Span<const int64_t> handles,
                              int32_t kind, double b1, double b2, double eps, double weight_decay, double momentum,
-                             bool nesterov) {
+                             bool nesterov, bool lazy) {
   const int32_t s = shard.typed_data()[0];
   if (s < 0 || static_cast<size_t>(s) >= handles.size()) {
     return ffi::Unexpected(Invalid("shard " + std::to_string(s) + " is not one of the store's " +
@@ -55,7 +55,7 @@ ffi::ErrorOr<Call> StartCall(ffi::Buffer<ffi::F32> lr, ffi::Buffer<ffi::S32> ste
   }
   ShardEngine* engine = FindEngine(handles[s]);
   if (engine == nullptr) return ffi::Unexpected(Invalid("the store was closed"));
-  auto hyper = ffi_common::HyperParams(kOp, lr, step, kind, b1, b2, eps, weight_decay, momentum, nesterov);
+  auto hyper = ffi_common::HyperParams(kOp, lr, step, kind, b1, b2, eps, weight_decay, momentum, nesterov, lazy);
   if (hyper.has_error()) return ffi::Unexpected(hyper.error());
   Call call{engine, {}, version.typed_data()[0], apply.typed_data()[0] != 0, apply.typed_data()[0] < 0};
   call.update.hp = *hyper;
@@ -75,8 +75,9 @@ ffi::ErrorOr<int32_t> RunStep(Call& call, int32_t staleness) {
 ffi::ErrorOr<Call> Prepare(ffi::Buffer<ffi::F32> lr, ffi::Buffer<ffi::S32> step, ffi::Buffer<ffi::S32> version,
                            ffi::Buffer<ffi::S32> shard, ffi::Buffer<ffi::S32> apply, ffi::ResultBuffer<ffi::F32> params,
                            ffi::RemainingRets extra, ffi::Span<const int64_t> handles, int32_t kind, double b1,
-                           double b2, double eps, double weight_decay, double momentum, bool nesterov) {
-  auto started = StartCall(lr, step, version, shard, apply, handles, kind, b1, b2, eps, weight_decay, momentum, nesterov);
+                           double b2, double eps, double weight_decay, double momentum, bool nesterov, bool lazy) {
+  auto started = StartCall(lr, step, version, shard, apply, handles, kind, b1, b2, eps, weight_decay, momentum,
+                           nesterov, lazy);
   if (started.has_error()) return started;
   Call call = *started;
   ShardEngine* engine = call.engine;
@@ -110,9 +111,9 @@ ffi::Error Finish(Call& call, ffi::RemainingRets extra, int32_t staleness) {
 ffi::Error DenseImpl(ffi::Buffer<ffi::F32> lr, ffi::Buffer<ffi::S32> step, ffi::Buffer<ffi::S32> version,
                      ffi::Buffer<ffi::S32> shard, ffi::Buffer<ffi::S32> apply, ffi::AnyBuffer grad, ffi::ResultBuffer<ffi::F32> params,
                      ffi::RemainingRets extra, ffi::Span<const int64_t> handles, int32_t staleness, int32_t kind,
-                     double b1, double b2, double eps, double weight_decay, double momentum, bool nesterov) {
+                     double b1, double b2, double eps, double weight_decay, double momentum, bool nesterov, bool lazy) {
   auto call = Prepare(lr, step, version, shard, apply, params, extra, handles, kind, b1, b2, eps, weight_decay, momentum,
-                      nesterov);
+                      nesterov, lazy);
   if (call.has_error()) return call.error();
   auto type = ffi_common::GradTypeOf(kOp, grad);
   if (type.has_error()) return type.error();
@@ -129,9 +130,9 @@ ffi::Error SparseImpl(ffi::Buffer<ffi::F32> lr, ffi::Buffer<ffi::S32> step, ffi:
                       ffi::Buffer<ffi::S32> shard, ffi::Buffer<ffi::S32> apply, ffi::AnyBuffer values, ffi::Buffer<ffi::S32> indices,
                       ffi::ResultBuffer<ffi::F32> params, ffi::RemainingRets extra, ffi::Span<const int64_t> handles,
                       int32_t staleness, int32_t kind, double b1, double b2, double eps, double weight_decay,
-                      double momentum, bool nesterov) {
+                      double momentum, bool nesterov, bool lazy) {
   auto call = Prepare(lr, step, version, shard, apply, params, extra, handles, kind, b1, b2, eps, weight_decay, momentum,
-                      nesterov);
+                      nesterov, lazy);
   if (call.has_error()) return call.error();
   auto type = ffi_common::GradTypeOf(kOp, values);
   if (type.has_error()) return type.error();
@@ -147,8 +148,9 @@ ffi::Error PiecesImpl(ffi::Buffer<ffi::F32> lr, ffi::Buffer<ffi::S32> step, ffi:
                       ffi::Buffer<ffi::S32> shard, ffi::Buffer<ffi::S32> apply, ffi::RemainingArgs grads,
                       ffi::Result<ffi::Buffer<ffi::S32>> version_out, ffi::RemainingRets params,
                       ffi::Span<const int64_t> handles, int32_t staleness, int32_t kind, double b1, double b2,
-                      double eps, double weight_decay, double momentum, bool nesterov) {
-  auto call = StartCall(lr, step, version, shard, apply, handles, kind, b1, b2, eps, weight_decay, momentum, nesterov);
+                      double eps, double weight_decay, double momentum, bool nesterov, bool lazy) {
+  auto call = StartCall(lr, step, version, shard, apply, handles, kind, b1, b2, eps, weight_decay, momentum,
+                           nesterov, lazy);
   if (call.has_error()) return call.error();
   if (grads.size() == 0 || grads.size() != params.size()) {
     return Invalid("one gradient leaf per params leaf is needed, got " + std::to_string(grads.size()) + " and " +

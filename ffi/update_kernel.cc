@@ -75,6 +75,7 @@ Coefficients MakeCoefficients(const UpdateHyperParams& hp) {
   Coefficients c{};
   c.kind = static_cast<int32_t>(hp.kind);
   c.streaming = kStreamingStores ? 1 : 0;
+  c.lazy = hp.lazy ? 1 : 0;
   c.lr = hp.lr;
   c.eps = static_cast<float>(hp.eps);
   switch (hp.kind) {

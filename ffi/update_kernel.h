@@ -32,6 +32,10 @@ struct UpdateHyperParams {
   double weight_decay = 0.0;  // AdamW: decoupled; Adam, SGD, AdaGrad: L2 added to the gradient.
   double momentum = 0.0;      // SGD: momentum (0 = plain SGD, no state).
   bool nesterov = false;      // SGD: Nesterov momentum.
+  // Lazy (sparse) update: an element whose gradient is exactly zero keeps its param and states unchanged --
+  // no momentum step, no decay of m/v, no weight decay -- as in LazyAdam / SparseAdam. For Top-K compressed
+  // gradients: only the sent entries move. Bias correction still uses the global step.
+  bool lazy = false;
 };
 
 // One contiguous slice of optimizer state. Inputs and outputs may alias (in-place update) or not; they must

@@ -72,8 +72,13 @@ def random_compressed(rng, size: int, density: float):
     return jnp.asarray(rng.standard_normal(k), jnp.float32), jnp.asarray(idx)
 
 
-def run_against_optax(config: str, size: int, *, compressed: bool = False, grad_dtype=jnp.float32):
+def run_against_optax(config: str, size: int, *, compressed: bool = False, grad_dtype=jnp.float32,
+                      lazy: bool = False):
+    """STEPS of fused_update against optax on the same gradients. ``lazy``: the reference is optax's step with
+    every entry whose gradient is zero put back as it was (param and moments), which is what a lazy update
+    must produce; the dense gradients then have a third of their entries zeroed."""
     kwargs, make_ref, nu0 = CONFIGS[config]
+    kwargs = dict(kwargs, lazy=lazy)
     param, rng = initial_state(size, seed=size)
     mu = jnp.zeros(size, jnp.float32)
     nu = jnp.full(size, nu0 if nu0 is not None else 0.0, jnp.float32)
@@ -93,12 +98,22 @@ def run_against_optax(config: str, size: int, *, compressed: bool = False, grad_
             dense = jnp.zeros(size, jnp.float32).at[idx].add(values.astype(jnp.float32))
             grad = values
         else:
-            grad = jnp.asarray(rng.standard_normal(size), jnp.float32).astype(grad_dtype)
+            grad = rng.standard_normal(size)
+            if lazy:
+                grad[rng.random(size) < 1 / 3] = 0.0
+            grad = jnp.asarray(grad, jnp.float32).astype(grad_dtype)
             dense, idx = grad.astype(jnp.float32), None
         param, mu, nu = nsp_step(param, grad, mu, nu, idx, t, lr_at(t))
         ref_state.hyperparams["learning_rate"] = jnp.asarray(lr_at(t))
+        old_param, (old_mu, old_nu) = ref_param, _optax_moments(ref_state)
         updates, ref_state = ref_update(dense, ref_state, ref_param)
         ref_param = optax.apply_updates(ref_param, updates)
+        if lazy:
+            untouched = dense == 0
+            ref_param = jnp.where(untouched, old_param, ref_param)
+            ref_state = _with_moments(ref_state, *(
+                None if new is None else jnp.where(untouched, old, new)
+                for old, new in zip((old_mu, old_nu), _optax_moments(ref_state))))
         assert_close(param, ref_param, f"{config} param", t)
         # Compare the moments too where the kind keeps them (optax keeps them in its state tree).
         ref_mu, ref_nu = _optax_moments(ref_state)
@@ -137,6 +152,28 @@ def _optax_moments(state):
     return mu, nu
 
 
+def _with_moments(state, mu, nu):
+    """The optax state tree with its first/second-moment arrays (as ``_optax_moments`` finds them) replaced."""
+    def rebuild(node):
+        if hasattr(node, "_fields"):
+            fields = {}
+            for name, value in node._asdict().items():
+                if name in ("mu", "trace") and mu is not None:
+                    fields[name] = mu
+                elif name in ("nu", "sum_of_squares") and nu is not None:
+                    fields[name] = nu
+                else:
+                    fields[name] = rebuild(value)
+            return type(node)(**fields)
+        if isinstance(node, (tuple, list)):
+            return type(node)(rebuild(child) for child in node)
+        if isinstance(node, dict):
+            return {key: rebuild(child) for key, child in node.items()}
+        return node
+
+    return rebuild(state)
+
+
 @pytest.mark.parametrize("size", SIZES)
 @pytest.mark.parametrize("config", sorted(CONFIGS))
 def test_dense_matches_optax(config, size):
@@ -155,6 +192,32 @@ def test_bf16_gradients(config):
 
 def test_bf16_compressed_values():
     run_against_optax("adamw_wd", 100_003, compressed=True, grad_dtype=jnp.bfloat16)
+
+
+@pytest.mark.parametrize("config", sorted(CONFIGS))
+def test_lazy_compressed_moves_only_the_sent_entries(config):
+    run_against_optax(config, 100_003, compressed=True, lazy=True)
+
+
+@pytest.mark.parametrize("config", ["adamw_wd", "sgd_nesterov_l2", "adagrad"])
+def test_lazy_dense_keeps_the_zero_gradient_entries(config):
+    run_against_optax(config, 4099, lazy=True)
+
+
+def test_lazy_changes_the_update():
+    # The lazy reference above must not coincide with the dense one: at 1% density most entries differ.
+    param, rng = initial_state(4099, seed=1)
+    values, idx = random_compressed(rng, 4099, 0.01)
+    m = jnp.asarray(rng.standard_normal(4099), jnp.float32)
+    v = jnp.ones(4099, jnp.float32)
+    out = {lazy: fused_update(param, values, m, v, kind="adamw", step=3, lr=0.1, weight_decay=0.1, indices=idx,
+                              lazy=lazy) for lazy in (False, True)}
+    untouched = np.ones(4099, bool)
+    untouched[np.asarray(idx)] = False
+    for a, b, old in zip(out[False][:3], out[True][:3], (param, m, v)):
+        np.testing.assert_array_equal(np.asarray(b)[untouched], np.asarray(old)[untouched])
+        assert np.all(np.asarray(a)[untouched] != np.asarray(old)[untouched])
+        np.testing.assert_array_equal(np.asarray(a)[~untouched], np.asarray(b)[~untouched])
 
 
 @pytest.mark.parametrize("size", [7, 4099])
@@ -241,12 +304,18 @@ n = 1003
 out = {"isa": kernel_isa()}
 for kind, kw in [("adam", {}), ("adamw", {"weight_decay": 0.1}), ("sgd", {"momentum": 0.9, "nesterov": True}),
                  ("adagrad", {})]:
+  for lazy in (False, True):
     p = jnp.asarray(rng.standard_normal(n), jnp.float32)
-    g = jnp.asarray(rng.standard_normal(n), jnp.float32).astype(jnp.bfloat16)
-    r = fused_update(p, g, jnp.zeros(n), jnp.full(n, 0.1), kind=kind, step=4, lr=0.01, bf16_out=True, **kw)
+    g = rng.standard_normal(n)
+    g[rng.random(n) < 1 / 3] = 0.0  # a lazy update keeps these entries
+    g = jnp.asarray(g, jnp.float32).astype(jnp.bfloat16)
+    m, v = jnp.asarray(rng.standard_normal(n), jnp.float32), jnp.full(n, 0.1)
+    r = fused_update(p, g, m, v, kind=kind, step=4, lr=0.01, bf16_out=True, lazy=lazy, **kw)
     rounded = np.asarray(r.param.astype(jnp.bfloat16)).view(np.uint16)
     assert np.array_equal(np.asarray(r.param_bf16).view(np.uint16), rounded), kind
-    out[kind] = np.asarray(r.param).tolist()
+    kept = np.asarray(g) == 0
+    assert not lazy or np.array_equal(np.asarray(r.param)[kept], np.asarray(p)[kept]), kind
+    out[kind + ("_lazy" if lazy else "")] = np.asarray(r.param).tolist()
 json.dump(out, sys.stdout)
 """
 
@@ -264,7 +333,8 @@ def test_portable_kernel_matches_vectorised_kernel():
         results[isa] = json.loads(proc.stdout)
     assert results["portable"]["isa"] == "portable"
     assert results["default"]["isa"] == kernel_isa()
-    for kind in ("adam", "adamw", "sgd", "adagrad"):
+    assert len(results["default"]) == 9  # four kinds, dense and lazy, and the ISA
+    for kind in sorted(set(results["default"]) - {"isa"}):
         a, b = np.asarray(results["portable"][kind]), np.asarray(results["default"][kind])
         # FMA contraction may differ in the last bit between the two instruction sets.
         np.testing.assert_allclose(a, b, rtol=0, atol=1e-6 * np.max(np.abs(b)), err_msg=kind)

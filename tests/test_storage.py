@@ -24,6 +24,7 @@ SPECS = {
     "adamw": storage.OptimizerSpec("adamw", b1=0.8, weight_decay=0.1),
     "sgd": storage.OptimizerSpec("sgd", momentum=0.9, nesterov=True),
     "adagrad": storage.OptimizerSpec("adagrad", initial_nu=0.1),
+    "adamw_lazy": storage.OptimizerSpec("adamw", b1=0.8, weight_decay=0.1, lazy=True),
 }
 
 
@@ -70,7 +71,7 @@ class Reference:
         s = self.spec
         out = fused_update(self.p, jnp.asarray(grad), self.m, self.v, kind=s.kind, step=step, lr=lr, b1=s.b1,
                            b2=s.b2, eps=s.eps, weight_decay=s.weight_decay, momentum=s.momentum,
-                           nesterov=s.nesterov)
+                           nesterov=s.nesterov, lazy=s.lazy)
         self.p = out.param
         self.m = out.mu if out.mu is not None else self.m
         self.v = out.nu if out.nu is not None else self.v

@@ -2,8 +2,9 @@
 
 ``nsp.optim.adamw(1e-3, store=store, compression=nsp.optim.TopK(0.01))`` is
 ``optax.chain(topk_compress(0.01, ...), scale_by_storage_adamw(store, 1e-3))``: the kernel decompresses the kept
-entries block by block while it updates, so no dense gradient is ever rebuilt. ``staleness=1`` lets the update
-stream in the background while the next step's forward/backward runs on params one step old.
+entries block by block while it updates, so no dense gradient is ever rebuilt. With ``TopK(..., lazy=True)`` (the
+default) the update is lazy: only the entries sent this step move (see ``nsp.optim.compress``). ``staleness=1``
+lets the update stream in the background while the next step's forward/backward runs on params one step old.
 """
 
 from __future__ import annotations
@@ -21,11 +22,18 @@ from nsp.optim.storage import (
 from nsp.storage import StateStore
 
 
+def _lazy(compression: TopK | None) -> bool:
+    """Whether the store's update is lazy: with Top-K compression as ``TopK.lazy`` says, never without."""
+    if compression is None:
+        return False
+    if not isinstance(compression, TopK):
+        raise TypeError(f"compression must be None or nsp.optim.TopK(ratio), got {compression!r}")
+    return bool(compression.lazy)
+
+
 def _with_compression(tx, store, compression: TopK | None, mesh, axis_name):
     if compression is None:
         return tx
-    if not isinstance(compression, TopK):
-        raise TypeError(f"compression must be None or nsp.optim.TopK(ratio), got {compression!r}")
     compress = topk_compress(compression.ratio, error_feedback=compression.error_feedback,
                              residual_decay=compression.residual_decay, method=compression.method,
                              num_shards=store.num_shards, mesh=mesh, axis_name=axis_name)
@@ -44,7 +52,7 @@ def adam(learning_rate: optax.ScalarOrSchedule, b1: float = 0.9, b2: float = 0.9
       tx = nsp.optim.adam(1e-3, store=store, compression=nsp.optim.TopK(0.01))
     """
     tx = scale_by_storage_adam(store, learning_rate, b1, b2, eps, weight_decay, mesh=mesh, axis_name=axis_name,
-                               staleness=staleness)
+                               staleness=staleness, lazy=_lazy(compression))
     return _with_compression(tx, store, compression, mesh, axis_name)
 
 
@@ -54,7 +62,7 @@ def adamw(learning_rate: optax.ScalarOrSchedule, b1: float = 0.9, b2: float = 0.
           staleness: int = 0) -> optax.GradientTransformationExtraArgs:
     """AdamW with its state in ``store`` (see ``optax.adamw``)."""
     tx = scale_by_storage_adamw(store, learning_rate, b1, b2, eps, weight_decay, mesh=mesh, axis_name=axis_name,
-                              staleness=staleness)
+                              staleness=staleness, lazy=_lazy(compression))
     return _with_compression(tx, store, compression, mesh, axis_name)
 
 
@@ -64,7 +72,7 @@ def sgd(learning_rate: optax.ScalarOrSchedule, momentum: float | None = None, ne
          staleness: int = 0) -> optax.GradientTransformationExtraArgs:
     """SGD (optionally with momentum) with its state in ``store`` (see ``optax.sgd``)."""
     tx = scale_by_storage_sgd(store, learning_rate, momentum, nesterov, weight_decay, mesh=mesh,
-                              axis_name=axis_name, staleness=staleness)
+                              axis_name=axis_name, staleness=staleness, lazy=_lazy(compression))
     return _with_compression(tx, store, compression, mesh, axis_name)
 
 
@@ -73,5 +81,5 @@ def adagrad(learning_rate: optax.ScalarOrSchedule, initial_accumulator_value: fl
             axis_name: str | None = None, staleness: int = 0) -> optax.GradientTransformationExtraArgs:
     """AdaGrad with its state in ``store`` (see ``optax.adagrad``)."""
     tx = scale_by_storage_adagrad(store, learning_rate, initial_accumulator_value, eps, mesh=mesh,
-                                  axis_name=axis_name, staleness=staleness)
+                                  axis_name=axis_name, staleness=staleness, lazy=_lazy(compression))
     return _with_compression(tx, store, compression, mesh, axis_name)

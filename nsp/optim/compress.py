@@ -45,12 +45,16 @@ class TopK(NamedTuple):
       method: ``"auto"``, ``"exact"``, ``"approx"`` or ``"threshold"`` (see ``nsp.primitives.topk_compress``).
       residual_decay: factor in ``[0, 1]`` applied to the remainder each step it stays unsent (with error
         feedback only); 1 is classic error feedback, where nothing is lost.
+      lazy: the store updates only the entries sent this step (their param and state; the others stay as they
+        are) instead of running the dense update on a gradient that is zero almost everywhere. Trains better in
+        every setting measured (module docstring).
     """
 
     ratio: float
     error_feedback: bool = True
     method: str = "auto"
     residual_decay: float = DEFAULT_RESIDUAL_DECAY
+    lazy: bool = True
 
 
 class Compressed(NamedTuple):

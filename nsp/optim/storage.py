@@ -52,10 +52,10 @@ def _static(name: str, value: Any) -> float | None:
     return float(np.asarray(value))
 
 
-def _spec(kind: str, **hyper) -> OptimizerSpec | None:
+def _spec(kind: str, lazy: bool, **hyper) -> OptimizerSpec | None:
     if any(v is None for v in hyper.values()):
         return None
-    return OptimizerSpec(kind, **hyper)
+    return OptimizerSpec(kind, lazy=lazy, **hyper)
 
 
 def scale_by_storage(
@@ -169,9 +169,15 @@ def scale_by_storage_adam(
     mesh: Mesh | None = None,
     axis_name: str | None = None,
     staleness: int = 0,
+    lazy: bool = False,
 ) -> optax.GradientTransformationExtraArgs:
     """Adam on state kept in ``store`` (``weight_decay`` as L2 on the gradient, like
     ``optax.chain(optax.add_decayed_weights(wd), optax.adam(...))``).
+
+    ``lazy=True`` (all four factories): an entry whose gradient is exactly zero keeps its param and state -- no
+    momentum step, no decay, no weight decay (LazyAdam). After ``topk_compress`` only the sent entries move,
+    which trains better than running the dense update on the mostly-zero gradient (``nsp.optim.compress``
+    gives the measurements). The ``nsp.optim`` aliases with ``compression=TopK(...)`` use ``TopK.lazy``.
 
     Example::
 
@@ -183,7 +189,7 @@ def scale_by_storage_adam(
     """
     _check_lr(learning_rate)
     spec = _spec("adam", b1=_static("b1", b1), b2=_static("b2", b2), eps=_static("eps", eps),
-                 weight_decay=_static("weight_decay", weight_decay))
+                 weight_decay=_static("weight_decay", weight_decay), lazy=bool(lazy))
     return scale_by_storage(store, spec, learning_rate, mesh=mesh, axis_name=axis_name, staleness=staleness)
 
 
@@ -198,11 +204,12 @@ def scale_by_storage_adamw(
     mesh: Mesh | None = None,
     axis_name: str | None = None,
     staleness: int = 0,
+    lazy: bool = False,
 ) -> optax.GradientTransformationExtraArgs:
     """AdamW (decoupled weight decay, optax's default 1e-4) on state kept in ``store``."""
     _check_lr(learning_rate)
     spec = _spec("adamw", b1=_static("b1", b1), b2=_static("b2", b2), eps=_static("eps", eps),
-                 weight_decay=_static("weight_decay", weight_decay))
+                 weight_decay=_static("weight_decay", weight_decay), lazy=bool(lazy))
     return scale_by_storage(store, spec, learning_rate, mesh=mesh, axis_name=axis_name, staleness=staleness)
 
 
@@ -216,11 +223,12 @@ def scale_by_storage_sgd(
     mesh: Mesh | None = None,
     axis_name: str | None = None,
     staleness: int = 0,
+    lazy: bool = False,
 ) -> optax.GradientTransformationExtraArgs:
     """SGD, optionally with (Nesterov) momentum, on state kept in ``store`` (like ``optax.sgd``)."""
     _check_lr(learning_rate)
     spec = _spec("sgd", momentum=_static("momentum", 0.0 if momentum is None else momentum),
-                 nesterov=bool(nesterov), weight_decay=_static("weight_decay", weight_decay))
+                 nesterov=bool(nesterov), weight_decay=_static("weight_decay", weight_decay), lazy=bool(lazy))
     return scale_by_storage(store, spec, learning_rate, mesh=mesh, axis_name=axis_name, staleness=staleness)
 
 
@@ -233,9 +241,10 @@ def scale_by_storage_adagrad(
     mesh: Mesh | None = None,
     axis_name: str | None = None,
     staleness: int = 0,
+    lazy: bool = False,
 ) -> optax.GradientTransformationExtraArgs:
     """AdaGrad on state kept in ``store`` (like ``optax.adagrad``)."""
     _check_lr(learning_rate)
     spec = _spec("adagrad", eps=_static("eps", eps),
-                 initial_nu=_static("initial_accumulator_value", initial_accumulator_value))
+                 initial_nu=_static("initial_accumulator_value", initial_accumulator_value), lazy=bool(lazy))
     return scale_by_storage(store, spec, learning_rate, mesh=mesh, axis_name=axis_name, staleness=staleness)

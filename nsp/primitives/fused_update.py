@@ -68,6 +68,7 @@ def fused_update(
     weight_decay: float = 0.0,
     momentum: float = 0.0,
     nesterov: bool = False,
+    lazy: bool = False,
     indices: jax.Array | None = None,
     sort_indices: bool = False,
     bf16_out: bool = False,
@@ -90,6 +91,9 @@ def fused_update(
       weight_decay: decoupled for AdamW; an L2 term added to the gradient otherwise.
       momentum: SGD momentum; 0 is plain SGD (no state).
       nesterov: SGD Nesterov momentum.
+      lazy: elements whose gradient is exactly zero keep their param and state (no momentum step, no decay of
+        ``mu``/``nu``, no weight decay), like LazyAdam; bias correction still counts every step. Meant for
+        compressed gradients: only the sent entries move. ``False`` is the usual dense update.
       indices: flat int32 positions into ``param`` of the compressed gradient ``grad``, sorted ascending
         (``nsp.primitives.topk_compress`` returns them so). Repeated positions add up; zero-valued padding is
         harmless.
@@ -176,6 +180,7 @@ def fused_update(
         weight_decay=np.float64(weight_decay),
         momentum=np.float64(momentum),
         nesterov=bool(nesterov),
+        lazy=bool(lazy),
     )
     new_param = outs[0].reshape(shape)
     new_mu = outs[1].reshape(shape) if need_mu else mu

@@ -40,7 +40,7 @@ def _attrs(store, staleness: int) -> dict:
         handles=np.asarray(store.ffi_handles(), np.int64), staleness=np.int32(staleness),
         kind=np.int32(KINDS[spec.kind]), b1=np.float64(spec.b1), b2=np.float64(spec.b2), eps=np.float64(spec.eps),
         weight_decay=np.float64(spec.weight_decay), momentum=np.float64(spec.momentum),
-        nesterov=bool(spec.nesterov),
+        nesterov=bool(spec.nesterov), lazy=bool(spec.lazy),
     )
 
 

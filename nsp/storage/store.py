@@ -62,6 +62,7 @@ class OptimizerSpec:
     weight_decay: float = 0.0
     momentum: float = 0.0
     nesterov: bool = False
+    lazy: bool = False  # entries with a zero gradient keep param and state (see nsp.primitives.fused_update)
     initial_nu: float = 0.0  # AdaGrad's initial accumulator (optax: 0.1)
 
     def __post_init__(self):
@@ -403,7 +404,8 @@ class StateStore:
             return out
         params16 = np.empty(n * shard_size, np.uint16) if bf16_out else None
         o = self.optimizer
-        hyper = (KINDS[o.kind], float(lr), int(step), o.b1, o.b2, o.eps, o.weight_decay, o.momentum, o.nesterov)
+        hyper = (KINDS[o.kind], float(lr), int(step), o.b1, o.b2, o.eps, o.weight_decay, o.momentum, o.nesterov,
+                 o.lazy)
 
         def run(i):
             # Each shard reads `version`, writes the other slot, syncs and commits version + 1 on its own.

@@ -65,7 +65,7 @@ def make_optimizer(config: TrainConfig, store, mesh) -> optax.GradientTransforma
     kw = dict(store=store, mesh=mesh, axis_name="data" if mesh is not None else None, staleness=config.staleness)
     if config.topk:
         kw["compression"] = nsp.optim.TopK(config.topk, error_feedback=config.error_feedback,
-                                           residual_decay=config.topk_residual_decay)
+                                           residual_decay=config.topk_residual_decay, lazy=config.topk_lazy)
     if config.optimizer == "adamw":
         tx = nsp.optim.adamw(schedule, config.b1, config.b2, weight_decay=config.weight_decay, **kw)
     elif config.optimizer == "adam":
