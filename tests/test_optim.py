@@ -218,8 +218,8 @@ def test_topk_with_error_feedback_trains_tiny_gpt():
         return cross_entropy_loss(nnx.merge(graphdef, p)(tokens[:, :-1]), tokens[:, 1:])
 
     finals = {}
-    runs = (("dense", None), ("topk", nsp.optim.TopK(0.01)),  # lazy: only the sent entries move
-            ("topk_dense_update", nsp.optim.TopK(0.01, lazy=False)))
+    runs = (("dense", None), ("topk", nsp.optim.TopK(0.01)),
+            ("topk_lazy", nsp.optim.TopK(0.01, lazy=True)))  # only the sent entries move
     for name, compression in runs:
         with nsp.storage.open(tier="memory") as store:
             tx = nsp.optim.adam(3e-3, store=store, compression=compression)
@@ -236,13 +236,14 @@ def test_topk_with_error_feedback_trains_tiny_gpt():
             finals[name] = float(np.mean([loss(p, t) for t in held_out]))
     start = float(np.mean([loss(params, t) for t in held_out]))
     assert finals["dense"] < 0.6 * start, (start, finals)  # it learned something
-    # Measured here after 200 steps from scratch: dense 2.377; Top-K 1% with error feedback and the lazy update
-    # (the default) 2.676 (+12.6%); with the dense update on the decompressed gradient 2.754 (+15.9%). Other
-    # variants measured did not close the gap to 5% at 1% traffic from scratch (nsp.optim.compress lists them);
-    # Top-K needed ~10% of the entries per step for +3.7%. The bounds guard against regressions.
+    # Measured here after 200 steps from scratch: dense 2.377; Top-K 1% with error feedback and the store's dense
+    # update (the default) 2.754 (+15.9%); with the lazy update 2.676 (+12.6%) -- over 1000 steps of nsp train's
+    # recipe the order flips (nsp.optim.compress). Other variants measured did not close the gap to 5% at 1%
+    # traffic from scratch (nsp.optim.compress lists them); Top-K needed ~10% of the entries per step for +3.7%.
+    # The bounds guard against regressions.
     assert finals["topk"] < 0.7 * start, (start, finals)
-    assert finals["topk"] <= 1.15 * finals["dense"], finals
-    assert finals["topk"] <= 0.985 * finals["topk_dense_update"], finals  # lazy trains better
+    assert finals["topk"] <= 1.20 * finals["dense"], finals
+    assert finals["topk_lazy"] <= 0.985 * finals["topk"], finals  # the lazy update changes the trajectory
 
 
 def test_residual_decay_scales_the_unsent_remainder():

@@ -2,9 +2,9 @@
 
 ``nsp.optim.adamw(1e-3, store=store, compression=nsp.optim.TopK(0.01))`` is
 ``optax.chain(topk_compress(0.01, ...), scale_by_storage_adamw(store, 1e-3))``: the kernel decompresses the kept
-entries block by block while it updates, so no dense gradient is ever rebuilt. With ``TopK(..., lazy=True)`` (the
-default) the update is lazy: only the entries sent this step move (see ``nsp.optim.compress``). ``staleness=1``
-lets the update stream in the background while the next step's forward/backward runs on params one step old.
+entries block by block while it updates, so no dense gradient is ever rebuilt. With ``TopK(..., lazy=True)`` the
+update is lazy: only the entries sent this step move (see ``nsp.optim.compress``). ``staleness=1`` lets the update
+stream in the background while the next step's forward/backward runs on params one step old.
 """
 
 from __future__ import annotations

@@ -175,9 +175,9 @@ def scale_by_storage_adam(
     ``optax.chain(optax.add_decayed_weights(wd), optax.adam(...))``).
 
     ``lazy=True`` (all four factories): an entry whose gradient is exactly zero keeps its param and state -- no
-    momentum step, no decay, no weight decay (LazyAdam). After ``topk_compress`` only the sent entries move,
-    which trains better than running the dense update on the mostly-zero gradient (``nsp.optim.compress``
-    gives the measurements). The ``nsp.optim`` aliases with ``compression=TopK(...)`` use ``TopK.lazy``.
+    momentum step, no decay, no weight decay (LazyAdam). After ``topk_compress`` only the sent entries move
+    (``nsp.optim.compress`` compares the two updates). The ``nsp.optim`` aliases with ``compression=TopK(...)``
+    use ``TopK.lazy``.
 
     Example::
 

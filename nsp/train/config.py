@@ -44,7 +44,7 @@ class TrainConfig:
     # Factor on the kept remainder each step it stays unsent (1 = classic error feedback, nothing dropped).
     topk_residual_decay: float = 1.0
     # With Top-K: the store updates only the entries sent each step (lazy), not all of them on a mostly-zero gradient.
-    topk_lazy: bool = True
+    topk_lazy: bool = False
     # 1: each update streams in the background while the next forward/backward runs on params one step old.
     staleness: int = 0
     # Training steps (the total, also when resuming).
