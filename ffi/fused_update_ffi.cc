@@ -30,7 +30,8 @@ ffi::ErrorOr<Prepared> Prepare(ffi::Buffer<ffi::F32> lr, ffi::Buffer<ffi::S32> s
                                ffi::Buffer<ffi::F32> mu, ffi::Buffer<ffi::F32> nu,
                                ffi::ResultBuffer<ffi::F32> param_out, ffi::ResultBuffer<ffi::F32> mu_out,
                                ffi::ResultBuffer<ffi::F32> nu_out, ffi::RemainingRets extra, int32_t kind, double b1,
-                               double b2, double eps, double weight_decay, double momentum, bool nesterov, bool lazy) {
+                               double b2, double eps, double weight_decay, double momentum, bool nesterov,
+                               bool lazy) {
   auto hyper = ffi_common::HyperParams(kOp, lr, step, kind, b1, b2, eps, weight_decay, momentum, nesterov, lazy);
   if (hyper.has_error()) return ffi::Unexpected(hyper.error());
   Prepared out;

@@ -47,7 +47,7 @@ struct Step {
   __m256 p, m, v;
 };
 
-template <int KIND, bool GRAD_BF16>
+template <int KIND, bool GRAD_BF16, bool LAZY>
 bool Avx2Block(const Coefficients& c, const Block& b) {
   const int64_t n8 = b.n & ~int64_t{7}, n16 = b.n & ~int64_t{15};
   const float* gf = static_cast<const float*>(b.grad);
@@ -65,7 +65,6 @@ bool Avx2Block(const Coefficients& c, const Block& b) {
   const __m256 momentum = _mm256_set1_ps(c.momentum);
   const __m256 zero = _mm256_setzero_ps();
   const bool has_l2 = c.l2 != 0.0f;
-  const bool lazy = c.lazy != 0;
   constexpr bool kAdamLike = KIND == kAdam || KIND == kAdamW;
   const bool writes_m = kAdamLike || (KIND == kSgd && c.sgd_has_momentum);
   constexpr bool kWritesV = kAdamLike || KIND == kAdagrad;
@@ -107,7 +106,7 @@ bool Avx2Block(const Coefficients& c, const Block& b) {
       update = _mm256_and_ps(_mm256_cmp_ps(s.v, zero, _CMP_GT_OQ), scaled);
     }
     s.p = _mm256_fnmadd_ps(lr, update, p);
-    if (lazy) {  // lanes with a zero gradient keep param and states
+    if constexpr (LAZY) {  // lanes with a zero gradient keep param and states
       const __m256 skip = _mm256_cmp_ps(g_in, zero, _CMP_EQ_OQ);
       s.p = _mm256_blendv_ps(s.p, p, skip);
       s.m = _mm256_blendv_ps(s.m, m_old, skip);
@@ -170,7 +169,7 @@ bool Avx2Block(const Coefficients& c, const Block& b) {
     const Block tail{p_in, p_out, b.m_in ? m_in : nullptr, b.m_out ? m_out : nullptr,
                      b.v_in ? v_in : nullptr, b.v_out ? v_out : nullptr, b.p16_out ? p16 : nullptr,
                      b.p32_copy ? copy : nullptr, g, 8};
-    if (!Avx2Block<KIND, GRAD_BF16>(c, tail)) non_finite = exponent;
+    if (!Avx2Block<KIND, GRAD_BF16, LAZY>(c, tail)) non_finite = exponent;
     __builtin_memcpy(b.p_out + n8, p_out, r * 4);
     if (b.m_out != nullptr) __builtin_memcpy(b.m_out + n8, m_out, r * 4);
     if (b.v_out != nullptr) __builtin_memcpy(b.v_out + n8, v_out, r * 4);
@@ -181,18 +180,19 @@ bool Avx2Block(const Coefficients& c, const Block& b) {
 }
 
 template <int KIND>
-BlockKernel Pick(int grad_bf16) {
-  return grad_bf16 ? &Avx2Block<KIND, true> : &Avx2Block<KIND, false>;
+BlockKernel Pick(int grad_bf16, int lazy) {
+  if (lazy) return grad_bf16 ? &Avx2Block<KIND, true, true> : &Avx2Block<KIND, false, true>;
+  return grad_bf16 ? &Avx2Block<KIND, true, false> : &Avx2Block<KIND, false, false>;
 }
 
 }  // namespace
 
-BlockKernel Avx2Kernel(int32_t kind, int grad_bf16) {
+BlockKernel Avx2Kernel(int32_t kind, int grad_bf16, int lazy) {
   switch (kind) {
-    case kAdam: return Pick<kAdam>(grad_bf16);
-    case kAdamW: return Pick<kAdamW>(grad_bf16);
-    case kSgd: return Pick<kSgd>(grad_bf16);
-    default: return Pick<kAdagrad>(grad_bf16);
+    case kAdam: return Pick<kAdam>(grad_bf16, lazy);
+    case kAdamW: return Pick<kAdamW>(grad_bf16, lazy);
+    case kSgd: return Pick<kSgd>(grad_bf16, lazy);
+    default: return Pick<kAdagrad>(grad_bf16, lazy);
   }
 }
 

@@ -22,7 +22,6 @@ struct Coefficients {
   int32_t nesterov;    // SGD
   int32_t sgd_has_momentum;
   int32_t streaming;   // write out-of-place outputs with streaming (non-temporal) stores; the caller fences
-  int32_t lazy;        // elements with a zero gradient keep param and states (UpdateHyperParams::lazy)
 };
 
 // Pointers for one block; `grad` is fp32 or bf16 (uint16_t) as the kernel was chosen for.
@@ -43,9 +42,11 @@ struct Block {
 // loads it, so a caller that can discard the block's outputs checks the gradient at no extra pass.
 using BlockKernel = bool (*)(const Coefficients&, const Block&);
 
-// grad_bf16: 0/1. Returns the kernel for one (kind, gradient dtype) pair; bf16 output is handled inside.
-BlockKernel PortableKernel(int32_t kind, int grad_bf16);
-BlockKernel Avx2Kernel(int32_t kind, int grad_bf16);
+// grad_bf16, lazy: 0/1. Returns the kernel for one (kind, gradient dtype, lazy) choice; bf16 output is handled
+// inside. Lazy kernels leave elements whose gradient is zero as they are (UpdateHyperParams::lazy); it is a
+// separate instantiation so that the usual update carries no trace of it in its loop.
+BlockKernel PortableKernel(int32_t kind, int grad_bf16, int lazy);
+BlockKernel Avx2Kernel(int32_t kind, int grad_bf16, int lazy);
 
 void PortableStream(float* p, const float* g, float* m, float* v, int64_t n);
 

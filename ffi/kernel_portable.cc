@@ -30,7 +30,7 @@ inline uint16_t F32ToBf16(float f) {
   return static_cast<uint16_t>(bits >> 16);
 }
 
-template <int KIND, bool GRAD_BF16>
+template <int KIND, bool GRAD_BF16, bool LAZY>
 bool PortableBlock(const Coefficients& c, const Block& b) {
   const float* gf = static_cast<const float*>(b.grad);
   const uint16_t* gh = static_cast<const uint16_t*>(b.grad);
@@ -41,7 +41,7 @@ bool PortableBlock(const Coefficients& c, const Block& b) {
     std::memcpy(&g_bits, &g, sizeof g_bits);
     non_finite |= (g_bits & 0x7f800000u) == 0x7f800000u;  // all exponent bits set: Inf or NaN
     const float p = b.p_in[i];
-    if (c.lazy && g == 0.0f) {  // a lazy update leaves elements without gradient as they are
+    if (LAZY && g == 0.0f) {  // a lazy update leaves elements without gradient as they are
       b.p_out[i] = p;
       if (b.m_out != nullptr) b.m_out[i] = b.m_in[i];
       if (b.v_out != nullptr) b.v_out[i] = b.v_in[i];
@@ -82,18 +82,19 @@ bool PortableBlock(const Coefficients& c, const Block& b) {
 }
 
 template <int KIND>
-BlockKernel Pick(int grad_bf16) {
-  return grad_bf16 ? &PortableBlock<KIND, true> : &PortableBlock<KIND, false>;
+BlockKernel Pick(int grad_bf16, int lazy) {
+  if (lazy) return grad_bf16 ? &PortableBlock<KIND, true, true> : &PortableBlock<KIND, false, true>;
+  return grad_bf16 ? &PortableBlock<KIND, true, false> : &PortableBlock<KIND, false, false>;
 }
 
 }  // namespace
 
-BlockKernel PortableKernel(int32_t kind, int grad_bf16) {
+BlockKernel PortableKernel(int32_t kind, int grad_bf16, int lazy) {
   switch (kind) {
-    case kAdam: return Pick<kAdam>(grad_bf16);
-    case kAdamW: return Pick<kAdamW>(grad_bf16);
-    case kSgd: return Pick<kSgd>(grad_bf16);
-    default: return Pick<kAdagrad>(grad_bf16);
+    case kAdam: return Pick<kAdam>(grad_bf16, lazy);
+    case kAdamW: return Pick<kAdamW>(grad_bf16, lazy);
+    case kSgd: return Pick<kSgd>(grad_bf16, lazy);
+    default: return Pick<kAdagrad>(grad_bf16, lazy);
   }
 }
 

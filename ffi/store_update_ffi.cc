@@ -150,7 +150,7 @@ ffi::Error PiecesImpl(ffi::Buffer<ffi::F32> lr, ffi::Buffer<ffi::S32> step, ffi:
                       ffi::Span<const int64_t> handles, int32_t staleness, int32_t kind, double b1, double b2,
                       double eps, double weight_decay, double momentum, bool nesterov, bool lazy) {
   auto call = StartCall(lr, step, version, shard, apply, handles, kind, b1, b2, eps, weight_decay, momentum,
-                           nesterov, lazy);
+                        nesterov, lazy);
   if (call.has_error()) return call.error();
   if (grads.size() == 0 || grads.size() != params.size()) {
     return Invalid("one gradient leaf per params leaf is needed, got " + std::to_string(grads.size()) + " and " +

@@ -51,13 +51,13 @@ const bool kStreamingStores = [] {
   return env == nullptr || std::string(env) != "0";
 }();
 
-BlockKernel SelectKernel(OptimizerKind kind, GradType grad_type) {
-  const int bf16 = grad_type == GradType::kBF16 ? 1 : 0;
-  const int32_t k = static_cast<int32_t>(kind);
+BlockKernel SelectKernel(const UpdateHyperParams& hp, GradType grad_type) {
+  const int bf16 = grad_type == GradType::kBF16 ? 1 : 0, lazy = hp.lazy ? 1 : 0;
+  const int32_t k = static_cast<int32_t>(hp.kind);
 #if defined(__x86_64__) || defined(__i386__)
-  if (kUseAvx2) return internal::Avx2Kernel(k, bf16);
+  if (kUseAvx2) return internal::Avx2Kernel(k, bf16, lazy);
 #endif
-  return internal::PortableKernel(k, bf16);
+  return internal::PortableKernel(k, bf16, lazy);
 }
 
 // Streaming stores are weakly ordered: every task fences once after its last block, before the thread pool hands
@@ -75,7 +75,6 @@ Coefficients MakeCoefficients(const UpdateHyperParams& hp) {
   Coefficients c{};
   c.kind = static_cast<int32_t>(hp.kind);
   c.streaming = kStreamingStores ? 1 : 0;
-  c.lazy = hp.lazy ? 1 : 0;
   c.lr = hp.lr;
   c.eps = static_cast<float>(hp.eps);
   switch (hp.kind) {
@@ -181,7 +180,7 @@ std::string ValidateSparseIndices(const int32_t* indices, int64_t count, int64_t
 void UpdateDense(const UpdateHyperParams& hp, const StateSpan& span, const void* grad, GradType grad_type) {
   if (span.size == 0) return;
   const Coefficients c = MakeCoefficients(hp);
-  const BlockKernel kernel = SelectKernel(hp.kind, grad_type);
+  const BlockKernel kernel = SelectKernel(hp, grad_type);
   const int64_t gbytes = GradBytes(grad_type);
   const Split split = SplitWork(span.size);
   ParallelFor(split.num_tasks, [&](int t) {
@@ -196,7 +195,7 @@ void UpdateSparse(const UpdateHyperParams& hp, const StateSpan& span, const int3
                   GradType value_type, int64_t count, int64_t index_base) {
   if (span.size == 0) return;
   const Coefficients c = MakeCoefficients(hp);
-  const BlockKernel kernel = SelectKernel(hp.kind, GradType::kF32);  // blocks are decompressed to fp32
+  const BlockKernel kernel = SelectKernel(hp, GradType::kF32);  // blocks are decompressed to fp32
   const Split split = SplitWork(span.size);
   ParallelFor(split.num_tasks, [&](int t) {
     const int64_t begin = t * split.chunk;
@@ -260,7 +259,7 @@ bool AllFinite(const void* data, GradType type, int64_t n) {
 bool UpdateDenseIfFinite(const UpdateHyperParams& hp, const StateSpan& span, const void* grad, GradType grad_type) {
   if (span.size == 0) return true;
   const Coefficients c = MakeCoefficients(hp);
-  const BlockKernel kernel = SelectKernel(hp.kind, grad_type);
+  const BlockKernel kernel = SelectKernel(hp, grad_type);
   const int64_t gbytes = GradBytes(grad_type);
   const Split split = SplitWork(span.size);
   std::atomic<bool> bad{false};
