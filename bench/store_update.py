@@ -458,7 +458,7 @@ def run(args, work: Workdir, n: int, page_bytes: int, page_elems: int, repeats: 
 
     def diag_update(params_out) -> None:
         v = diag_state["version"]
-        diag.update(v % 2, (v + 1) % 2, ADAM, LR, v + 1, B1, B2, EPS, 0.0, 0.0, False, grad=grad,
+        diag.update(v % 2, (v + 1) % 2, ADAM, LR, v + 1, B1, B2, EPS, 0.0, 0.0, False, False, grad=grad,
                     params_out=params_out)
         diag_state["version"] = v + 1
 

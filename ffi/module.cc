@@ -235,6 +235,7 @@ NB_MODULE(_nsp_ffi, m) {
              d["updates"] = s.updates;
              d["update_ns"] = s.update_ns;
              d["skipped"] = s.skipped;
+             d["wait_ns"] = s.wait_ns;
              return d;
            })
       .def("step",

@@ -28,12 +28,28 @@ namespace {
 // A staleness-1 step in the background yields the CPU to the foreground (see StepAsync), unless
 // NSP_BACKGROUND_PRIORITY=normal.
 constexpr int kReaders = 2;  // page reader threads of a streamed update
+constexpr int kWriters = 2;  // page writer threads: while one checksums a page (CPU), the other's write runs
 
 const bool kYieldToForeground = [] {
   const char* env = std::getenv("NSP_BACKGROUND_PRIORITY");
   return env == nullptr || std::string(env) != "normal";
 }();
 
+
+// Adds the wall time from its construction to its destruction to *total.
+class AddElapsedNs {
+ public:
+  explicit AddElapsedNs(int64_t* total) : total_(total), start_(std::chrono::steady_clock::now()) {}
+  ~AddElapsedNs() {
+    *total_ += std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - start_).count();
+  }
+  AddElapsedNs(const AddElapsedNs&) = delete;
+  AddElapsedNs& operator=(const AddElapsedNs&) = delete;
+
+ private:
+  int64_t* total_;
+  std::chrono::steady_clock::time_point start_;
+};
 
 // A closable blocking queue of page numbers (buffer set and page travel together).
 struct Work {
@@ -74,7 +90,7 @@ class Queue {
   bool closed_ = false;
 };
 
-// The writer's two queues: new-param pages first, deferred m/v pages only when no param page waits.
+// The writers' two queues: new-param pages first, deferred m/v pages only when no param page waits.
 class WriteQueues {
  public:
   void PushParam(Work w) { Push(&params_, w); }
@@ -393,7 +409,7 @@ std::string ShardEngine::UpdateStreamed(const ShardUpdate& u) {
   std::vector<std::thread> readers;
   for (int r = 0; r < kReaders; ++r) readers.emplace_back(read_pages);
 
-  std::thread writer([&] {
+  auto write_pages = [&] {
     Work w;
     bool is_param = false;
     while (writes.Pop(&w, &is_param)) {
@@ -423,7 +439,9 @@ std::string ShardEngine::UpdateStreamed(const ShardUpdate& u) {
         free_sets.Push(w);
       }
     }
-  });
+  };
+  std::vector<std::thread> writers;
+  for (int r = 0; r < kWriters; ++r) writers.emplace_back(write_pages);
 
   // Compute on the calling thread (the kernel itself fans out over the thread pool).
   int64_t computed = 0;
@@ -446,16 +464,16 @@ std::string ShardEngine::UpdateStreamed(const ShardUpdate& u) {
     writes.PushParam(w);
     ++computed;
   }
-  // Unblock the reader if we stopped early, then let the writer finish what it holds.
+  // Unblock the readers if we stopped early, then let the writers finish what they hold.
   if (error.failed()) {
     free_sets.Close();
     while (ready.Pop(&w)) {
     }
   }
   for (auto& r : readers) r.join();
-  // The writer exits once every queued write has drained.
+  // The writers exit once every queued write has drained.
   writes.Close();
-  writer.join();
+  for (auto& t : writers) t.join();
   if (error.failed()) return error.Get();
   if (computed != num_pages_) return "internal error: not every page was updated";
   return {};
@@ -497,14 +515,7 @@ std::string ShardEngine::Commit(int64_t version) {
 
 std::string ShardEngine::Step(ShardUpdate u, int64_t version) {
   std::lock_guard<std::mutex> lock(step_mu_);
-  const auto start = std::chrono::steady_clock::now();
-  struct Timer {  // counts the step's wall time however it returns
-    std::chrono::steady_clock::time_point start;
-    int64_t* total;
-    ~Timer() {
-      *total += std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - start).count();
-    }
-  } timer{start, &stats_.update_ns};
+  const AddElapsedNs timer(&stats_.update_ns);  // the step's wall time, however it returns
   if (version == version_ - 1 && version >= 0 && previous_valid_) {
     // A replay overwrites the slot of the committed version: step the commit back first, so a crash during
     // the replay still leaves a whole committed version.
@@ -570,6 +581,7 @@ std::string ShardEngine::Wait() {
 }
 
 std::string ShardEngine::StepAsync(const ShardUpdate& update, int64_t version) {
+  const AddElapsedNs timer(&stats_.wait_ns);  // the time this call holds the caller, however it returns
   if (std::string e = Wait(); !e.empty()) {
     async_params_valid_ = false;
     return "the previous (background) step failed: " + e;
@@ -615,7 +627,7 @@ std::string ShardEngine::StepAsync(const ShardUpdate& update, int64_t version) {
   u.params_bf16_out = nullptr;
   pending_ = std::thread([this, u, version] {
     // The step runs beside the caller's next forward/backward, which keeps every core busy: computing on one
-    // thread at the lowest priority (inherited by the reader and writer it starts) lets it use the cores the
+    // thread at the lowest priority (inherited by the readers and writers it starts) lets it use the cores the
     // foreground leaves idle instead of stalling the foreground's parallel loops; its I/O needs no CPU.
     if (kYieldToForeground) ::setpriority(PRIO_PROCESS, static_cast<id_t>(::syscall(SYS_gettid)), 19);
     SerialScope serial(kYieldToForeground);

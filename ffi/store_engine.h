@@ -35,6 +35,7 @@ struct TrafficStats {
   int64_t updates = 0;
   int64_t update_ns = 0;  // wall time inside Step (update + sync + commit)
   int64_t skipped = 0;    // steps skipped because the gradient was not finite
+  int64_t wait_ns = 0;    // wall time a staleness-1 call held its caller (the part of the update not hidden)
 };
 
 // A shard given as consecutive pieces, one per parameter leaf in the layout's order (a tree's leaves, without

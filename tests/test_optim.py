@@ -359,6 +359,9 @@ def test_staleness_one_updates_with_params_one_step_old(tmp_path, tier):
         assert store.version == 15
         final = store.layout.unflatten(store.read("param"), params)
         assert max_rel_err(final, master) <= 1e-5
+        # The time the steps waited for their background updates is counted (it is what staleness did not hide).
+        stats = store.stats()
+        assert 0 < stats["wait_ns"] and stats["update_ns"] > 0
 
 
 def test_staleness_is_zero_or_one():

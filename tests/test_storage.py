@@ -138,6 +138,7 @@ def test_update_writes_params_into_a_caller_buffer(tmp_path, tier):
             store.update(grad_for(3, store.layout), version=2, lr=0.01, step=3, params_out=False,
                          params_into=np.zeros(n, np.float32))
         assert store.version == 2 and store.stats()["updates"] == 2
+        assert store.stats()["wait_ns"] == 0  # only a staleness-1 step waits for a background update
 
 
 def test_bf16_gradients_and_bf16_params_out(tmp_path):
@@ -591,10 +592,10 @@ def test_non_finite_gradient_skips_the_step_and_leaves_the_store_untouched(tmp_p
         assert store.version == 2
 
 
-@pytest.mark.parametrize("variable", ["NSP_DIRECT_WRITES", "NSP_NO_DIRECT_IO", "NSP_REPLACE_PAGES"])
+@pytest.mark.parametrize("variable", ["NSP_BUFFERED_WRITES", "NSP_NO_DIRECT_IO", "NSP_REPLACE_PAGES"])
 def test_other_io_paths_give_the_same_bytes(tmp_path, monkeypatch, variable):
-    """Direct writes (opt-in), fully buffered I/O (opt-out of direct reads) and replacing every page (opt-out of
-    in-place rewrites) store exactly the same state."""
+    """Buffered writes (opt-out of direct writes), fully buffered I/O (opt-out of direct reads and writes) and
+    replacing every page (opt-out of in-place rewrites) store exactly the same state."""
     monkeypatch.setenv(variable, "1")
     params, spec = make_params(), SPECS["adamw"]
     with open_store(tmp_path, "file") as store:

@@ -504,7 +504,15 @@ class StateStore:
                 "problems": problems}
 
     def stats(self) -> dict[str, int]:
-        """Traffic since open (or ``reset_stats``): shared link (grads in, params out) and internal (pages)."""
+        """Traffic and time since open (or ``reset_stats``).
+
+        Bytes on the shared link (``shared_in_bytes``: grads in, ``shared_out_bytes``: params out) and on the
+        internal one (``internal_read_bytes``/``internal_write_bytes``, ``pages_read``/``pages_written``);
+        ``updates`` and ``skipped`` steps; ``update_ns``, the wall time of the updates (each step as long as its
+        slowest shard); ``wait_ns``, the time staleness-1 steps held their callers (waiting for the previous
+        background update, copying the gradient): the part of the update staleness did not hide;
+        ``buffer_bytes``, the engines' page buffers.
+        """
         totals: dict[str, int] = {}
         for engine in self._engines:
             for key, value in engine.stats().items():
@@ -513,6 +521,7 @@ class StateStore:
         totals["updates"] = max((e.stats()["updates"] for e in self._engines), default=0)
         totals["update_ns"] = max((e.stats()["update_ns"] for e in self._engines), default=0)
         totals["skipped"] = max((e.stats()["skipped"] for e in self._engines), default=0)  # steps, not shard-steps
+        totals["wait_ns"] = max((e.stats()["wait_ns"] for e in self._engines), default=0)
         totals["buffer_bytes"] = sum(e.buffer_bytes for e in self._engines)
         return totals
 
