@@ -10,7 +10,8 @@ bytes its store moved over the shared link per step (gradients in, params out) a
 prediction (M = 2 bytes x params: SmartUpdate moves 2M in and 2M out with fp32 transport; SmartComp moves the
 kept fraction c of 2M in, plus 4-byte indices). The staleness-1 row overlaps step t+1's forward/backward with
 step t's update (params one step old); the share of the update time it hides is printed under the table, in
-steady state (each call's time less its final wait for the last update, the drain) and counting the drain.
+steady state (each call's time less its final wait for the last update, the drain) and counting the drain; "wait ms"
+is the time a staleness-1 step held its caller (store.stats()["wait_ns"]: the previous update's tail, the copies).
 """
 
 from __future__ import annotations
@@ -127,6 +128,7 @@ def main() -> None:
                     s = store.stats()
                     steps = s["updates"]
                     row["update_ms"] = s["update_ns"] / steps / 1e6 if steps else None
+                    row["wait_ms"] = s["wait_ns"] / steps / 1e6 if steps else None
                     row["in"] = s["shared_in_bytes"] / steps
                     row["out"] = s["shared_out_bytes"] / steps
                     padded = store.layout.padded_total
@@ -141,7 +143,7 @@ def main() -> None:
                 f"{model_name}: {n / 1e6:.2f}M params, batch {batch} x {seq} tokens, median of {args.repeats}",
                 rows,
                 [("contender", "contender", ""), ("ms", "step ms", ".1f"), ("ratio", "x optax", ".2f"),
-                 ("update_ms", "update ms", ".1f"), ("in", "link in B/step", ".0f"),
+                 ("update_ms", "update ms", ".1f"), ("wait_ms", "wait ms", ".1f"), ("in", "link in B/step", ".0f"),
                  ("table1_in", "Table I in", ".0f"), ("out", "link out B/step", ".0f"),
                  ("table1_out", "Table I out", ".0f")],
             )

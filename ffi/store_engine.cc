@@ -2,6 +2,7 @@
 
 #include <fcntl.h>
 #include <signal.h>
+#include <sched.h>
 #include <sys/resource.h>
 #include <sys/syscall.h>
 #include <unistd.h>
@@ -627,9 +628,15 @@ std::string ShardEngine::StepAsync(const ShardUpdate& update, int64_t version) {
   u.params_bf16_out = nullptr;
   pending_ = std::thread([this, u, version] {
     // The step runs beside the caller's next forward/backward, which keeps every core busy: computing on one
-    // thread at the lowest priority (inherited by the readers and writers it starts) lets it use the cores the
-    // foreground leaves idle instead of stalling the foreground's parallel loops; its I/O needs no CPU.
-    if (kYieldToForeground) ::setpriority(PRIO_PROCESS, static_cast<id_t>(::syscall(SYS_gettid)), 19);
+    // thread at the lowest priority (SCHED_IDLE: any runnable foreground thread preempts it at once; inherited
+    // by the readers and writers it starts) lets it use the cores the foreground leaves idle instead of stalling
+    // the foreground's parallel loops; its I/O (direct) needs little CPU.
+    if (kYieldToForeground) {
+      sched_param param{};
+      if (::sched_setscheduler(0, SCHED_IDLE, &param) != 0) {  // where refused: the lowest nice level
+        ::setpriority(PRIO_PROCESS, static_cast<id_t>(::syscall(SYS_gettid)), 19);
+      }
+    }
     SerialScope serial(kYieldToForeground);
     pending_error_ = Step(u, version);
     if (!pending_error_.empty()) async_params_valid_ = false;
