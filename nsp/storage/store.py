@@ -513,15 +513,14 @@ class StateStore:
         background update, copying the gradient): the part of the update staleness did not hide;
         ``buffer_bytes``, the engines' page buffers.
         """
+        per_shard = [engine.stats() for engine in self._engines]
         totals: dict[str, int] = {}
-        for engine in self._engines:
-            for key, value in engine.stats().items():
+        for shard in per_shard:
+            for key, value in shard.items():
                 totals[key] = totals.get(key, 0) + value
-        # Shards update in parallel: a step takes as long as its slowest shard.
-        totals["updates"] = max((e.stats()["updates"] for e in self._engines), default=0)
-        totals["update_ns"] = max((e.stats()["update_ns"] for e in self._engines), default=0)
-        totals["skipped"] = max((e.stats()["skipped"] for e in self._engines), default=0)  # steps, not shard-steps
-        totals["wait_ns"] = max((e.stats()["wait_ns"] for e in self._engines), default=0)
+        # Shards update in parallel: a step takes as long as its slowest shard, and counts once, not per shard.
+        for key in ("updates", "update_ns", "skipped", "wait_ns"):
+            totals[key] = max((shard[key] for shard in per_shard), default=0)
         totals["buffer_bytes"] = sum(e.buffer_bytes for e in self._engines)
         return totals
 
