@@ -1,5 +1,5 @@
-// CRC-32C (Castagnoli), the checksum of zarr v3's "crc32c" codec: hardware (SSE4.2) when the CPU has it,
-// else a table-driven fallback.
+// CRC-32C (Castagnoli), the checksum of zarr v3's "crc32c" codec: hardware (SSE4.2 crc32, with PCLMUL folding
+// beside it on long inputs) when the CPU has it, else a table-driven fallback.
 #pragma once
 
 #include <cstddef>

@@ -623,13 +623,16 @@ def _crc32c_reference(data: bytes) -> int:
 
 
 def test_page_checksum_is_crc32c():
-    """The engine's CRC-32C (three interleaved hardware lanes joined by table shifts on long inputs) against a
-    bit-at-a-time reference, on lengths around the lane boundaries, and continued across calls."""
+    """The engine's CRC-32C (PCLMUL-folded blocks of 5632 bytes beside crc32, then three interleaved crc32 lanes
+    joined by table shifts) against a bit-at-a-time reference, on lengths around the block and lane boundaries,
+    at an odd offset, and continued across calls."""
     from nsp import _nsp_ffi
 
     assert _nsp_ffi.crc32c(np.frombuffer(b"123456789", np.uint8)) == 0xE3069283  # the standard check value
-    data = np.random.default_rng(3).integers(0, 256, 3 * 4096 * 2 + 77, dtype=np.uint8)
-    for n in (0, 1, 7, 8, 4096, 3 * 4096 - 1, 3 * 4096, 3 * 4096 + 9, data.size):
+    block = 64 * 64 + 8 * 3 * 64
+    data = np.random.default_rng(3).integers(0, 256, 3 * block + 3 * 4096 + 78, dtype=np.uint8)[1:]
+    for n in (0, 1, 7, 8, 4096, 3 * 4096 - 1, 3 * 4096, 3 * 4096 + 9, block - 1, block, block + 1,
+              2 * block + 3 * 4096, data.size):
         assert _nsp_ffi.crc32c(data[:n]) == _crc32c_reference(data[:n].tobytes()), n
     head = _nsp_ffi.crc32c(data[:5000])
     assert _nsp_ffi.crc32c(data[5000:], crc=head) == _crc32c_reference(data.tobytes())
