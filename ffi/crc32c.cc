@@ -30,7 +30,7 @@ uint32_t PortableCrc(uint32_t crc, const uint8_t* p, size_t n) {
 }
 
 #if defined(__x86_64__)
-// One crc32 instruction has a latency of 3 cycles but a throughput of 1 per cycle, so a single chain of them
+// On Intel cores one crc32 instruction has a latency of 3 cycles but a throughput of 1 per cycle, so a chain of them
 // runs at a third of the unit's speed. The loop below runs three independent chains over three adjacent lanes
 // of kLane bytes and then joins them. Joining uses linearity: the CRC state after lanes A then B equals
 // Shift(state after A) ^ (state of B started from 0), where Shift feeds kLane zero bytes -- a linear map on the
@@ -191,11 +191,11 @@ const bool kHasPclmul = [] {
 uint32_t Crc32cExtend(uint32_t crc, const void* data, size_t size) {
   const auto* p = static_cast<const uint8_t*>(data);
 #if defined(__x86_64__)
-  if (kHasPclmul) {
-    const uint32_t state = FoldBlocks(~crc, p, size);
+  if (kHasSse42) {
+    uint32_t state = ~crc;
+    if (kHasPclmul) state = FoldBlocks(state, p, size);  // whole blocks; the rest below
     return ~HardwareCrc(state, p, size);
   }
-  if (kHasSse42) return ~HardwareCrc(~crc, p, size);
 #endif
   return ~PortableCrc(~crc, p, size);
 }
