@@ -217,12 +217,19 @@ def test_topk_with_error_feedback_trains_tiny_gpt():
     def loss(p, tokens):
         return cross_entropy_loss(nnx.merge(graphdef, p)(tokens[:, :-1]), tokens[:, 1:])
 
+    # Dense Adam at its best measured setting (3e-3; 1e-3, 2e-3 and 5e-3 gave 2.431, 2.379 and 2.590) against
+    # Top-K 1% with error feedback at the moment decays recommended for it (nsp.optim.compress), with the dense
+    # and the lazy store update, and Top-K at dense Adam's settings to show what the recommended ones are worth.
+    b1, b2 = nsp.optim.TOPK_ADAM_BETAS
+    sparse = {"learning_rate": 5e-3, "b1": b1, "b2": b2}  # Top-K also measured best at a higher learning rate
+    runs = {"dense": (None, {"learning_rate": 3e-3}),
+            "topk": (nsp.optim.TopK(0.01), sparse),
+            "topk_lazy": (nsp.optim.TopK(0.01, lazy=True), sparse),  # only the sent entries move
+            "topk_dense_decays": (nsp.optim.TopK(0.01), {"learning_rate": 3e-3})}
     finals = {}
-    runs = (("dense", None), ("topk", nsp.optim.TopK(0.01)),
-            ("topk_lazy", nsp.optim.TopK(0.01, lazy=True)))  # only the sent entries move
-    for name, compression in runs:
+    for name, (compression, hyper) in runs.items():
         with nsp.storage.open(tier="memory") as store:
-            tx = nsp.optim.adam(3e-3, store=store, compression=compression)
+            tx = nsp.optim.adam(**hyper, store=store, compression=compression)
 
             @jax.jit
             def step(p, s, tokens, tx=tx):
@@ -236,14 +243,11 @@ def test_topk_with_error_feedback_trains_tiny_gpt():
             finals[name] = float(np.mean([loss(p, t) for t in held_out]))
     start = float(np.mean([loss(params, t) for t in held_out]))
     assert finals["dense"] < 0.6 * start, (start, finals)  # it learned something
-    # Measured here after 200 steps from scratch: dense 2.377; Top-K 1% with error feedback and the store's dense
-    # update (the default) 2.754 (+15.9%); with the lazy update 2.676 (+12.6%) -- over 1000 steps of nsp train's
-    # recipe the order flips (nsp.optim.compress). Other variants measured did not close the gap to 5% at 1%
-    # traffic from scratch (nsp.optim.compress lists them); Top-K needed ~10% of the entries per step for +3.7%.
-    # The bounds guard against regressions.
-    assert finals["topk"] < 0.7 * start, (start, finals)
-    assert finals["topk"] <= 1.20 * finals["dense"], finals
-    assert finals["topk_lazy"] <= 0.985 * finals["topk"], finals  # the lazy update changes the trajectory
+    # Measured here after 200 steps from scratch: dense 2.377; Top-K 1% at the recommended decays 2.433 (+2.4%)
+    # with the dense store update, 2.420 (+1.8%) with the lazy one; at dense Adam's decays 2.754 (+15.9%).
+    assert finals["topk"] <= 1.05 * finals["dense"], finals
+    assert finals["topk_lazy"] <= 1.05 * finals["dense"], finals
+    assert finals["topk"] <= 0.95 * finals["topk_dense_decays"], finals
 
 
 def test_residual_decay_scales_the_unsent_remainder():

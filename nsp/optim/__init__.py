@@ -1,7 +1,7 @@
 """Optax transforms with optimizer state in a storage tier (``nsp.storage``) and Top-K compression."""
 
 from nsp.optim.alias import adagrad, adam, adamw, sgd
-from nsp.optim.compress import Compressed, TopK, TopKState, topk_compress
+from nsp.optim.compress import TOPK_ADAM_BETAS, Compressed, TopK, TopKState, topk_compress
 from nsp.optim.storage import (
     StorageState,
     scale_by_storage,
@@ -14,6 +14,7 @@ from nsp.optim.storage import (
 __all__ = [
     "Compressed",
     "StorageState",
+    "TOPK_ADAM_BETAS",
     "TopK",
     "TopKState",
     "adagrad",

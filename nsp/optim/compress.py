@@ -9,23 +9,34 @@ and added to the next step's gradient; ``residual_decay`` scales that remainder 
 The store runs the dense update on the decompressed gradient by default (Smart-Infinity's updater): every
 moment decays and every param keeps moving on its momentum, sent this step or not. ``TopK(..., lazy=True)``
 (``lazy=True`` on the storage transforms) makes it lazy instead: only the entries sent this step move, with
-their own moments, and the others keep param and state, as in LazyAdam. Which trains better depends on the run
-length. Measured on the tiny GPT, Top-K 1% with error feedback against dense Adam:
+their own moments, and the others keep param and state, as in LazyAdam.
 
-- 200 seeded steps of Adam at a constant 3e-3 from scratch (tests/test_optim.py; dense 2.377): dense update 2.754
-  (+15.9%), lazy 2.676 (+12.6%). In a pure-JAX model of both updates, lazy also won with b2 0.99 and a 20-step
-  warm-up (+14.8% against +21.3%) and fine-tuning 200 steps after 300 dense ones (+4.4% / +3.6% against +6.5% /
-  +4.1%, two seeds and b2).
-- 1000 steps of ``nsp train``'s recipe (AdamW, b2 0.99, warm-up + cosine, clipping; ``bench/report.py``; dense
-  1.968): dense update 2.376 (+20.7%), lazy 2.556 (+29.8%); at 10%, dense update +4.4%, lazy +12.8%. Over a
-  longer run the momentum that keeps moving every param pays off, hence the default.
-- Tried and dropped (200 steps, same model): a second moment fed the sent value squared over its age (+24.8%),
-  selecting by |value| / sqrt(nu) (+31% to +54%), RMS-preconditioning on the accelerator before the selection
-  (+16% to +18%), and with the lazy update a remainder decay of 0.5 (no change).
+**Adam's moment decays.** At 1% a coordinate's gradient reaches the store a few times in a hundred steps, each
+time as the remainder error feedback gathered meanwhile: the moments see few, large samples. Dense Adam's
+memories (b1 0.9, b2 0.999) then hold a burst for tens and hundreds of sends, far longer in steps than they
+would with a dense gradient; shorter ones, ``TOPK_ADAM_BETAS`` = (0.5, 0.99), keep them about as current as
+dense Adam's. Measured on the tiny GPT, Top-K 1% with error feedback against dense Adam at its best setting:
+
+- 200 seeded steps of Adam at a constant learning rate from scratch (tests/test_optim.py; dense 2.377 at 3e-3,
+  its best of 1e-3 to 5e-3): at dense Adam's settings, dense update 2.754 (+15.9%), lazy 2.676 (+12.6%); at
+  (0.5, 0.99) and 5e-3, dense update 2.433 (+2.4%), lazy 2.420 (+1.8%). Around that point, in a pure-JAX
+  model of the lazy update: b1 0.7 gave 2.457 at 5e-3 and 2.425 at 1e-2; at b1 0.5 and 1e-2, b2 0.95, 0.99 and
+  0.999 gave 2.419, 2.434 and 2.561; b1 0.9 with b2 0.99 at 5e-3, 2.619. Two more seeds (model and data): lazy
+  at (0.5, 0.99) and 5e-3 gave 2.477 and 2.400 where dense gave 2.880 and 2.576.
+- 1000 steps of ``nsp train``'s recipe (AdamW, b2 0.99, warm-up + cosine, clipping; batch 16 x 64): dense 1.968
+  at a peak of 3e-3, 1.927 at 5e-3. Top-K 1% at b1 0.9 and 3e-3: 2.376 (+20.7% on 1.968); at b1 0.5 and 3e-3:
+  2.119; at b1 0.5 and 5e-3: 2.040 (+5.9% on 1.927, +3.7% on 1.968).
+- At 10% the shorter memory lost: b1 0.9 and 3e-3 gave 2.055, b1 0.5 and 5e-3 2.247 -- sends are ten times as
+  frequent there, and dense Adam's decays are already about right. The recommendation is for ratios near 1%.
+- Tried and dropped (200 steps, same model, dense Adam's decays): a second moment fed the sent value squared
+  over its age (+24.8%), selecting by |value| / sqrt(nu) (+31% to +54%), RMS-preconditioning on the
+  accelerator before the selection (+16% to +18%), and with the lazy update a remainder decay of 0.5 (no
+  change).
 
 ``residual_decay`` scales the unsent remainder each step it stays unsent; 1 (classic error feedback) is the
-default. With the dense update, 0.5 won at 200 steps (2.643 against 2.754) but lost over 1000 steps of ``nsp
-train``'s recipe (2.511 against 2.376, dense 1.968), where the remainder classic error feedback keeps pays off.
+default. With the dense update at dense Adam's decays, 0.5 won at 200 steps (2.643 against 2.754) but lost over
+1000 steps of ``nsp train``'s recipe (2.511 against 2.376), where the remainder classic error feedback keeps
+pays off.
 """
 
 from __future__ import annotations
@@ -44,6 +55,10 @@ from nsp.primitives.topk import METHODS, kept_count, topk_compress as _topk
 #: Default factor applied to the unsent remainder each step (see the module docstring for the measurements).
 DEFAULT_RESIDUAL_DECAY = 1.0
 
+#: Adam/AdamW moment decays (b1, b2) for Top-K near 1%: each coordinate is sent a few times per hundred steps,
+#: so shorter memories than dense Adam's (0.9, 0.999) keep its moments current (module docstring: measured).
+TOPK_ADAM_BETAS = (0.5, 0.99)
+
 
 class TopK(NamedTuple):
     """Top-K compression settings for the ``nsp.optim`` aliases.
@@ -57,6 +72,14 @@ class TopK(NamedTuple):
       lazy: the store updates only the entries sent this step (their param and state; the others stay as they
         are) instead of running the dense update on a gradient that is zero almost everywhere. Better over short
         runs, worse over long ones in what was measured (module docstring), so off by default.
+
+    With Adam or AdamW near 1%, pass ``b1, b2 = nsp.optim.TOPK_ADAM_BETAS`` to the optimizer: dense Adam's
+    decays cost several times more loss (module docstring).
+
+    Example::
+
+      b1, b2 = nsp.optim.TOPK_ADAM_BETAS
+      tx = nsp.optim.adamw(5e-3, b1, b2, store=store, compression=nsp.optim.TopK(0.01))
     """
 
     ratio: float
