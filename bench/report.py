@@ -379,6 +379,12 @@ class Contender:
     error_feedback: bool | None = None
     residual_decay: float | None = None  # with error feedback: nsp.optim.TopK's residual_decay
     lazy: bool | None = None  # with Top-K: nsp.optim.TopK's lazy (only the sent entries move)
+    betas: tuple[float, float] | None = None  # AdamW's (b1, b2) when not the config's
+    lr: float | None = None  # peak learning rate when not the config's
+
+
+# Top-K near 1% with the moment decays recommended for it and a higher peak learning rate (nsp.optim.compress).
+TOPK_TUNED_LR = 5e-3
 
 
 def contenders() -> list[Contender]:
@@ -392,6 +398,9 @@ def contenders() -> list[Contender]:
     # decompressed gradient, as Smart-Infinity's updater runs it; lazy moves only the entries sent that step).
     runs.append(Contender(f"nsp Top-K {RATIOS[-1]:.0%} + error feedback, {'dense' if lazy else 'lazy'} update", "nsp",
                           RATIOS[-1], True, decay, not lazy))
+    b1, b2 = nsp.optim.TOPK_ADAM_BETAS
+    runs.append(Contender(f"nsp Top-K {RATIOS[-1]:.0%} + error feedback, b1 {b1:g}, b2 {b2:g}, peak {TOPK_TUNED_LR:g}",
+                          "nsp", RATIOS[-1], True, decay, lazy, (b1, b2), TOPK_TUNED_LR))
     return runs
 
 
@@ -405,16 +414,17 @@ def train_config(args) -> TrainConfig:
 def make_tx(contender: Contender, config: TrainConfig, store) -> optax.GradientTransformation:
     """The same clipping and learning-rate schedule for every contender; only the optimizer's home and the
     gradient's compression differ."""
-    schedule = learning_rate_schedule(config)
+    schedule = learning_rate_schedule(config if contender.lr is None else dataclasses.replace(config, lr=contender.lr))
+    b1, b2 = contender.betas or (config.b1, config.b2)
     if contender.kind == "optax":
-        opt = optax.adamw(schedule, config.b1, config.b2, weight_decay=config.weight_decay)
+        opt = optax.adamw(schedule, b1, b2, weight_decay=config.weight_decay)
     else:
         compression = (None if contender.ratio is None
                        else nsp.optim.TopK(contender.ratio, error_feedback=contender.error_feedback,
                                            residual_decay=1.0 if contender.residual_decay is None
                                            else contender.residual_decay,
                                            lazy=bool(contender.lazy)))
-        opt = nsp.optim.adamw(schedule, config.b1, config.b2, weight_decay=config.weight_decay, store=store,
+        opt = nsp.optim.adamw(schedule, b1, b2, weight_decay=config.weight_decay, store=store,
                               compression=compression)
     return optax.chain(optax.clip_by_global_norm(config.clip), opt)
 
@@ -506,7 +516,7 @@ def run_training(args) -> dict:
             c = run.contender
             results.append({
                 "name": c.name, "kind": c.kind, "ratio": c.ratio, "error_feedback": c.error_feedback,
-                "residual_decay": c.residual_decay, "lazy": c.lazy,
+                "residual_decay": c.residual_decay, "lazy": c.lazy, "betas": c.betas, "lr": c.lr,
                 "held_out_loss": held_out_loss(run.params), "final_train_loss": run.losses[-1],
                 # The first step compiles; the median of the others is the step time.
                 "step_ms": median(run.step_s[1:]) * 1e3 if len(run.step_s) > 1 else None,
@@ -535,8 +545,9 @@ def _ef_label(r: dict) -> str:
 
 
 def _variant(r: dict) -> tuple:
-    # Reports made before these fields existed lack them (those runs used a decay of 1 and the dense update).
-    return r.get("residual_decay"), r.get("lazy")
+    # Reports made before these fields existed lack them (those runs used a decay of 1, the dense update and the
+    # config's betas and learning rate).
+    return r.get("residual_decay"), r.get("lazy"), tuple(r.get("betas") or ()), r.get("lr")
 
 
 def _extra_ef(r: dict, runs: list[dict]) -> bool:
@@ -633,7 +644,26 @@ def md_table(rows: list[dict], columns: list[tuple[str, str, str]]) -> str:
     return "\n".join(lines)
 
 
+# Options that only say where files go: left out of the commands the report shows (they change no result).
+PLACEMENT_OPTIONS = ("--dir", "--json", "--out", "--results-dir")
+
+
+def shown_command(command: str) -> str:
+    """``command`` without its placement options (``PLACEMENT_OPTIONS``), so it reads the same on any machine."""
+    words, kept = shlex.split(command), []
+    skip = False
+    for word in words:
+        if skip:
+            skip = False
+        elif word in PLACEMENT_OPTIONS:
+            skip = True
+        elif not word.startswith(tuple(o + "=" for o in PLACEMENT_OPTIONS)):
+            kept.append(word)
+    return shlex.join(kept)
+
+
 def bench_header(record: dict, command: str, exact_command: bool, here: dict) -> str:
+    command = shown_command(command)
     machine = record.get("machine", {})
     same = all(machine.get(k) == here.get(k) for k in ("cpu", "cores", "platform"))
     where = "this machine" if same else f"{machine.get('cpu')}, {machine.get('cores')} cores, {machine.get('platform')}"
@@ -951,8 +981,8 @@ def plot_loss_vs_ratio(train: dict, path: Path) -> None:
                      if r["error_feedback"] is ef and not _extra_ef(r, train["runs"]))
         ax.plot([p[0] * 100 for p in pts], [p[1] for p in pts], style,
                 label="Top-K + error feedback" if ef else "Top-K, no error feedback")
-    for r in [r for r in train["runs"] if _extra_ef(r, train["runs"])]:
-        ax.plot([r["ratio"] * 100], [r["held_out_loss"]], "^", color="gray",
+    for r, marker in zip([r for r in train["runs"] if _extra_ef(r, train["runs"])], "^vD<>"):
+        ax.plot([r["ratio"] * 100], [r["held_out_loss"]], marker, color="gray",
                 label=r["name"].removeprefix("nsp "))
     for r, color in zip(train["runs"][:2], ("black", "#d62728")):
         ax.axhline(r["held_out_loss"], color=color, linestyle=":", linewidth=1, label=r["name"])
@@ -973,7 +1003,7 @@ def section_header(measurements: dict) -> str:
     lines = [
         "# nsp results",
         "",
-        f"Generated {measurements['generated']} by `{measurements['command']}` in "
+        f"Generated {measurements['generated']} by `{shown_command(measurements['command'])}` in "
         f"{measurements['elapsed_s'] / 60:.1f} min"
         + (" (section 2 is a `--quick` smoke run: few training steps, not for conclusions)."
            if measurements["train"].get("quick") else ".")
@@ -1013,7 +1043,7 @@ def section_traffic(traffic: dict, out: Path) -> str:
     return "\n".join([
         "## 1. Traffic per optimizer step (Smart-Infinity Table I)",
         "",
-        f"Command: `{traffic['command']}` (measured {traffic.get('time', '?')})",
+        f"Command: `{shown_command(traffic['command'])}` (measured {traffic.get('time', '?')})",
         "",
         f"N = {n:,} fp32 params (one flat vector `{{\"w\": float32[{n}]}}`); M = 2N = {M:,} bytes (the model in 16-bit "
         f"bytes), fp32 transport = 2M per tensor. One file-tier store shard with pages of "
@@ -1071,7 +1101,7 @@ def section_training(train: dict, out: Path) -> str:
     return "\n".join([
         "## 2. Loss vs compression ratio (Smart-Infinity Table IV / Fig. 16)",
         "",
-        f"Command: `{train['command']}` (measured {train.get('time', '?')}; training took "
+        f"Command: `{shown_command(train['command'])}` (measured {train.get('time', '?')}; training took "
         f"{train['wall_s'] / 60:.1f} min of it)",
         "",
         f"Model `{cfg['model']}` ({train['model_params']:,} params), byte-level, trained for {cfg['steps']} steps of "
@@ -1079,7 +1109,9 @@ def section_training(train: dict, out: Path) -> str:
         f"out), batches `Batcher(seed={cfg['seed']})`. Every run: `optax.clip_by_global_norm({cfg['clip']:g})`, then "
         f"AdamW (b1 {cfg['b1']:g}, b2 {cfg['b2']:g}, weight decay {cfg['weight_decay']:g}) with `nsp train`'s "
         f"schedule (linear warm-up over {min(cfg['warmup_steps'], cfg['steps'])} steps to {cfg['lr']:g}, cosine "
-        f"decay to {cfg['lr'] * cfg['min_lr_ratio']:g}). nsp runs keep their state in a memory-tier store; Top-K "
+        f"decay to {cfg['lr'] * cfg['min_lr_ratio']:g}), except a run whose name gives its own b1, b2 and peak (the "
+        "moment decays recommended for Top-K near 1%, `nsp.optim.TOPK_ADAM_BETAS`, and a higher peak learning "
+        "rate). nsp runs keep their state in a memory-tier store; Top-K "
         "runs compress the clipped gradient with `nsp.optim.TopK(c, error_feedback=..., residual_decay=..., "
         "lazy=...)`: with error feedback the unsent remainder is scaled by `residual_decay` each step (the table's "
         "error-feedback column; 1 is classic error feedback, nsp's default); a lazy store update moves only the "
@@ -1130,8 +1162,8 @@ def render_report(measurements: dict, results_dir: Path, out: Path) -> Path:
     parts.append(f"## 3. Kernel and tier throughput\n\nFrom the JSON records in `{where}/`, each with the "
                  "benchmark's own timestamp; rooflines are grey (hatched) bars measured in the same run. A record "
                  "whose command reads \"Produced by\" names the command line that wrote it (recorded by the "
-                 "benchmark, or by this script's `--run-benches`); for older records the command is rebuilt from "
-                 "the parameters they record.\n")
+                 "benchmark, or by this script's `--run-benches`), less the options that only place files "
+                 "(`--dir`, `--json`); for older records the command is rebuilt from the parameters they record.\n")
     parts.append(render_benches(results_dir, out, measurements.get("ran_benches") or {}, measurements["machine"]))
     parts.append(section_csd())
     path = out / "REPORT.md"
