@@ -25,9 +25,12 @@ dense Adam's. Measured on the tiny GPT, Top-K 1% with error feedback against den
   at (0.5, 0.99) and 5e-3 gave 2.477 and 2.400 where dense gave 2.880 and 2.576.
 - 1000 steps of ``nsp train``'s recipe (AdamW, b2 0.99, warm-up + cosine, clipping; batch 16 x 64): dense 1.968
   at a peak of 3e-3, 1.927 at 5e-3. Top-K 1% at b1 0.9 and 3e-3: 2.376 (+20.7% on 1.968); at b1 0.5 and 3e-3:
-  2.119; at b1 0.5 and 5e-3: 2.040 (+5.9% on 1.927, +3.7% on 1.968).
-- At 10% the shorter memory lost: b1 0.9 and 3e-3 gave 2.055, b1 0.5 and 5e-3 2.247 -- sends are ten times as
-  frequent there, and dense Adam's decays are already about right. The recommendation is for ratios near 1%.
+  2.119; at b1 0.5 and 5e-3: 2.040 (+5.9% on 1.927, +3.7% on 1.968), lazy 2.144; at b1 0.5 and 8e-3: 2.121.
+  Dense itself at b1 0.5 and 5e-3: 2.284, and at b1 0.9 and 8e-3: 2.259 -- the short memory suits sparse sends
+  only.
+- Top-K 10%, same recipe: b1 0.9 gave 2.055 at 3e-3 and 2.412 at 5e-3; b1 0.5 gave 1.951 at 3e-3 (below dense
+  at 3e-3) and 2.247 at 5e-3; b1 0.7 at 5e-3, 2.242. The shorter memory helps there too; the higher learning
+  rate only at 1%.
 - Tried and dropped (200 steps, same model, dense Adam's decays): a second moment fed the sent value squared
   over its age (+24.8%), selecting by |value| / sqrt(nu) (+31% to +54%), RMS-preconditioning on the
   accelerator before the selection (+16% to +18%), and with the lazy update a remainder decay of 0.5 (no
@@ -55,8 +58,9 @@ from nsp.primitives.topk import METHODS, kept_count, topk_compress as _topk
 #: Default factor applied to the unsent remainder each step (see the module docstring for the measurements).
 DEFAULT_RESIDUAL_DECAY = 1.0
 
-#: Adam/AdamW moment decays (b1, b2) for Top-K near 1%: each coordinate is sent a few times per hundred steps,
-#: so shorter memories than dense Adam's (0.9, 0.999) keep its moments current (module docstring: measured).
+#: Adam/AdamW moment decays (b1, b2) for Top-K compressed gradients: each coordinate is sent only now and then,
+#: so shorter memories than dense Adam's (0.9, 0.999) keep its moments current (measured at 1% and 10%: module
+#: docstring).
 TOPK_ADAM_BETAS = (0.5, 0.99)
 
 
@@ -73,7 +77,7 @@ class TopK(NamedTuple):
         are) instead of running the dense update on a gradient that is zero almost everywhere. Better over short
         runs, worse over long ones in what was measured (module docstring), so off by default.
 
-    With Adam or AdamW near 1%, pass ``b1, b2 = nsp.optim.TOPK_ADAM_BETAS`` to the optimizer: dense Adam's
+    With Adam or AdamW, pass ``b1, b2 = nsp.optim.TOPK_ADAM_BETAS`` to the optimizer: at 1%, dense Adam's
     decays cost several times more loss (module docstring).
 
     Example::

@@ -31,7 +31,7 @@ class TrainConfig:
     min_lr_ratio: float = 0.1
     # Decoupled weight decay (AdamW) or L2 (others).
     weight_decay: float = 0.01
-    # Adam first-moment decay (or SGD momentum). With --topk near 0.01, 0.5 (nsp.optim.TOPK_ADAM_BETAS).
+    # Adam first-moment decay (or SGD momentum). With --topk, 0.5 trained better (nsp.optim.TOPK_ADAM_BETAS).
     b1: float = 0.9
     # Adam second-moment decay.
     b2: float = 0.99

@@ -173,9 +173,9 @@ def _build(config: TrainConfig, log: Callable[[str], None]) -> Run:
         f"{'' if config.tier == 'memory' else ' at ' + str(config.store_path)}, {num_shards} shard(s)"
         f"{f', Top-K {config.topk:.1%}' if config.topk else ''}")
     b1, b2 = nsp.optim.TOPK_ADAM_BETAS
-    if 0 < config.topk <= 0.02 and config.optimizer in ("adam", "adamw") and config.b1 > b1:
-        log(f"note: with Top-K near 1%, --b1 {b1:g} (and b2 {b2:g}) trained better than b1 {config.b1:g} in what was "
-            "measured: nsp.optim.TOPK_ADAM_BETAS")
+    if config.topk and config.optimizer in ("adam", "adamw") and config.b1 > b1:
+        log(f"note: with Top-K, --b1 {b1:g} (b2 {b2:g}) trained better than b1 {config.b1:g} in what was measured: "
+            "nsp.optim.TOPK_ADAM_BETAS")
     eval_batcher = data_lib.Batcher(held_out, config.batch, config.seq, seed=config.seed + 1)
     return Run(config, graphdef, params, opt_state, store, tx,
                data_lib.Batcher(train_tokens, config.batch, config.seq, seed=config.seed),
