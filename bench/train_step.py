@@ -162,7 +162,14 @@ def main() -> None:
                   f"{('ok' if hidden_steady >= 0.8 else 'MISSED') if regime else 'not that regime'}), "
                   f"{hidden:.0%} counting the drain that ends each {STEPS_PER_CALL}-step call "
                   f"(update {update_s * 1e3:.0f} ms; forward/backward ~{fwd_bwd_s * 1e3:.0f} ms)")
-            record["models"][model_name] = {"params": n, "median_s": med, "times_s": times, "rows": rows}
+            # Where the rest goes: the time a staleness-1 step held its caller for the update (its wait) against
+            # the slowdown of the forward/backward running beside the update on the same cores.
+            stale_wait_s = next(r["wait_ms"] for r in rows if r["contender"] == "nsp file tier, staleness 1") / 1e3
+            print(f"  staleness 1 held its caller {stale_wait_s * 1e3:.1f} ms/step (the update's tail and the copies: "
+                  f"{1 - stale_wait_s / update_s:.0%} of the update ran beside the next step); the rest of the "
+                  f"difference is the forward/backward slowed by sharing the CPU with the update")
+            record["models"][model_name] = {"params": n, "median_s": med, "times_s": times, "rows": rows,
+                                            "staleness_wait_s": stale_wait_s}
             for store in stores.values():
                 store.close()
             record["models"][model_name]["staleness_hidden_fraction"] = hidden
