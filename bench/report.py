@@ -1162,8 +1162,9 @@ def render_report(measurements: dict, results_dir: Path, out: Path) -> Path:
     parts.append(f"## 3. Kernel and tier throughput\n\nFrom the JSON records in `{where}/`, each with the "
                  "benchmark's own timestamp; rooflines are grey (hatched) bars measured in the same run. A record "
                  "whose command reads \"Produced by\" names the command line that wrote it (recorded by the "
-                 "benchmark, or by this script's `--run-benches`), less the options that only place files "
-                 "(`--dir`, `--json`); for older records the command is rebuilt from the parameters they record.\n")
+                 "benchmark, or by this script's `--run-benches`), less the options that only place files ("
+                 + ", ".join(f"`{o}`" for o in PLACEMENT_OPTIONS)
+                 + "); for older records the command is rebuilt from the parameters they record.\n")
     parts.append(render_benches(results_dir, out, measurements.get("ran_benches") or {}, measurements["machine"]))
     parts.append(section_csd())
     path = out / "REPORT.md"
