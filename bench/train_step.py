@@ -1,7 +1,8 @@
 """Train-step time: optax.adamw in RAM vs nsp (memory tier, file tier, file tier + Top-K 1%), same run.
 
-    python bench/train_step.py            # tiny, small and gpt2-124m (batch 1 x 128 tokens), median of 5
-    python bench/train_step.py --quick    # tiny and small only
+    python bench/train_step.py                     # tiny, small (batch 2 and 8) and gpt2-124m, median of 5
+    python bench/train_step.py --quick             # tiny and small only
+    python bench/train_step.py --quick --engine-cpus 1   # the update on a CPU of its own (see below)
 
 Each contender runs the same jitted step (forward/backward of a Flax GPT, clipping, the optimizer) on the same
 batches; each timed call runs 8 consecutive steps and waits for every update to commit, calls are interleaved
@@ -12,6 +13,13 @@ kept fraction c of 2M in, plus 4-byte indices). The staleness-1 row overlaps ste
 step t's update (params one step old); the share of the update time it hides is printed under the table, in
 steady state (each call's time less its final wait for the last update, the drain) and counting the drain; "wait ms"
 is the time a staleness-1 step held its caller (store.stats()["wait_ns"]: the previous update's tail, the copies).
+
+By default every contender's forward/backward and nsp's update share all of this machine's cores, so a staleness-1
+update running beside the next forward/backward takes CPU from it. On a GPU host they would not compete: the
+forward/backward runs on the accelerator and the update on the host's cores. ``--engine-cpus N`` stands in for
+that split: it reserves the last N CPUs for the update work (NSP_ENGINE_CPUS) and runs the forward/backward
+(XLA) on the others, re-executing itself pinned so (JSON: ``train_step_split``). The forward/backward then runs
+on fewer cores, so its step times are not those of the default run; the two runs answer different questions.
 """
 
 from __future__ import annotations
@@ -39,6 +47,32 @@ from nsp.models import GPT, cross_entropy_loss, get_config  # noqa: E402
 
 
 STEPS_PER_CALL = 8  # the last update of a call cannot overlap anything: 1/8 of them
+
+# (record key, model, batch, tokens per sequence). The small model runs twice: at batch 2 its forward/backward
+# is about twice its update, where the share of the update staleness 1 hides is measured with the least noise
+# (at batch 8 the update is ~10% of a step, and a 2% wobble of the step moves that share by 20 points).
+WORKLOADS = [("tiny", "tiny", 8, 64), ("small (batch 2)", "small", 2, 128), ("small", "small", 8, 128)]
+FULL_WORKLOADS = [("gpt2-124m", "gpt2-124m", 1, 128)]
+SPLIT_FLAG = "NSP_BENCH_SPLIT_CPUS"  # set on the re-executed, pinned run
+
+
+def split_cpus(n_engine: int) -> tuple[list[int], list[int]]:
+    """(CPUs for the forward/backward, CPUs for the update): the last ``n_engine`` of this process's CPUs."""
+    cpus = sorted(os.sched_getaffinity(0))
+    if not 1 <= n_engine < len(cpus):
+        raise SystemExit(f"--engine-cpus {n_engine}: this process may run on {len(cpus)} CPUs ({cpus}); reserve "
+                         f"at least 1 for the update and leave at least 1 for the forward/backward")
+    return cpus[:-n_engine], cpus[-n_engine:]
+
+
+def reexec_split(n_engine: int) -> None:
+    """Re-executes this benchmark with the forward/backward pinned to the first CPUs and NSP_ENGINE_CPUS naming
+    the rest (both must be in place before JAX and nsp start their threads)."""
+    compute, engine = split_cpus(n_engine)
+    env = dict(os.environ, NSP_ENGINE_CPUS=",".join(map(str, engine)), **{SPLIT_FLAG: "1"})
+    os.sched_setaffinity(0, compute)  # inherited across exec by every thread the new process starts
+    sys.stdout.flush()
+    os.execve(sys.executable, [sys.executable, *sys.argv], env)
 
 
 def contenders_for(model_name: str, batch: int, seq: int, workdir: str):
@@ -102,15 +136,24 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--dir", default=None, help="where the file-tier stores go (default: a temp dir here)")
     parser.add_argument("--json", default=None)
+    parser.add_argument("--engine-cpus", type=int, default=0, metavar="N",
+                        help="run the update on the last N CPUs and the forward/backward on the others, as on a "
+                             "host beside an accelerator (default 0: all share every core)")
     args = parser.parse_args()
     if args.repeats < 5:
         parser.error("--repeats must be >= 5")
-    models = [("tiny", 8, 64), ("small", 8, 128)] + ([] if args.quick else [("gpt2-124m", 1, 128)])
+    if args.engine_cpus and os.environ.get(SPLIT_FLAG) != "1":
+        reexec_split(args.engine_cpus)  # does not return
+    record = {"models": {}, "engine_cpus": nsp.primitives.engine_cpus(),
+              "compute_cpus": sorted(os.sched_getaffinity(0))}
+    if args.engine_cpus:
+        print(f"forward/backward on CPUs {record['compute_cpus']}, the update on CPUs {record['engine_cpus']} "
+              f"(NSP_ENGINE_CPUS)")
+    workloads = WORKLOADS + ([] if args.quick else FULL_WORKLOADS)
     workdir = tempfile.mkdtemp(prefix="nsp-bench-", dir=args.dir or os.getcwd())
-    record = {"models": {}}
     try:
-        for model_name, batch, seq in models:
-            runs, stores, n = contenders_for(model_name, batch, seq, workdir)
+        for key, model_name, batch, seq in workloads:
+            runs, stores, n = contenders_for(model_name, batch, seq, tempfile.mkdtemp(dir=workdir))
             for store in stores.values():
                 store.reset_stats()
             times = time_interleaved(runs, repeats=args.repeats, warmup=2)
@@ -140,7 +183,7 @@ def main() -> None:
                     row["table1_out"] = 2 * M * padded / n
                 rows.append(row)
             print_table(
-                f"{model_name}: {n / 1e6:.2f}M params, batch {batch} x {seq} tokens, median of {args.repeats}",
+                f"{key}: {n / 1e6:.2f}M params, batch {batch} x {seq} tokens, median of {args.repeats}",
                 rows,
                 [("contender", "contender", ""), ("ms", "step ms", ".1f"), ("ratio", "x optax", ".2f"),
                  ("update_ms", "update ms", ".1f"), ("wait_ms", "wait ms", ".1f"), ("in", "link in B/step", ".0f"),
@@ -165,17 +208,19 @@ def main() -> None:
             # Where the rest goes: the time a staleness-1 step held its caller for the update (its wait) against
             # the slowdown of the forward/backward running beside the update on the same cores.
             stale_wait_s = next(r["wait_ms"] for r in rows if r["contender"] == "nsp file tier, staleness 1") / 1e3
+            shared = ("its CPU's memory and caches with the update" if args.engine_cpus else
+                      "the CPU with the update")
             print(f"  staleness 1 held its caller {stale_wait_s * 1e3:.1f} ms/step (the update's tail and the copies: "
                   f"{1 - stale_wait_s / update_s:.0%} of the update ran beside the next step); the rest of the "
-                  f"difference is the forward/backward slowed by sharing the CPU with the update")
-            record["models"][model_name] = {"params": n, "median_s": med, "times_s": times, "rows": rows,
-                                            "staleness_wait_s": stale_wait_s}
+                  f"difference is the forward/backward slowed by sharing {shared}")
+            record["models"][key] = {"params": n, "batch": batch, "seq": seq, "median_s": med, "times_s": times,
+                                     "rows": rows, "staleness_wait_s": stale_wait_s}
             for store in stores.values():
                 store.close()
-            record["models"][model_name]["staleness_hidden_fraction"] = hidden
-            record["models"][model_name]["staleness_hidden_fraction_steady"] = hidden_steady
-            record["models"][model_name]["steady_s"] = steady
-        path = write_json("train_step", record, args.json)
+            record["models"][key]["staleness_hidden_fraction"] = hidden
+            record["models"][key]["staleness_hidden_fraction_steady"] = hidden_steady
+            record["models"][key]["steady_s"] = steady
+        path = write_json("train_step_split" if args.engine_cpus else "train_step", record, args.json)
         print(f"\nwrote {path}")
     finally:
         shutil.rmtree(workdir, ignore_errors=True)

@@ -7,6 +7,7 @@
 #include <string>
 #include <utility>
 
+#include "engine_cpus.h"
 #include "ffi_common.h"
 #include "update_kernel.h"
 #include "xla/ffi/api/ffi.h"
@@ -85,6 +86,7 @@ ffi::Error DenseImpl(ffi::Buffer<ffi::F32> lr, ffi::Buffer<ffi::S32> step, ffi::
   if (static_cast<int64_t>(grad.element_count()) != prepared->span.size) {
     return InvalidArgument("grad must have as many elements as param");
   }
+  const EngineCpuScope cpus;  // NSP_ENGINE_CPUS
   UpdateDense(prepared->hp, prepared->span, grad.untyped_data(), *grad_type);
   return ffi::Error::Success();
 }
@@ -108,6 +110,7 @@ ffi::Error SparseImpl(ffi::Buffer<ffi::F32> lr, ffi::Buffer<ffi::S32> step, ffi:
   if (std::string err = ValidateSparseIndices(indices.typed_data(), count, prepared->span.size); !err.empty()) {
     return InvalidArgument(err);
   }
+  const EngineCpuScope cpus;  // NSP_ENGINE_CPUS
   UpdateSparse(prepared->hp, prepared->span, indices.typed_data(), values.untyped_data(), *value_type, count);
   return ffi::Error::Success();
 }

@@ -16,6 +16,7 @@
 
 #include "backend.h"
 #include "crc32c.h"
+#include "engine_cpus.h"
 #include "engine_registry.h"
 #include "store_engine.h"
 #include "thread_pool.h"
@@ -141,6 +142,13 @@ NB_MODULE(_nsp_ffi, m) {
   m.def("unregister_engine", &nsp::UnregisterEngine, nb::arg("handle"));
   m.def("kernel_isa", &nsp::KernelIsa, "Instruction set the update kernels use on this CPU.");
   m.def("get_num_threads", &nsp::GetNumThreads, "Threads the update kernels use.");
+  m.def(
+      "engine_cpus",
+      []() {
+        if (!nsp::EngineCpusError().empty()) throw nb::value_error(nsp::EngineCpusError().c_str());
+        return nsp::EngineCpus();
+      },
+      "CPUs NSP_ENGINE_CPUS reserves for the update work (empty: unset).");
   m.def(
       "set_num_threads",
       [](int n) {

@@ -20,6 +20,7 @@
 #include <string>
 #include <thread>
 
+#include "engine_cpus.h"
 #include "kernel_block.h"
 #include "thread_pool.h"
 
@@ -515,6 +516,7 @@ std::string ShardEngine::Commit(int64_t version) {
 }
 
 std::string ShardEngine::Step(ShardUpdate u, int64_t version) {
+  const EngineCpuScope cpus;  // NSP_ENGINE_CPUS; the page readers and writers started below inherit it
   std::lock_guard<std::mutex> lock(step_mu_);
   const AddElapsedNs timer(&stats_.update_ns);  // the step's wall time, however it returns
   if (version == version_ - 1 && version >= 0 && previous_valid_) {
@@ -542,6 +544,7 @@ std::string ShardEngine::Step(ShardUpdate u, int64_t version) {
 }
 
 std::string ShardEngine::Skip(const ShardUpdate& u, int64_t version) {
+  const EngineCpuScope cpus;
   if (std::string e = Wait(); !e.empty()) return "the previous (background) step failed: " + e;
   std::lock_guard<std::mutex> lock(step_mu_);
   if (version != version_) {

@@ -1,5 +1,7 @@
 #include "thread_pool.h"
 
+#include "engine_cpus.h"
+
 #include <pthread.h>
 
 #include <algorithm>
@@ -68,6 +70,7 @@ class ThreadPool {
   }
 
   void WorkerLoop() {
+    PinToEngineCpus();  // NSP_ENGINE_CPUS: the kernels' workers stay on the CPUs reserved for the update
     uint64_t seen = 0;
     for (;;) {
       {
@@ -98,6 +101,7 @@ int DefaultThreads() {
     const int n = std::atoi(env);
     if (n >= 1) return n;
   }
+  if (!EngineCpus().empty()) return static_cast<int>(EngineCpus().size());  // one thread per reserved CPU
   return std::max(1u, std::thread::hardware_concurrency());
 }
 

@@ -7,7 +7,8 @@
 
 namespace nsp {
 
-// Number of threads the kernels use (NSP_NUM_THREADS, else the hardware concurrency).
+// Number of threads the kernels use (NSP_NUM_THREADS, else one per CPU of NSP_ENGINE_CPUS, else the hardware
+// concurrency).
 int GetNumThreads();
 // Resizes the pool; n >= 1.
 void SetNumThreads(int n);

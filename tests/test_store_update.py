@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -264,3 +269,65 @@ def test_leaves_update_rejects_what_it_cannot_take(tmp_path, mesh4):
         store.initialize(params, storage.OptimizerSpec("adam"))
         with pytest.raises(ValueError, match="single-shard"):
             store_update_leaves(store, leaves, version=0, lr=0.1, step=1)
+
+
+# ---- NSP_ENGINE_CPUS: where the update work runs --------------------------------------------------------------
+
+_ENGINE_CPUS_SCRIPT = r"""
+import json, os, sys
+import numpy as np
+import nsp.storage
+from nsp.primitives import engine_cpus, fused_update, get_num_threads
+
+def thread_cpus():
+    out = []
+    for tid in os.listdir("/proc/self/task"):
+        with open(f"/proc/self/task/{tid}/status") as f:
+            out += [line.split()[1] for line in f if line.startswith("Cpus_allowed_list")]
+    return out
+
+before = sorted(os.sched_getaffinity(0))
+rng = np.random.default_rng(0)
+p0 = rng.standard_normal(5000).astype(np.float32)
+store = nsp.storage.open(sys.argv[1], tier="file", page_bytes=4096)
+store.initialize({"w": p0}, nsp.storage.OptimizerSpec("adam"))
+grad = np.zeros(store.layout.padded_total, np.float32)
+grad[:5000] = rng.standard_normal(5000)
+params = store.update(grad, version=0, lr=0.01, step=1)["params"][:5000]
+fused_update(np.ones(1 << 16, np.float32), np.ones(1 << 16, np.float32), kind="sgd", step=1, lr=1.0)
+store.close()
+json.dump({"engine_cpus": engine_cpus(), "threads": get_num_threads(), "before": before,
+           "after": sorted(os.sched_getaffinity(0)), "thread_cpus": thread_cpus(), "params": params.tolist()},
+          sys.stdout)
+"""
+
+
+def test_engine_cpus_pin_the_update_work_and_leave_the_caller_as_it_was(tmp_path):
+    cpu = max(os.sched_getaffinity(0))
+    env = dict(os.environ, NSP_ENGINE_CPUS=str(cpu), NSP_NUM_THREADS="2")  # two kernel threads: one pool worker
+    proc = subprocess.run([sys.executable, "-c", _ENGINE_CPUS_SCRIPT, str(tmp_path / "pinned")], env=env,
+                          capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    out = json.loads(proc.stdout)
+    assert out["engine_cpus"] == [cpu] and out["threads"] == 2
+    assert out["after"] == out["before"]  # the caller ran the update pinned, then got its own CPUs back
+    assert str(cpu) in out["thread_cpus"], "no thread of the process is pinned to the engine CPU (the pool worker)"
+    # The same update, unpinned, in this process: pinning moves work, never results.
+    rng = np.random.default_rng(0)
+    p0 = rng.standard_normal(5000).astype(np.float32)
+    store = storage.open(tmp_path / "free", tier="file", page_bytes=4096)
+    store.initialize({"w": p0}, storage.OptimizerSpec("adam"))
+    grad = np.zeros(store.layout.padded_total, np.float32)
+    grad[:5000] = rng.standard_normal(5000)
+    expected = store.update(grad, version=0, lr=0.01, step=1)["params"][:5000]
+    store.close()
+    np.testing.assert_array_equal(np.asarray(out["params"], np.float32), expected)
+
+
+@pytest.mark.parametrize("value, match", [("two", "is not a CPU list"), ("1-", "is not a CPU list"),
+                                          ("4096", "is not a CPU list"), ("1000", "may not run on")])
+def test_bad_engine_cpus_is_a_clear_error_at_import(value, match):
+    env = dict(os.environ, NSP_ENGINE_CPUS=value)
+    proc = subprocess.run([sys.executable, "-c", "import nsp.primitives"], env=env, capture_output=True, text=True)
+    assert proc.returncode != 0
+    assert "NSP_ENGINE_CPUS" in proc.stderr and match in proc.stderr, proc.stderr

@@ -81,7 +81,9 @@ def scale_by_storage(
       learning_rate: a scalar or an optax schedule of the step count (traced: changing it never recompiles).
       mesh, axis_name: the mesh axis the store's shards are spread over (one shard per device).
       staleness: 0 = exact; 1 = the update streams in the background while the next step's forward/backward
-        runs, which therefore sees params one step old (Angel-PTM's bounded staleness). Not replayable.
+        runs, which therefore sees params one step old (Angel-PTM's bounded staleness). Not replayable. On a
+        CPU-only machine, give the update CPUs of its own with ``NSP_ENGINE_CPUS`` (README), or it competes with
+        the forward/backward for cores.
 
     Returns:
       An optax transform; its ``update`` needs ``params``.

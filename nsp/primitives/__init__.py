@@ -1,6 +1,6 @@
 """JAX-facing operations: the fused near-storage update kernel, the store update, Top-K compression."""
 
-from nsp.primitives._ffi import get_num_threads, kernel_isa, set_num_threads
+from nsp.primitives._ffi import engine_cpus, get_num_threads, kernel_isa, set_num_threads
 from nsp.primitives.fused_update import FusedUpdateResult, fused_update, uses_mu, uses_nu
 from nsp.primitives.store_update import StoreUpdateResult, store_update, store_update_leaves
 from nsp.primitives.topk import kept_count, topk_compress, topk_decompress
@@ -8,6 +8,7 @@ from nsp.primitives.topk import kept_count, topk_compress, topk_decompress
 __all__ = [
     "FusedUpdateResult",
     "StoreUpdateResult",
+    "engine_cpus",
     "fused_update",
     "get_num_threads",
     "kept_count",
