@@ -63,6 +63,20 @@ def test_one_step_smoke(tmp_path, corpus):
     assert any((run / "tb").iterdir())
 
 
+def test_staleness_one_splits_the_step_by_what_it_waited_for(tmp_path, corpus, capsys):
+    run = tmp_path / "run"
+    assert train(run, corpus, "--steps", "4", "--staleness", "1", "--ckpt-every", "0") == 0
+    rows = [r for r in metrics(run) if "step_s" in r]
+    assert [r["step"] for r in rows] == [2, 4]
+    for r in rows:
+        # The update ran beside the next step: the step's own share of it is what the step waited for.
+        assert 0 <= r["update_wait_s"] <= r["step_s"]
+        assert r["fwd_bwd_s"] == pytest.approx(r["step_s"] - r["update_wait_s"])
+        assert r["update_s"] > 0
+    printed = capsys.readouterr()
+    assert "beside the next step" in printed.out + printed.err
+
+
 def test_resume_is_bit_exact(tmp_path, corpus):
     straight, split = tmp_path / "straight", tmp_path / "split"
     assert train(straight, corpus, "--steps", "12", "--ckpt-every", "6") == 0

@@ -298,10 +298,14 @@ def train_and_evaluate(config: TrainConfig, *, log: Callable[[str], None] = prin
                 delta = {k: (stats[k] - last["stats"].get(k, 0)) / steps for k in stats if k != "buffer_bytes"}
                 step_s = (now - last["time"]) / steps
                 update_s = delta.get("update_ns", 0) / 1e9
+                # With staleness 1 the update runs beside the next step: only the time a step waited for it (the
+                # previous update's tail, the copies) is the step's own.
+                wait_s = delta.get("wait_ns", 0) / 1e9
+                held_s = wait_s if config.staleness else update_s
                 row = {
                     "step": run.step, "loss": loss, "lr": float(schedule(run.step - 1)),
                     "tokens_per_s": run.tokens_per_step / step_s, "step_s": step_s,
-                    "update_s": update_s, "fwd_bwd_s": max(step_s - update_s, 0.0),
+                    "update_s": update_s, "update_wait_s": wait_s, "fwd_bwd_s": max(step_s - held_s, 0.0),
                     "shared_in_bytes": delta["shared_in_bytes"], "shared_out_bytes": delta["shared_out_bytes"],
                     "internal_read_bytes": delta["internal_read_bytes"],
                     "internal_write_bytes": delta["internal_write_bytes"],
@@ -313,7 +317,9 @@ def train_and_evaluate(config: TrainConfig, *, log: Callable[[str], None] = prin
                 log(f"step {run.step:>5}/{config.steps} {_bar(run.step, config.steps)} loss {loss:.4f}"
                     + (f" eval {row['eval_loss']:.4f}" if "eval_loss" in row else "")
                     + f" | {row['tokens_per_s'] / 1e3:.1f}k tok/s | step {step_s * 1e3:.0f} ms (fwd/bwd "
-                    f"{row['fwd_bwd_s'] * 1e3:.0f}, update {update_s * 1e3:.0f}) | link in "
+                    f"{row['fwd_bwd_s'] * 1e3:.0f}, update {update_s * 1e3:.0f}"
+                    + (f" beside the next step, {wait_s * 1e3:.0f} waited" if config.staleness else "")
+                    + ") | link in "
                     f"{_fmt_bytes(row['shared_in_bytes'])} out {_fmt_bytes(row['shared_out_bytes'])} | store r "
                     f"{_fmt_bytes(row['internal_read_bytes'])} w {_fmt_bytes(row['internal_write_bytes'])}"
                     f" | lr {row['lr']:.2e}")
