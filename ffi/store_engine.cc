@@ -27,15 +27,18 @@
 namespace nsp {
 namespace {
 
-// A staleness-1 step in the background yields the CPU to the foreground (see StepAsync), unless
-// NSP_BACKGROUND_PRIORITY=normal.
 constexpr int kReaders = 2;  // page reader threads of a streamed update
 constexpr int kWriters = 2;  // page writer threads: while one checksums a page (CPU), the other's write runs
 
-const bool kYieldToForeground = [] {
-  const char* env = std::getenv("NSP_BACKGROUND_PRIORITY");
-  return env == nullptr || std::string(env) != "normal";
-}();
+// A staleness-1 step in the background yields the CPU to the foreground (see StepAsync), unless
+// NSP_BACKGROUND_PRIORITY=normal, or NSP_ENGINE_CPUS gave the update CPUs of its own (nothing there to yield to).
+bool YieldToForeground() {
+  static const bool yield = [] {
+    const char* env = std::getenv("NSP_BACKGROUND_PRIORITY");
+    return (env == nullptr || std::string(env) != "normal") && EngineCpus().empty();
+  }();
+  return yield;
+}
 
 
 // Adds the wall time from its construction to its destruction to *total.
@@ -634,13 +637,14 @@ std::string ShardEngine::StepAsync(const ShardUpdate& update, int64_t version) {
     // thread at the lowest priority (SCHED_IDLE: any runnable foreground thread preempts it at once; inherited
     // by the readers and writers it starts) lets it use the cores the foreground leaves idle instead of stalling
     // the foreground's parallel loops; its I/O (direct) needs little CPU.
-    if (kYieldToForeground) {
+    const bool yield = YieldToForeground();
+    if (yield) {
       sched_param param{};
       if (::sched_setscheduler(0, SCHED_IDLE, &param) != 0) {  // where refused: the lowest nice level
         ::setpriority(PRIO_PROCESS, static_cast<id_t>(::syscall(SYS_gettid)), 19);
       }
     }
-    SerialScope serial(kYieldToForeground);
+    SerialScope serial(yield);
     pending_error_ = Step(u, version);
     if (!pending_error_.empty()) async_params_valid_ = false;
   });

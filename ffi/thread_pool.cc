@@ -1,7 +1,5 @@
 #include "thread_pool.h"
 
-#include "engine_cpus.h"
-
 #include <pthread.h>
 
 #include <algorithm>
@@ -12,6 +10,8 @@
 #include <mutex>
 #include <thread>
 #include <vector>
+
+#include "engine_cpus.h"
 
 namespace nsp {
 namespace {
