@@ -790,7 +790,8 @@ def render_train_step(d: dict, out: Path) -> tuple[str, str]:
         parts.append(f"**{model}** ({m['params']:,} params; staleness 1 hides {hides})\n\n"
                      + md_table(rows, [("contender", "contender", ""), ("ms", "step ms", ".1f"),
                                        ("ratio", "x optax", ".2f"), ("update_ms", "update ms", ".1f"),
-                                       ("wait_ms", "wait ms", ".1f"), ("in", "link in B/step", ",.0f"), ("table1_in", "Table I in", ",.0f"),
+                                       ("wait_ms", "wait ms", ".1f"), ("in", "link in B/step", ",.0f"),
+                                       ("table1_in", "Table I in", ",.0f"),
                                        ("out", "link out B/step", ",.0f"), ("table1_out", "Table I out", ",.0f")]))
     parts.append("*update ms*: a step's update, start to commit (in the background for staleness 1); *wait ms*: how "
                  "long a staleness-1 step held its caller (the previous update's tail and the copies of gradient and "

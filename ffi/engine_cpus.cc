@@ -4,7 +4,6 @@
 
 #include <algorithm>
 #include <cstdlib>
-#include <cstring>
 
 namespace nsp {
 namespace {
@@ -72,7 +71,12 @@ const Parsed& Get() {
   return *parsed;
 }
 
-bool PinCallingThread() {
+}  // namespace
+
+const std::vector<int>& EngineCpus() { return Get().cpus; }
+const std::string& EngineCpusError() { return Get().error; }
+
+bool PinToEngineCpus() {
   const std::vector<int>& cpus = EngineCpus();
   if (cpus.empty()) return false;
   cpu_set_t set;
@@ -81,28 +85,14 @@ bool PinCallingThread() {
   return ::sched_setaffinity(0, sizeof(set), &set) == 0;
 }
 
-}  // namespace
-
-const std::vector<int>& EngineCpus() { return Get().cpus; }
-const std::string& EngineCpusError() { return Get().error; }
-
 EngineCpuScope::EngineCpuScope() {
-  if (EngineCpus().empty()) return;
-  cpu_set_t before;
-  CPU_ZERO(&before);
-  if (::sched_getaffinity(0, sizeof(before), &before) != 0) return;
-  if (!PinCallingThread()) return;
-  previous_.assign(reinterpret_cast<unsigned char*>(&before), reinterpret_cast<unsigned char*>(&before) + sizeof(before));
-  pinned_ = true;
+  CPU_ZERO(&previous_);
+  if (EngineCpus().empty() || ::sched_getaffinity(0, sizeof(previous_), &previous_) != 0) return;
+  pinned_ = PinToEngineCpus();
 }
 
 EngineCpuScope::~EngineCpuScope() {
-  if (!pinned_) return;
-  cpu_set_t before;
-  std::memcpy(&before, previous_.data(), sizeof(before));
-  ::sched_setaffinity(0, sizeof(before), &before);
+  if (pinned_) ::sched_setaffinity(0, sizeof(previous_), &previous_);
 }
-
-void PinToEngineCpus() { PinCallingThread(); }
 
 }  // namespace nsp

@@ -7,6 +7,8 @@
 // node wants its update on that node's cores).
 #pragma once
 
+#include <sched.h>
+
 #include <string>
 #include <vector>
 
@@ -29,10 +31,11 @@ class EngineCpuScope {
 
  private:
   bool pinned_ = false;
-  std::vector<unsigned char> previous_;  // the thread's cpu_set_t before pinning
+  cpu_set_t previous_;  // the thread's affinity before pinning
 };
 
-// Pins the calling thread to the engine CPUs for good (a kernel pool worker); does nothing when unset.
-void PinToEngineCpus();
+// Pins the calling thread to the engine CPUs for good (a kernel pool worker). Returns whether it did: false when
+// NSP_ENGINE_CPUS is unset or the pinning was refused.
+bool PinToEngineCpus();
 
 }  // namespace nsp
