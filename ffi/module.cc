@@ -60,6 +60,18 @@ void CheckLength(const char* name, const A& a, int64_t n) {
   }
 }
 
+// The Python object of a ShardEngine holds one reference to it; the registry (reached by XLA FFI calls) holds
+// another, and each running call one more. So an engine lives until the last of them is gone, in whatever order
+// Python objects, the registry and in-flight steps let go of it: no call ever sees a freed engine.
+struct EngineRef {
+  std::shared_ptr<nsp::ShardEngine> engine;
+  const std::shared_ptr<nsp::ShardEngine>& engine_or_throw() const {
+    if (!engine) throw std::runtime_error("this shard engine was released: its store is closed");
+    return engine;
+  }
+  nsp::ShardEngine& get() const { return *engine_or_throw(); }
+};
+
 // Python face of a ShardEngine. Arrays are 1-D, C-contiguous host arrays; bf16 arrays travel as uint16 views.
 std::unique_ptr<nsp::Backend> MakeBackend(const std::string& tier, const std::string& root, int64_t size,
                                           int64_t page_elems, std::array<bool, nsp::kNumStates> used,
@@ -139,7 +151,16 @@ NB_MODULE(_nsp_ffi, m) {
     targets["nsp_store_update_pieces"] = EncapsulateFfiHandler(NspStoreUpdatePieces);
     return targets;
   });
-  m.def("unregister_engine", &nsp::UnregisterEngine, nb::arg("handle"));
+  m.def(
+      "unregister_engine",
+      [](int64_t handle) {
+        std::shared_ptr<nsp::ShardEngine> dropped = nsp::UnregisterEngine(handle);
+        nb::gil_scoped_release release;
+        dropped.reset();  // the last reference may wait for a background step: without the GIL
+      },
+      nb::arg("handle"),
+      "Makes `handle` unknown to XLA FFI calls (a later call naming it fails: the store was closed). A call "
+      "running now keeps the engine alive until it returns.");
   m.def("kernel_isa", &nsp::KernelIsa, "Instruction set the update kernels use on this CPU.");
   m.def("get_num_threads", &nsp::GetNumThreads, "Threads the update kernels use.");
   m.def(
@@ -156,23 +177,24 @@ NB_MODULE(_nsp_ffi, m) {
         nsp::SetNumThreads(n);
       },
       nb::arg("n"), "Sets the threads the update kernels use.");
-  nb::class_<nsp::ShardEngine>(m, "ShardEngine")
+  nb::class_<EngineRef>(m, "ShardEngine")
       .def("__init__",
-           [](nsp::ShardEngine* self, const std::string& tier, const std::string& root, int64_t size,
-              int64_t page_elems, int pages_in_flight, std::array<bool, nsp::kNumStates> used, bool checksum,
-              bool in_place) {
-             new (self) nsp::ShardEngine(MakeBackend(tier, root, size, page_elems, used, checksum, in_place), size,
-                                         page_elems, pages_in_flight, used);
+           [](EngineRef* self, const std::string& tier, const std::string& root, int64_t size, int64_t page_elems,
+              int pages_in_flight, std::array<bool, nsp::kNumStates> used, bool checksum, bool in_place) {
+             new (self) EngineRef{std::make_shared<nsp::ShardEngine>(
+                 MakeBackend(tier, root, size, page_elems, used, checksum, in_place), size, page_elems,
+                 pages_in_flight, used)};
            },
            nb::arg("tier"), nb::arg("root"), nb::arg("size"), nb::arg("page_elems"), nb::arg("pages_in_flight"),
            nb::arg("states_used"), nb::arg("checksum"), nb::arg("in_place") = false)
       .def(
           "update",
-          [](nsp::ShardEngine& e, int src_slot, int dst_slot, int kind, float lr, int64_t step, double b1, double b2,
+          [](EngineRef& ref, int src_slot, int dst_slot, int kind, float lr, int64_t step, double b1, double b2,
              double eps, double weight_decay, double momentum, bool nesterov, bool lazy, std::optional<F32In> grad,
              std::optional<U16In> grad_bf16, std::optional<I32In> indices, std::optional<F32In> values,
              std::optional<U16In> values_bf16, std::optional<F32Array> params_out,
              std::optional<U16Array> params_bf16_out) {
+             nsp::ShardEngine& e = ref.get();
             nsp::ShardUpdate u = MakeUpdate(e, kind, lr, step, b1, b2, eps, weight_decay, momentum, nesterov, lazy,
                                             grad, grad_bf16, indices, values, values_bf16, params_out, params_bf16_out);
             u.src_slot = src_slot;
@@ -192,7 +214,8 @@ NB_MODULE(_nsp_ffi, m) {
           nb::arg("values_bf16").none() = nb::none(), nb::arg("params_out").none() = nb::none(),
           nb::arg("params_bf16_out").none() = nb::none())
       .def("sync",
-           [](nsp::ShardEngine& e, int slot) {
+           [](EngineRef& ref, int slot) {
+             nsp::ShardEngine& e = ref.get();
              std::string err;
              {
                nb::gil_scoped_release release;
@@ -201,7 +224,8 @@ NB_MODULE(_nsp_ffi, m) {
              Check(err);
            })
       .def("read_state",
-           [](nsp::ShardEngine& e, int slot, int state, F32Array out) {
+           [](EngineRef& ref, int slot, int state, F32Array out) {
+             nsp::ShardEngine& e = ref.get();
              CheckLength("out", out, e.size());
              std::string err;
              {
@@ -211,7 +235,8 @@ NB_MODULE(_nsp_ffi, m) {
              Check(err);
            })
       .def("write_state",
-           [](nsp::ShardEngine& e, int slot, int state, F32In in) {
+           [](EngineRef& ref, int slot, int state, F32In in) {
+             nsp::ShardEngine& e = ref.get();
              CheckLength("in", in, e.size());
              std::string err;
              {
@@ -221,7 +246,8 @@ NB_MODULE(_nsp_ffi, m) {
              Check(err);
            })
       .def("write_pages",
-           [](nsp::ShardEngine& e, int slot, int state, int64_t first_page, F32In in) {
+           [](EngineRef& ref, int slot, int state, int64_t first_page, F32In in) {
+             nsp::ShardEngine& e = ref.get();
              std::string err;
              {
                nb::gil_scoped_release release;
@@ -231,7 +257,8 @@ NB_MODULE(_nsp_ffi, m) {
            },
            "Writes whole pages of a state starting at `first_page` (initialisation a page at a time).")
       .def("stats",
-           [](const nsp::ShardEngine& e) {
+           [](EngineRef& ref) {
+             nsp::ShardEngine& e = ref.get();
              const nsp::TrafficStats& s = e.stats();
              nb::dict d;
              d["shared_in_bytes"] = s.shared_in_bytes;
@@ -247,11 +274,12 @@ NB_MODULE(_nsp_ffi, m) {
              return d;
            })
       .def("step",
-           [](nsp::ShardEngine& e, int64_t version, int kind, float lr, int64_t step, double b1, double b2,
+           [](EngineRef& ref, int64_t version, int kind, float lr, int64_t step, double b1, double b2,
               double eps, double weight_decay, double momentum, bool nesterov, bool lazy, std::optional<F32In> grad,
               std::optional<U16In> grad_bf16, std::optional<I32In> indices, std::optional<F32In> values,
               std::optional<U16In> values_bf16, std::optional<F32Array> params_out,
               std::optional<U16Array> params_bf16_out) {
+             nsp::ShardEngine& e = ref.get();
              nsp::ShardUpdate u = MakeUpdate(e, kind, lr, step, b1, b2, eps, weight_decay, momentum, nesterov, lazy,
                                              grad, grad_bf16, indices, values, values_bf16, params_out,
                                              params_bf16_out);
@@ -271,7 +299,8 @@ NB_MODULE(_nsp_ffi, m) {
            nb::arg("params_bf16_out").none() = nb::none(),
            "Reads `version`, writes, syncs and commits version + 1 (a replay of the one before is allowed).")
       .def("wait",
-           [](nsp::ShardEngine& e) {
+           [](EngineRef& ref) {
+             nsp::ShardEngine& e = ref.get();
              std::string err;
              {
                nb::gil_scoped_release release;
@@ -282,7 +311,8 @@ NB_MODULE(_nsp_ffi, m) {
            "Waits for a background (staleness 1) step; raises its error.")
       .def(
           "skip",
-          [](nsp::ShardEngine& e, int64_t version, std::optional<F32Array> params_out) {
+          [](EngineRef& ref, int64_t version, std::optional<F32Array> params_out) {
+             nsp::ShardEngine& e = ref.get();
             nsp::ShardUpdate u;
             if (params_out) {
               CheckLength("params_out", *params_out, e.size());
@@ -297,20 +327,23 @@ NB_MODULE(_nsp_ffi, m) {
           },
           nb::arg("version"), nb::arg("params_out").none() = nb::none(),
           "Skips a step (non-finite gradient): the store stays at `version`; its params go to params_out.")
-      .def_prop_ro("pending", &nsp::ShardEngine::pending)
+      .def_prop_ro("pending", [](EngineRef& ref) { return ref.get().pending(); })
       .def(
           "verify",
-          [](nsp::ShardEngine& e, int slot, int state) {
+          [](EngineRef& ref, int slot, int state) {
+             nsp::ShardEngine& e = ref.get();
             nb::gil_scoped_release release;
             return e.Verify(slot, state);
           },
           nb::arg("slot"), nb::arg("state"), "Reads every page, checking checksums; returns the problems found.")
-      .def_prop_ro("version", &nsp::ShardEngine::version)
-      .def_prop_ro("previous_valid", &nsp::ShardEngine::previous_valid)
-      .def("set_manifest", &nsp::ShardEngine::SetManifest, nb::arg("path"), nb::arg("version"))
+      .def_prop_ro("version", [](EngineRef& ref) { return ref.get().version(); })
+      .def_prop_ro("previous_valid", [](EngineRef& ref) { return ref.get().previous_valid(); })
+      .def("set_manifest", [](EngineRef& ref, std::string path, int64_t version) { ref.get().SetManifest(std::move(path), version); },
+           nb::arg("path"), nb::arg("version"))
       .def(
           "commit",
-          [](nsp::ShardEngine& e, int64_t version) {
+          [](EngineRef& ref, int64_t version) {
+             nsp::ShardEngine& e = ref.get();
             std::string err;
             {
               nb::gil_scoped_release release;
@@ -319,14 +352,24 @@ NB_MODULE(_nsp_ffi, m) {
             Check(err);
           },
           nb::arg("version"))
-      .def("register", [](nsp::ShardEngine& e) { return nsp::RegisterEngine(&e); },
-           "Makes the engine reachable from XLA FFI calls; returns its handle.")
-      .def("reset_stats", &nsp::ShardEngine::ResetStats)
-      .def_prop_ro("buffer_bytes", &nsp::ShardEngine::buffer_bytes)
-      .def_prop_ro("num_pages", &nsp::ShardEngine::num_pages)
-      .def_prop_ro("pages_in_flight", &nsp::ShardEngine::pages_in_flight)
-      .def_prop_ro("size", &nsp::ShardEngine::size)
-      .def_prop_ro("backend", [](nsp::ShardEngine& e) { return e.backend().name(); });
+      .def("register", [](EngineRef& ref) { return nsp::RegisterEngine(ref.engine_or_throw()); },
+           "Makes the engine reachable from XLA FFI calls (the registry holds a reference); returns its handle.")
+      .def(
+          "release",
+          [](EngineRef& ref) {
+            std::shared_ptr<nsp::ShardEngine> last = std::move(ref.engine);
+            nb::gil_scoped_release release;
+            last.reset();  // when it was the last reference, waits for a background step and frees the buffers
+          },
+          "Drops this object's reference to the engine; its methods fail from now on. The engine itself lives on "
+          "while the registry or a running XLA call still holds it.")
+      .def("reset_stats", [](EngineRef& ref) { ref.get().ResetStats(); })
+      .def_prop_ro("buffer_bytes", [](EngineRef& ref) { return ref.get().buffer_bytes(); })
+      .def_prop_ro("num_pages", [](EngineRef& ref) { return ref.get().num_pages(); })
+      .def_prop_ro("pages_in_flight", [](EngineRef& ref) { return ref.get().pages_in_flight(); })
+      .def_prop_ro("size", [](EngineRef& ref) { return ref.get().size(); })
+      .def_prop_ro("backend", [](EngineRef& ref) {
+             nsp::ShardEngine& e = ref.get(); return e.backend().name(); });
 
   m.def(
       "stream_roofline",

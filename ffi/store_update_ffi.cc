@@ -18,6 +18,7 @@
 // Its apply operand may be -1: the handler then checks the leaves for NaN/Inf itself: inside the update's own
 // pass on a two-slot memory store (a non-finite gradient leaves the committed slot whole), else in one
 // vectorised pass before it (XLA:CPU's reduction over a standalone gradient ran at a quarter of memory speed).
+#include <memory>
 #include <string>
 #include <utility>
 
@@ -36,7 +37,7 @@ constexpr char kOp[] = "nsp.store_update";
 ffi::Error Invalid(const std::string& message) { return ffi_common::Invalid(kOp, message); }
 
 struct Call {
-  ShardEngine* engine;
+  std::shared_ptr<ShardEngine> engine;  // held while the call runs: a store closed meanwhile cannot free it
   ShardUpdate update;
   int64_t version;
   bool apply;         // false: the gradient is not finite, skip the step
@@ -53,11 +54,12 @@ ffi::ErrorOr<Call> StartCall(ffi::Buffer<ffi::F32> lr, ffi::Buffer<ffi::S32> ste
     return ffi::Unexpected(Invalid("shard " + std::to_string(s) + " is not one of the store's " +
                                    std::to_string(handles.size()) + " shards"));
   }
-  ShardEngine* engine = FindEngine(handles[s]);
-  if (engine == nullptr) return ffi::Unexpected(Invalid("the store was closed"));
+  std::string why;
+  std::shared_ptr<ShardEngine> engine = FindEngine(handles[s], &why);
+  if (engine == nullptr) return ffi::Unexpected(Invalid(why));
   auto hyper = ffi_common::HyperParams(kOp, lr, step, kind, b1, b2, eps, weight_decay, momentum, nesterov, lazy);
   if (hyper.has_error()) return ffi::Unexpected(hyper.error());
-  Call call{engine, {}, version.typed_data()[0], apply.typed_data()[0] != 0, apply.typed_data()[0] < 0};
+  Call call{std::move(engine), {}, version.typed_data()[0], apply.typed_data()[0] != 0, apply.typed_data()[0] < 0};
   call.update.hp = *hyper;
   return call;
 }
@@ -80,7 +82,7 @@ ffi::ErrorOr<Call> Prepare(ffi::Buffer<ffi::F32> lr, ffi::Buffer<ffi::S32> step,
                            nesterov, lazy);
   if (started.has_error()) return started;
   Call call = *started;
-  ShardEngine* engine = call.engine;
+  ShardEngine* engine = call.engine.get();
   const int64_t n = engine->size();
   if (static_cast<int64_t>(params->element_count()) != n) {
     return ffi::Unexpected(Invalid("the params result has " + std::to_string(params->element_count()) +

@@ -292,13 +292,9 @@ def snapshot_store(store: StateStore, dest: str | os.PathLike, *, mode: str = "a
         raise ValueError(f"unknown mode {mode!r}; expected one of {MODES}")
     if getattr(store, "_closed", False):
         raise StoreError("cannot snapshot a closed store")
+    # store.version waits for the steps already dispatched (and background ones): their updates land first.
     if not store.initialized or store.version is None:
         raise StoreError("the store holds no state yet: nothing to snapshot")
-    if getattr(store, "_handles", None):
-        # Jitted steps naming this store may still be queued; their updates must land before we read the version.
-        import jax
-
-        jax.effects_barrier()
     dest = Path(dest).absolute()
     existed = _prepare_empty_dir(dest, "snapshot directory")
     try:

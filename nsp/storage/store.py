@@ -25,6 +25,8 @@ import errno
 import fcntl
 import json
 import os
+import sys
+import weakref
 from pathlib import Path
 from typing import Any
 
@@ -106,6 +108,62 @@ def _read_json(path: Path, what: str) -> dict:
         raise StoreError(f"{what} {path} is corrupt or truncated ({e})") from None
 
 
+def _effects_barrier() -> None:
+    """Waits for the side-effecting computations this thread dispatched (jitted steps run asynchronously)."""
+    try:
+        jax.effects_barrier()
+    except Exception:  # noqa: BLE001  (a failed step raises its error to its own caller, from its outputs)
+        pass
+
+
+class _Lifetime:
+    """What a store must release, apart from the store object so that a finalizer can hold it.
+
+    The C++ side keeps each engine alive while its registry handle or a running step holds it, so nothing here
+    can free an engine under a step. What remains is the order: the handles stay registered until the steps
+    already dispatched have run, or a queued step would find its store gone.
+    """
+
+    def __init__(self, num_shards: int):
+        self.engines: list[Any] = []  # _nsp_ffi.ShardEngine, one per shard
+        self.handles: list[int] = []  # their registry handles, once a jitted step asked for them
+        self.lock_fds: list[int] = []
+        self.pool = concurrent.futures.ThreadPoolExecutor(max_workers=num_shards, thread_name_prefix="nsp-shard")
+        self.released = False
+
+    def release(self, *, from_finalizer: bool = False) -> list[Exception]:
+        """Waits for dispatched steps and background updates, then lets go of everything; returns the errors of
+        background updates (they have nowhere else to go)."""
+        if self.released:
+            return []
+        self.released = True
+        # A finalizer can run on a pool thread (garbage collection happens wherever Python allocates): never
+        # join the pool from there.
+        self.pool.shutdown(wait=not from_finalizer)
+        if self.handles:
+            _effects_barrier()
+        errors = []
+        for engine in self.engines:
+            try:
+                engine.wait()
+            except RuntimeError as e:
+                errors.append(e)
+        for handle in self.handles:
+            _nsp_ffi.unregister_engine(handle)
+        for engine in self.engines:
+            engine.release()
+        self.handles, self.engines = [], []
+        for fd in self.lock_fds:
+            os.close(fd)  # closing the descriptor drops the flock
+        self.lock_fds = []
+        return errors
+
+    def release_dropped(self) -> None:
+        """The finalizer of a store dropped without ``close()`` (also run at interpreter exit)."""
+        for error in self.release(from_finalizer=True):
+            print(f"nsp: a background update of a store dropped without close() failed: {error}", file=sys.stderr)
+
+
 class StateStore:
     """Sharded, paged, versioned optimizer state in one storage tier. Create with ``nsp.storage.open``."""
 
@@ -121,12 +179,24 @@ class StateStore:
         self.in_place = in_place  # memory tier only: one copy of the state, updated in place (no replay)
         self.layout: Layout | None = None
         self.optimizer: OptimizerSpec | None = None
-        self._engines: list[Any] = []
-        self._handles: list[int] = []
         self.staleness = 0  # set by the nsp.optim transform that drives the store
-        self._lock_fd: int | None = None
-        self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=num_shards, thread_name_prefix="nsp-shard")
         self._closed = False
+        # Engines, handles, locks and threads live in their own object, released by close() or, for a store
+        # dropped without close(), by a finalizer that runs only once the steps already dispatched are done.
+        self._life = _Lifetime(num_shards)
+        weakref.finalize(self, self._life.release_dropped)
+
+    @property
+    def _engines(self) -> list[Any]:
+        return self._life.engines
+
+    @_engines.setter
+    def _engines(self, engines: list[Any]) -> None:
+        self._life.engines = engines
+
+    @property
+    def _pool(self) -> concurrent.futures.ThreadPoolExecutor:
+        return self._life.pool
 
     # ---- lifecycle -------------------------------------------------------------------------------------------
 
@@ -146,33 +216,23 @@ class StateStore:
             raise
         os.ftruncate(fd, 0)
         os.write(fd, f"pid {os.getpid()}".encode())
-        self._lock_fd = fd
+        self._life.lock_fds.append(fd)
 
     def close(self) -> None:
-        """Releases the engines, their buffers and threads, and the writer lock. Idempotent."""
+        """Waits for the steps already dispatched to this store, then releases its engines, their buffers and
+        threads, and its locks. Idempotent.
+
+        Raises:
+          StoreError: a background (``staleness=1``) update failed; everything is released all the same, and
+            the store's committed version is the one before that update.
+        """
         if self._closed:
             return
         self._closed = True
-        self._pool.shutdown(wait=True)
-        if self._handles:
-            # Jitted steps that name this store may still be queued (JAX dispatches asynchronously): let every
-            # side-effecting computation finish before the engines go away.
-            try:
-                jax.effects_barrier()
-            except Exception:  # noqa: BLE001  (a failed step already raised its error to its caller)
-                pass
-        for engine in self._engines:
-            try:
-                engine.wait()  # a background step's error has nowhere left to go: the version stays committed
-            except RuntimeError:
-                pass
-        for handle in self._handles:
-            _nsp_ffi.unregister_engine(handle)
-        self._handles = []
-        self._engines = []
-        if self._lock_fd is not None:
-            os.close(self._lock_fd)  # closing the descriptor drops the flock
-            self._lock_fd = None
+        errors = self._life.release()
+        if errors:
+            raise StoreError(f"a background update failed before the store closed; its version was not "
+                             f"committed: {errors[0]}")
 
     def __enter__(self) -> StateStore:
         return self
@@ -191,11 +251,8 @@ class StateStore:
     def barrier(self) -> None:
         """Waits for the updates already dispatched to this store (jitted steps run asynchronously) and every
         background step (``staleness=1``) to commit; raises the first background step's error."""
-        if self._handles:
-            try:
-                jax.effects_barrier()
-            except Exception:  # noqa: BLE001  (a failed step raises its error to its own caller, from its outputs)
-                pass
+        if self._life.handles:
+            _effects_barrier()
         errors = []
         for engine in self._engines:
             try:
@@ -228,9 +285,9 @@ class StateStore:
         self._check_open()
         if not self.initialized:
             raise StoreError("the store holds no state yet: call initialize(params, optimizer) first")
-        if not self._handles:
-            self._handles = [e.register() for e in self._engines]
-        return list(self._handles)
+        if not self._life.handles:
+            self._life.handles = [e.register() for e in self._engines]
+        return list(self._life.handles)
 
     # ---- creation --------------------------------------------------------------------------------------------
 
