@@ -50,6 +50,15 @@ class Backend {
   virtual std::string WritePage(int slot, int state, int64_t page, float* src, int64_t n, bool scratch) = 0;
   // Makes everything written to `slot` durable. Returns "" or an error.
   virtual std::string Sync(int slot) = 0;
+  // The checksum each page of `state` in `slot` holds, as written there or as set below; empty unless every
+  // page's is known (the memory tier keeps none). The engine records them in the shard's manifest at commit.
+  virtual std::vector<uint32_t> PageChecksums(int /*slot*/, int /*state*/) const { return {}; }
+  // Sets them from a committed manifest: from then on a read checks that each page holds what was written for
+  // its place, so a valid page of another slot, page, shard or store is reported as damage. Returns "" or an
+  // error (wrong count).
+  virtual std::string SetPageChecksums(int /*slot*/, int /*state*/, const std::vector<uint32_t>& /*crcs*/) {
+    return {};
+  }
   // Whether writing one slot leaves the other's version whole (false when both slots are one memory: an
   // in-place store, which cannot replay a step).
   virtual bool KeepsPrevious() const { return true; }

@@ -52,6 +52,12 @@ void Check(const std::string& err) {
   if (!err.empty()) throw std::runtime_error(err);
 }
 
+void CheckSlotState(int slot, int state) {
+  if (slot < 0 || slot > 1 || state < 0 || state >= nsp::kNumStates) {
+    throw nb::value_error(("no slot " + std::to_string(slot) + " / state " + std::to_string(state)).c_str());
+  }
+}
+
 template <typename A>
 void CheckLength(const char* name, const A& a, int64_t n) {
   if (static_cast<int64_t>(a.shape(0)) != n) {
@@ -338,8 +344,26 @@ NB_MODULE(_nsp_ffi, m) {
           nb::arg("slot"), nb::arg("state"), "Reads every page, checking checksums; returns the problems found.")
       .def_prop_ro("version", [](EngineRef& ref) { return ref.get().version(); })
       .def_prop_ro("previous_valid", [](EngineRef& ref) { return ref.get().previous_valid(); })
-      .def("set_manifest", [](EngineRef& ref, std::string path, int64_t version) { ref.get().SetManifest(std::move(path), version); },
-           nb::arg("path"), nb::arg("version"))
+      .def("set_manifest",
+           [](EngineRef& ref, std::string path, int64_t version, std::string store_id, int64_t shard) {
+             ref.get().SetManifest(std::move(path), version, std::move(store_id), shard);
+           },
+           nb::arg("path"), nb::arg("version"), nb::arg("store_id") = "", nb::arg("shard") = 0)
+      .def(
+          "page_checksums",
+          [](EngineRef& ref, int slot, int state) {
+            CheckSlotState(slot, state);
+            return ref.get().backend().PageChecksums(slot, state);
+          },
+          nb::arg("slot"), nb::arg("state"), "Each page's checksum in `slot` (empty: not all known).")
+      .def(
+          "set_page_checksums",
+          [](EngineRef& ref, int slot, int state, std::vector<uint32_t> crcs) {
+            CheckSlotState(slot, state);
+            Check(ref.get().backend().SetPageChecksums(slot, state, crcs));
+          },
+          nb::arg("slot"), nb::arg("state"), nb::arg("crcs"),
+          "Sets what each page of `slot` must hold (from a committed manifest); reads then check it.")
       .def(
           "commit",
           [](EngineRef& ref, int64_t version) {

@@ -484,6 +484,32 @@ std::string ShardEngine::UpdateStreamed(const ShardUpdate& u) {
   return {};
 }
 
+// {"store": ID, "shard": I, "version": V, "checksums": {"SLOT": {"version": W, "STATE": [crc, ...]}}}: the slots whose every
+// page's checksum is known (the committed one always: its pages were all written or loaded).
+std::string ShardEngine::ManifestText(int64_t version) const {
+  std::string text = "{\"store\": \"" + store_id_ + "\", \"shard\": " + std::to_string(shard_index_) +
+                     ", \"version\": " + std::to_string(version) + ", \"checksums\": {";
+  bool first_slot = true;
+  for (int slot = 0; slot < 2; ++slot) {
+    std::string states;
+    for (int s = 0; s < kNumStates; ++s) {
+      if (!used_[s]) continue;
+      const std::vector<uint32_t> crcs = backend_->PageChecksums(slot, s);
+      if (crcs.empty()) continue;
+      states += std::string(states.empty() ? "" : ", ") + "\"" + StateName(s) + "\": [";
+      for (size_t i = 0; i < crcs.size(); ++i) states += (i ? "," : "") + std::to_string(crcs[i]);
+      states += "]";
+    }
+    if (states.empty()) continue;
+    // The committed version's slot, and the slot beside it, which holds the version before (a replay reads it).
+    const int64_t held = slot == version % 2 ? version : version - 1;
+    text += std::string(first_slot ? "" : ", ") + "\"" + std::to_string(slot) + "\": {\"version\": " +
+            std::to_string(held) + ", " + states + "}";
+    first_slot = false;
+  }
+  return text + "}}";
+}
+
 std::string ShardEngine::Commit(int64_t version) {
   // Debug hook for the fault campaign (NSP_DEBUG_KILL_AT_COMMIT=N): die just before the Nth commit of the
   // process renames its manifest, as a crash would.
@@ -496,7 +522,7 @@ std::string ShardEngine::Commit(int64_t version) {
   if (!manifest_.empty()) {
     // Write-to-temp, fsync, rename, fsync the directory: the old or the new manifest, never a mix.
     const std::string tmp = manifest_ + ".tmp";
-    const std::string text = "{\"version\": " + std::to_string(version) + "}";
+    const std::string text = ManifestText(version);
     const int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
     if (fd < 0) return "cannot create " + tmp + ": " + std::strerror(errno);
     const bool ok = ::write(fd, text.data(), text.size()) == static_cast<ssize_t>(text.size()) && ::fsync(fd) == 0;

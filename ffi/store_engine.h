@@ -120,10 +120,15 @@ class ShardEngine {
   std::string Wait();
   bool pending() const { return pending_.joinable(); }
 
-  void SetManifest(std::string path, int64_t version) {
+  // Where commits go (SHARD/MANIFEST.json; empty: memory only), the committed version, and the identity every
+  // manifest names: the store's id and this shard's index. A manifest also records each page's checksum in
+  // both slots (Backend::PageChecksums), so a read can tell a page written for its place from any other.
+  void SetManifest(std::string path, int64_t version, std::string store_id, int64_t shard) {
     manifest_ = std::move(path);
     version_ = version;
     previous_valid_ = false;
+    store_id_ = std::move(store_id);
+    shard_index_ = shard;
   }
   // Makes slot `slot` durable.
   std::string Sync(int slot) { return backend_->Sync(slot); }
@@ -172,6 +177,9 @@ class ShardEngine {
   std::vector<char> async_grad_;     // the gradient (dense) or compressed values the background step reads
   std::vector<int32_t> async_indices_;
   std::string manifest_;  // SHARD/MANIFEST.json, or empty (memory tier)
+  std::string store_id_;
+  int64_t shard_index_ = 0;
+  std::string ManifestText(int64_t version) const;
   int64_t version_ = 0;
   bool previous_valid_ = false;
   int64_t size_, page_elems_, num_pages_;

@@ -1,4 +1,4 @@
-"""The ``nsp`` command: ``nsp train``, ``nsp sample``, ``nsp ckpt list|show|export``, ``nsp store verify``.
+"""The ``nsp`` command: ``nsp train``, ``nsp sample``, ``nsp ckpt list|show|export``, ``nsp store verify|copy|reidentify``.
 
 ``nsp train`` with no arguments trains the ``small`` GPT on the Python standard library's source files with
 its optimizer state on disk (RUN_DIR/store), printing progress and writing metrics and checkpoints to
@@ -129,7 +129,20 @@ def _ckpt(args: argparse.Namespace) -> int:
 
 def _store(args: argparse.Namespace) -> int:
     import nsp.storage
+    from nsp.storage import identity
 
+    try:
+        if args.action == "copy":
+            if args.dest is None:
+                raise SystemExit("nsp store copy: give SRC and DST")
+            print(f"copied {args.path} to {identity.copy_store(args.path, args.dest)} (a new store id)")
+            return 0
+        if args.action == "reidentify":
+            print(f"{args.path}: new store id {identity.reidentify(args.path)}")
+            return 0
+    except nsp.storage.StoreError as e:
+        print(f"nsp store {args.action}: {e}", file=sys.stderr)
+        return 1
     try:
         with nsp.storage.open(args.path) as store:
             if not store.initialized:
@@ -172,10 +185,13 @@ def main(argv: list[str] | None = None) -> int:
     ck.add_argument("--out", default=None, help="export: directory of the plain orbax checkpoint")
     ck.set_defaults(func=_ckpt)
 
-    st = sub.add_parser("store", help="check a state store")
-    st.add_argument("action", choices=["verify"], help="verify: read every page of the committed version and "
-                    "check its checksum")
+    st = sub.add_parser("store", help="check, copy or re-identify a state store")
+    st.add_argument("action", choices=["verify", "copy", "reidentify"],
+                    help="verify: read every page of the committed version and check its checksum and place; "
+                    "copy PATH DEST: an independent copy under a new store id, every shard inside DEST; "
+                    "reidentify: a new store id for a store copied with cp -a, or moved with shards outside it")
     st.add_argument("path", help="the store directory")
+    st.add_argument("dest", nargs="?", default=None, help="copy: the new store's directory")
     st.set_defaults(func=_store)
 
     args = parser.parse_args(argv)

@@ -44,6 +44,7 @@ import signal
 import re
 import shutil
 import time
+import uuid
 import warnings
 from pathlib import Path
 from typing import Any
@@ -57,6 +58,7 @@ from nsp.storage.layout import PAGES_IN_FLIGHT_DEFAULT, Layout
 from nsp.storage.store import (
     MANIFEST,
     METADATA,
+    SHARD_ID,
     STATES,
     OptimizerSpec,
     StateStore,
@@ -64,11 +66,13 @@ from nsp.storage.store import (
     _atomic_write_json,
     _fsync_dir,
     _read_json,
+    _recorded_path,
 )
 
 SNAPSHOT = "SNAPSHOT.json"
 SNAPSHOT_FORMAT = "nsp-snapshot"
 SNAPSHOT_FORMAT_VERSION = 1
+CHECKSUMS = "CHECKSUMS.json"  # a file snapshot's page checksums, per shard
 RESTORING = "RESTORING"  # marker in a store directory while restore_store builds it
 ITEM_NAMES = ("store", "train_state", "meta")
 MODES = ("auto", "link", "copy")
@@ -208,6 +212,7 @@ def _store_metadata(store: StateStore) -> dict:
     return {
         "format": "nsp-store",
         "format_version": store_lib.FORMAT_VERSION,
+        "store_id": store.store_id,
         "tier": store.tier,
         "page_bytes": store.page_bytes,
         "checksum": store.checksum,
@@ -342,6 +347,12 @@ def _snapshot_files(store: StateStore, dest: Path, mode: str) -> tuple[list[dict
             for name, size in _page_files(src):
                 placer.place(src / "c" / name, dst / "c" / name, size)
                 files.append({"path": f"{dst.relative_to(dest)}/c/{name}", "bytes": size})
+        # What each page must hold (the manifest's checksums of this version's slot): restore hands them to the
+        # restored store, so a page swapped inside the snapshot is still found.
+        tables = _read_json(shard / MANIFEST, "shard manifest").get("checksums", {}).get(str(slot), {})
+        _atomic_write_json(shard_dest / CHECKSUMS, {"version": version, "checksums": tables})
+        files.append({"path": str((shard_dest / CHECKSUMS).relative_to(dest)),
+                      "bytes": (shard_dest / CHECKSUMS).stat().st_size})
     shutil.copyfile(store.root / METADATA, dest / METADATA)
     # Durability, once everything is in place (one journal commit covers most of it): the copied files' data,
     # then the new directory entries. Linked pages point at data the store synced when it committed them.
@@ -509,7 +520,7 @@ def _remove_existing_store(root: Path, snap: Path, overwrite: bool) -> None:
     shards: list[Path] = []
     if is_store:
         try:
-            shards = [Path(p) for p in _read_json(root / METADATA, "store metadata").get("shard_paths", [])]
+            shards = [root / p for p in _read_json(root / METADATA, "store metadata").get("shard_paths", [])]
         except StoreError:
             shards = []
     if is_partial:
@@ -523,8 +534,31 @@ def _remove_existing_store(root: Path, snap: Path, overwrite: bool) -> None:
     _check_not_locked(root)
     for shard in shards:
         if shard.exists() and not _inside(shard, root):
+            _check_not_locked(shard)
+            owner = _shard_owner_root(shard)
+            if owner not in (None, str(root)):
+                raise StoreError(f"{root} names shard {shard}, which belongs to the store at {owner}: refusing "
+                                 "to delete it")
             shutil.rmtree(shard)
     shutil.rmtree(root)
+
+
+def _trailer_checksums(array_dir: Path) -> list[int]:
+    """The CRC-32C trailer (the zarr crc32c codec's last 4 bytes, little-endian) of each page file, in page order."""
+    crcs = []
+    for name, size in _page_files(array_dir):
+        with open(array_dir / "c" / name, "rb") as f:
+            f.seek(size - 4)
+            crcs.append(int.from_bytes(f.read(4), "little"))
+    return crcs
+
+
+def _shard_owner_root(shard: Path) -> str | None:
+    try:
+        owner = _read_json(shard / SHARD_ID, "shard identity")
+    except StoreError:
+        return None
+    return owner.get("root") if isinstance(owner, dict) else None
 
 
 def _other_slot_metadata(zarr_json: dict, slot: int) -> dict:
@@ -597,6 +631,7 @@ def restore_store(
             made_shards.append((shard, _prepare_empty_dir(shard, "shard directory")))
         version = int(info["version"])
         slot = version % 2
+        store_id = uuid.uuid4().hex
         placer = _Placer(mode)
         for i, shard in enumerate(shards):
             for state in info["states"]:
@@ -615,8 +650,21 @@ def restore_store(
                 _atomic_write_json(other / "zarr.json", _other_slot_metadata(zarr_json, 1 - slot))
                 for d in (dst / "c", dst, other / "c", other, dst.parent, other.parent):
                     _fsync_dir(d)
-            _atomic_write_json(shard / MANIFEST, {"version": version})
-        meta = dict(meta, tier=tier, shard_paths=[str(s) for s in shards])
+            recorded = snap / "shards" / f"{i:05d}" / CHECKSUMS
+            if recorded.exists():
+                tables = _read_json(recorded, "snapshot page checksums")["checksums"]
+            elif meta.get("checksum"):
+                # A snapshot that records none (the memory tier's, written by tensorstore): each page's own
+                # trailer is what it must hold from now on.
+                tables = {"version": version,
+                          **{state: _trailer_checksums(shard / f"slot{slot}" / state) for state in info["states"]}}
+            else:
+                tables = {}
+            _atomic_write_json(shard / SHARD_ID, {"store": store_id, "shard": i, "root": str(root)})
+            _atomic_write_json(shard / MANIFEST, {"store": store_id, "shard": i, "version": version,
+                                                  "checksums": {str(slot): tables} if tables else {}})
+        # A restored store is a new store: its own identity, its shards recorded relative to it where they can be.
+        meta = dict(meta, tier=tier, store_id=store_id, shard_paths=[_recorded_path(s, root) for s in shards])
         _atomic_write_json(root / METADATA, meta)  # last: from here on it is a store
         (root / RESTORING).unlink()
         _fsync_dir(root)

@@ -10,10 +10,16 @@ copy instead (both slots name it): updates run in place, in half the RAM, and ca
 On disk (``file`` tier) every state array of every slot is a zarr v3 array that plain ``tensorstore.open``
 reads: one chunk per page, raw little-endian fp32 plus a CRC-32C trailer::
 
-    ROOT/nsp_store.json                   layout, optimizer, tier (written once, atomically)
-    ROOT/LOCK                             held by the single writer
-    SHARD/MANIFEST.json                   {"version": t}; SHARD is ROOT/shards/00000 or shard_paths[i]
+    ROOT/nsp_store.json                   store id, layout, optimizer, tier, shard paths (written once, atomically)
+    ROOT/LOCK, SHARD/LOCK                 held by the single writer (every shard is locked, wherever it lives)
+    SHARD/SHARD.json                      {"store": id, "shard": i, "root": ROOT}: whose shard this is
+    SHARD/MANIFEST.json                   {"store", "shard", "version": t, "checksums": each page's CRC-32C per slot}
     SHARD/slot{0,1}/{param,mu,nu}/        zarr v3 arrays (zarr.json + c/<page>)
+
+SHARD is ``ROOT/shards/00000`` (recorded relative to ROOT, so a copied or moved store opens its own shards) or a
+directory given as ``shard_paths[i]`` outside ROOT (recorded absolute). Every shard knows its store: a shard of
+another store is refused at open, and the manifest ties each page's checksum to its store, shard, state, page
+and version, so a valid page put in another page's place is reported as damage.
 """
 
 from __future__ import annotations
@@ -26,6 +32,8 @@ import fcntl
 import json
 import os
 import sys
+import uuid
+import warnings
 import weakref
 from pathlib import Path
 from typing import Any
@@ -37,17 +45,10 @@ import tensorstore as ts
 from nsp import _nsp_ffi
 from nsp.primitives.fused_update import KINDS, _DEFAULT_EPS
 from nsp.storage.layout import PAGE_BYTES_DEFAULT, PAGES_IN_FLIGHT_DEFAULT, Layout, check_page_bytes
+from nsp.storage.metadata import (FORMAT_VERSION, LOCK, MANIFEST, METADATA, SHARD_ID, STATES, TIERS, StoreError,
+                                  check_manifest, check_metadata, check_shard_id)
 
-FORMAT_VERSION = 1
-TIERS = ("memory", "file", "csd")
-STATES = ("param", "mu", "nu")
-METADATA = "nsp_store.json"
-MANIFEST = "MANIFEST.json"
 _INIT_CHUNK_BYTES = 16 << 20  # initialize writes the state this many bytes at a time
-
-
-class StoreError(RuntimeError):
-    """A store cannot do what was asked (wrong layout, missing version, locked, corrupt...)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -168,8 +169,10 @@ class StateStore:
     """Sharded, paged, versioned optimizer state in one storage tier. Create with ``nsp.storage.open``."""
 
     def __init__(self, root: Path | None, tier: str, num_shards: int, page_bytes: int,
-                 shard_paths: list[Path], pages_in_flight: int, checksum: bool, in_place: bool = False):
+                 shard_paths: list[Path], pages_in_flight: int, checksum: bool, in_place: bool = False,
+                 store_id: str | None = None):
         self.root = root
+        self.store_id = store_id or uuid.uuid4().hex  # whose shards these are (SHARD.json, every manifest)
         self.tier = tier
         self.num_shards = num_shards
         self.page_bytes = page_bytes
@@ -200,10 +203,15 @@ class StateStore:
 
     # ---- lifecycle -------------------------------------------------------------------------------------------
 
-    def _acquire_lock(self) -> None:
-        path = self.root / "LOCK"
+    def _acquire_locks(self) -> None:
+        """Locks the store and every shard it will write, wherever the shard lives: a second writer on any of
+        them is refused, whichever store directory it came through."""
+        for directory in [self.root, *self.shard_paths]:
+            self._lock(directory / LOCK, directory)
+
+    def _lock(self, path: Path, what: Path) -> None:
         try:
-            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
         except OSError as e:
             raise StoreError(f"cannot open the writer lock {path}: {e.strerror}") from None
         try:
@@ -212,11 +220,18 @@ class StateStore:
             os.close(fd)
             if e.errno in (errno.EWOULDBLOCK, errno.EACCES):
                 holder = path.read_text().strip() or "another process"
-                raise StoreError(f"store {self.root} is already open for writing by {holder}") from None
+                where = f"store {self.root}" if what == self.root else f"shard {what} (of store {self.root})"
+                raise StoreError(f"{where} is already open for writing by {holder}") from None
             raise
         os.ftruncate(fd, 0)
         os.write(fd, f"pid {os.getpid()}".encode())
         self._life.lock_fds.append(fd)
+
+    @property
+    def external_shards(self) -> list[Path]:
+        """Shards that live outside the store's directory (on another disk, say): a copy of the directory does
+        not include them."""
+        return [p for p in self.shard_paths if self.root is not None and not _inside(p, self.root)]
 
     def close(self) -> None:
         """Waits for the steps already dispatched to this store, then releases its engines, their buffers and
@@ -347,26 +362,33 @@ class StateStore:
         return {
             "format": "nsp-store",
             "format_version": FORMAT_VERSION,
+            "store_id": self.store_id,
             "tier": self.tier,
             "page_bytes": self.page_bytes,
             "checksum": self.checksum,
-            "shard_paths": [str(p) for p in self.shard_paths],
+            "shard_paths": [_recorded_path(p, self.root) for p in self.shard_paths],
             "layout": self.layout.to_json(),
             "optimizer": dataclasses.asdict(self.optimizer),
         }
 
-    def _make_engines(self, create: bool, version: int = 0) -> None:
+    def _make_engines(self, create: bool, version: int = 0, checksums: list[dict] | None = None) -> None:
+        """One engine per shard at committed ``version``; ``checksums``: each shard's page checksums per slot
+        and state, from its manifest (reads then check every page against them)."""
         used = list(self.optimizer.states_used())
         backend = "memory" if self.tier == "memory" else "file"
         if backend == "file" and create:
             for shard in self.shard_paths:
                 self._create_arrays(shard, used)
         self._engines = []
-        for shard in self.shard_paths or [None] * self.num_shards:
+        for i, shard in enumerate(self.shard_paths or [None] * self.num_shards):
             engine = _nsp_ffi.ShardEngine(backend, str(shard) if shard else "", self.layout.shard_size,
                                           self.layout.page_elems, self.pages_in_flight, used, self.checksum,
                                           in_place=self.in_place)
-            engine.set_manifest(str(shard / MANIFEST) if shard else "", version)
+            engine.set_manifest(str(shard / MANIFEST) if shard else "", version, self.store_id, i)
+            for slot, states in (checksums[i] if checksums else {}).items():
+                for state, crcs in states.items():
+                    if state != "version":
+                        engine.set_page_checksums(slot, STATES.index(state), crcs)
             self._engines.append(engine)
 
     def _create_arrays(self, shard: Path, used: list[bool]) -> None:
@@ -675,46 +697,101 @@ def open(  # noqa: A001  (mirrors tensorstore.open / builtins.open on purpose)
         if len(shard_paths) != num_shards:
             raise ValueError(f"got {len(shard_paths)} shard_paths for {num_shards} shards")
         shards = [Path(p).absolute() for p in shard_paths]
+        if len(set(shards)) != len(shards):
+            raise ValueError(f"shard_paths names one directory twice: {[str(p) for p in shards]}")
     else:
         shards = [root / "shards" / f"{i:05d}" for i in range(num_shards)]
-    for shard in shards:
-        try:
-            shard.mkdir(parents=True, exist_ok=True)
-        except OSError as e:
-            raise StoreError(f"cannot create shard directory {shard}: {e.strerror}") from None
     store = StateStore(root, tier, num_shards, page_bytes, shards, pages_in_flight, checksum)
-    store._acquire_lock()
+    for i, shard in enumerate(shards):
+        _claim_shard(store, i, shard)
+    try:
+        store._acquire_locks()
+        for i, shard in enumerate(shards):
+            _atomic_write_json(shard / SHARD_ID, {"store": store.store_id, "shard": i, "root": str(root)})
+    except BaseException:
+        store._life.release()
+        raise
+    _say_external(store)
     return store
 
 
+def _inside(path: Path, root: Path) -> bool:
+    return path == root or root in path.parents
+
+
+def _recorded_path(shard: Path, root: Path) -> str:
+    """How nsp_store.json records a shard: relative to the root when it lives under it (so a copied or moved store
+    opens its own shards), absolute otherwise (a directory the user placed on purpose)."""
+    return str(shard.relative_to(root)) if _inside(shard, root) else str(shard)
+
+
+def _say_external(store: StateStore) -> None:
+    if store.external_shards:
+        warnings.warn(f"store {store.root} keeps shards outside its directory: "
+                      f"{[str(p) for p in store.external_shards]}; a copy of {store.root} does not include them "
+                      "(nsp store copy does)", ExternalShardsWarning, stacklevel=3)
+
+
+class ExternalShardsWarning(UserWarning):
+    """A store keeps some shards outside its directory (said at open, since a copy of the directory lacks them)."""
+
+
+def _claim_shard(store: StateStore, index: int, shard: Path) -> None:
+    """A new store's shard directory: created, or empty, or a leftover of an unfinished creation of this same
+    store directory. A shard of another store is refused before anything is written into it."""
+    try:
+        shard.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise StoreError(f"cannot create shard directory {shard}: {e.strerror}") from None
+    ident = shard / SHARD_ID
+    if ident.exists():
+        owner = _read_json(ident, "shard identity")
+        if not (isinstance(owner, dict) and owner.get("root") == str(store.root)):
+            raise StoreError(f"cannot create store {store.root}: shard directory {shard} belongs to the store at "
+                             f"{owner.get('root') if isinstance(owner, dict) else '?'} (id "
+                             f"{owner.get('store') if isinstance(owner, dict) else '?'}); pick another directory")
+    elif any(p.name != LOCK for p in shard.iterdir()):
+        raise StoreError(f"cannot create store {store.root}: shard directory {shard} is not empty")
+
+
 def _open_existing(root: Path, tier, num_shards, page_bytes, shard_paths, pages_in_flight) -> StateStore:
-    meta = _read_json(root / METADATA, "store metadata")
-    if meta.get("format") != "nsp-store":
-        raise StoreError(f"{root / METADATA} is not an nsp store")
-    if meta.get("format_version") != FORMAT_VERSION:
-        raise StoreError(f"store {root} has format version {meta.get('format_version')}; "
-                         f"this nsp reads {FORMAT_VERSION}")
+    # Everything read from disk is checked before anything is opened for writing.
+    meta = check_metadata(_read_json(root / METADATA, "store metadata"), str(root / METADATA))
+    layout = meta["layout"]
     tier = meta["tier"] if tier is None else tier
-    num_shards = meta["layout"]["num_shards"] if num_shards is None else num_shards
+    num_shards = layout.num_shards if num_shards is None else num_shards
     page_bytes = meta["page_bytes"] if page_bytes is None else page_bytes
-    for name, asked, held in (("tier", tier, meta["tier"]), ("num_shards", num_shards,
-                              meta["layout"]["num_shards"]), ("page_bytes", page_bytes, meta["page_bytes"])):
+    for name, asked, held in (("tier", tier, meta["tier"]), ("num_shards", num_shards, layout.num_shards),
+                              ("page_bytes", page_bytes, meta["page_bytes"])):
         if asked != held:
             raise StoreError(f"store {root} was created with {name}={held!r}, opened with {name}={asked!r}")
-    shards = [Path(p) for p in meta["shard_paths"]]
+    try:
+        optimizer = OptimizerSpec(**meta["optimizer"])
+    except (TypeError, ValueError) as e:
+        raise StoreError(f"{root / METADATA}: field 'optimizer' is invalid: {e}") from None
+    shards = [root / p for p in meta["shard_paths"]]  # an absolute path stays as it is
     if shard_paths is not None and [Path(p).absolute() for p in shard_paths] != shards:
         raise StoreError(f"store {root} keeps its shards at {[str(s) for s in shards]}")
-    store = StateStore(root, tier, num_shards, page_bytes, shards, pages_in_flight, bool(meta["checksum"]))
-    store._acquire_lock()
+    store_id = meta["store_id"]
+    for i, shard in enumerate(shards):
+        ident = shard / SHARD_ID
+        if not ident.is_file():
+            raise StoreError(f"{root / METADATA}: field 'shard_paths' names {shard} as shard {i}, but it holds no "
+                             f"shard ({ident} is missing)")
+        check_shard_id(_read_json(ident, "shard identity"), str(ident), store_id, i, root,
+                       external=not _inside(shard, root))
+    store = StateStore(root, tier, num_shards, page_bytes, shards, pages_in_flight, meta["checksum"],
+                       store_id=store_id)
     try:
-        store.layout = Layout.from_json(meta["layout"])
-        store.optimizer = OptimizerSpec(**meta["optimizer"])
-        version = _recover_version(shards)
+        store._acquire_locks()
+        store.layout, store.optimizer = layout, optimizer
+        version, checksums = _recover_version(store)
         _check_pages_present(store, version)
-        store._make_engines(create=False, version=version)
+        store._make_engines(create=False, version=version, checksums=checksums)
     except BaseException:
-        store.close()
+        store._life.release()
         raise
+    _say_external(store)
     return store
 
 
@@ -733,21 +810,31 @@ def _check_pages_present(store: StateStore, version: int) -> None:
                                  f"{chunks} holds {present} of its {pages} pages: the store is damaged")
 
 
-def _recover_version(shards: list[Path]) -> int:
-    """The committed version. Every shard commits on its own, so a crash between shard commits leaves some one
-    version ahead. Those never started another update (the next one needs every shard's commit first), so their
-    other slot still holds the older version whole: they roll back to it."""
-    versions = []
-    for shard in shards:
-        manifest = _read_json(shard / MANIFEST, "shard manifest")
-        version = manifest.get("version")
-        if not isinstance(version, int) or version < 0:
-            raise StoreError(f"shard manifest {shard / MANIFEST} holds no valid version: {manifest}")
-        versions.append(version)
+def _recover_version(store: StateStore) -> tuple[int, list[dict]]:
+    """The committed version, and each shard's page checksums. Every shard commits on its own, so a crash
+    between shard commits leaves some one version ahead. Those never started another update (the next one needs
+    every shard's commit first), so their other slot still holds the older version whole: they roll back to it."""
+    used = store.optimizer.states_used()
+    manifests = []
+    for i, shard in enumerate(store.shard_paths):
+        path = shard / MANIFEST
+        manifests.append(check_manifest(_read_json(path, "shard manifest"), str(path), store.store_id, i,
+                                        store.layout.pages_per_shard, used))
+    versions = [m["version"] for m in manifests]
     low, high = min(versions), max(versions)
     if high - low > 1:
         raise StoreError(f"shard versions {versions} differ by more than one step: the store is inconsistent")
-    for shard, version in zip(shards, versions):
-        if version != low:
-            _atomic_write_json(shard / MANIFEST, {"version": low})
-    return low
+    for shard, m in zip(store.shard_paths, manifests):
+        recorded = m["checksums"].get(low % 2, {})
+        missing = [s for s, u in zip(STATES, used) if u and s not in recorded]
+        if store.checksum and missing:
+            raise StoreError(f"{shard / MANIFEST} records no page checksums of {missing} for version {low}: "
+                             "the store is damaged")
+        if recorded and recorded["version"] != low:
+            raise StoreError(f"{shard / MANIFEST}: field 'version' names version {low}, but the slot it lives in "
+                             f"holds version {recorded['version']}: the store is damaged")
+        if m["version"] != low:
+            tables = {str(slot): states for slot, states in m["checksums"].items()}
+            _atomic_write_json(shard / MANIFEST, {"store": store.store_id, "shard": store.shard_paths.index(shard),
+                                                  "version": low, "checksums": tables})
+    return low, [m["checksums"] for m in manifests]
