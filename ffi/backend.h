@@ -3,6 +3,7 @@
 // runs the update kernel. `cpu` backends (memory, file) are real; FPGA (XRT) and AXDIMM backends plug in here.
 #pragma once
 
+#include <atomic>
 #include <cstdint>
 #include <memory>
 #include <string>
@@ -25,6 +26,21 @@ struct PageGrad {
   const void* values = nullptr;
   int64_t count = 0;
   int64_t index_base = 0;
+};
+
+// Bytes and pages a backend's storage I/O moved, summed from each call's return value.
+struct IoCounts {
+  int64_t read_bytes = 0;
+  int64_t write_bytes = 0;
+  int64_t pages_read = 0;
+  int64_t pages_written = 0;
+};
+
+struct AtomicIoCounts {
+  std::atomic<int64_t> read_bytes{0}, write_bytes{0}, pages_read{0}, pages_written{0};
+  IoCounts Get() const {
+    return {read_bytes.load(), write_bytes.load(), pages_read.load(), pages_written.load()};
+  }
 };
 
 class Backend {
@@ -59,6 +75,9 @@ class Backend {
   virtual std::string SetPageChecksums(int /*slot*/, int /*state*/, const std::vector<uint32_t>& /*crcs*/) {
     return {};
   }
+  // What the backend's storage I/O has moved so far (null counts for page-addressable state, which the
+  // engine counts as the kernel passes over it).
+  virtual IoCounts Io() const { return {}; }
   // Whether writing one slot leaves the other's version whole (false when both slots are one memory: an
   // in-place store, which cannot replay a step).
   virtual bool KeepsPrevious() const { return true; }

@@ -178,6 +178,20 @@ class FileBackend final : public Backend {
   }
 
   std::string ReadPage(int slot, int state, int64_t page, float* dst, int64_t n, bool scratch) override {
+    std::string err = ReadPageOnce(slot, state, page, dst, n, scratch);
+    if (err.empty()) io_.pages_read.fetch_add(1, std::memory_order_relaxed);
+    return err;
+  }
+
+  std::string WritePage(int slot, int state, int64_t page, float* src, int64_t n, bool scratch) override {
+    std::string err = WritePageOnce(slot, state, page, src, n, scratch);
+    if (err.empty()) io_.pages_written.fetch_add(1, std::memory_order_relaxed);
+    return err;
+  }
+
+  IoCounts Io() const override { return io_.Get(); }
+
+  std::string ReadPageOnce(int slot, int state, int64_t page, float* dst, int64_t n, bool scratch) {
     if (scratch && direct_.load()) {
       std::string err;
       if (ReadDirect(slot, state, page, dst, &err)) return err;
@@ -214,7 +228,7 @@ class FileBackend final : public Backend {
     return CheckPlace(slot, state, page, stored_crc, path);
   }
 
-  std::string WritePage(int slot, int state, int64_t page, float* src, int64_t n, bool scratch) override {
+  std::string WritePageOnce(int slot, int state, int64_t page, float* src, int64_t n, bool scratch) {
     const std::string path = PagePath(slot, state, page);
     const std::string tmp = path + ".nsp-tmp";
     if (fail_writes_after_ >= 0 && writes_done_.fetch_add(1) >= fail_writes_after_) {
@@ -306,7 +320,7 @@ class FileBackend final : public Backend {
       return true;
     }
     iovec iov{dst, RoundUp(file_bytes_)};
-    const ssize_t got = TransferV(::readv, fd, &iov, 1);
+    const ssize_t got = ReadFullV(fd, &iov, 1);
     const int read_errno = errno;
     ::close(fd);
     if (got < 0) {
@@ -346,7 +360,7 @@ class FileBackend final : public Backend {
       return true;
     }
     iovec iov{bytes, total};
-    const ssize_t put = TransferV([](int f, const iovec* v, int c) { return ::writev(f, v, c); }, fd, &iov, 1);
+    const ssize_t put = WriteFullV(fd, &iov, 1);
     int write_errno = errno;
     // Direct writes move whole blocks: cut the file back to the zarr chunk (+ checksum) it holds.
     bool ok = put == static_cast<ssize_t>(total) && ::ftruncate(fd, static_cast<off_t>(file_bytes_)) == 0;
@@ -457,6 +471,7 @@ class FileBackend final : public Backend {
     std::vector<uint8_t> known;
   };
   PageTable tables_[2][kNumStates];
+  AtomicIoCounts io_;
 
   void Record(int slot, int state, int64_t page, uint32_t crc) {
     if (!checksum_) return;
@@ -510,9 +525,17 @@ class FileBackend final : public Backend {
     }
     return static_cast<ssize_t>(done);
   }
-  static ssize_t ReadFullV(int fd, iovec* iov, int count) { return TransferV(::readv, fd, iov, count); }
-  static ssize_t WriteFullV(int fd, iovec* iov, int count) {
-    return TransferV([](int f, const iovec* v, int c) { return ::writev(f, v, c); }, fd, iov, count);
+  // Every page read and write goes through these two, which count what each call moved (its return value):
+  // the internal link's traffic as the kernel saw it, not sizes multiplied out.
+  ssize_t ReadFullV(int fd, iovec* iov, int count) {
+    const ssize_t got = TransferV(::readv, fd, iov, count);
+    if (got > 0) io_.read_bytes.fetch_add(got, std::memory_order_relaxed);
+    return got;
+  }
+  ssize_t WriteFullV(int fd, iovec* iov, int count) {
+    const ssize_t put = TransferV([](int f, const iovec* v, int c) { return ::writev(f, v, c); }, fd, iov, count);
+    if (put > 0) io_.write_bytes.fetch_add(put, std::memory_order_relaxed);
+    return put;
   }
 
   std::string root_;

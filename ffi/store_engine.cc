@@ -242,20 +242,22 @@ int64_t ShardEngine::buffer_bytes() const {
   return total + static_cast<int64_t>(grad_stage_.bytes);
 }
 
-void ShardEngine::CountUpdate(const ShardUpdate& u) {
-  const int64_t gbytes = GradBytes(u.grad_type);
-  const bool dense = u.grad != nullptr || u.pieces != nullptr;
-  stats_.shared_in_bytes += dense ? size_ * gbytes : u.count * (gbytes + 4);
-  if (u.pieces != nullptr) stats_.shared_out_bytes += size_ * gbytes;  // new params in the gradient's dtype
-  if (u.params_out != nullptr) stats_.shared_out_bytes += size_ * 4;
-  if (u.params_bf16_out != nullptr) stats_.shared_out_bytes += size_ * 2;
+// The shared link's bytes, counted where the engine consumes a gradient span (dense elements, or compressed
+// pairs) and hands out its params (fp32, bf16, or into the gradient's pieces).
+void ShardEngine::CountShared(const PageGrad& g, int64_t elems, const StateSpan& span, bool pieces) {
+  const int64_t gbytes = GradBytes(g.type);
+  stats_.shared_in_bytes += g.dense != nullptr ? elems * gbytes : g.count * (gbytes + 4);
+  if (pieces) stats_.shared_out_bytes += elems * gbytes;
+  if (span.param_copy_out != nullptr) stats_.shared_out_bytes += span.size * 4;
+  if (span.param_bf16_out != nullptr) stats_.shared_out_bytes += span.size * 2;
+}
+
+// The internal link's bytes when the state is addressable: what the kernel pass read and wrote in place.
+void ShardEngine::CountInPlace(int64_t elems) {
   int states = 0;
   for (int s = 0; s < kNumStates; ++s) states += used_[s] ? 1 : 0;
-  stats_.internal_read_bytes += states * size_ * 4;
-  stats_.internal_write_bytes += states * size_ * 4;
-  stats_.pages_read += states * num_pages_;
-  stats_.pages_written += states * num_pages_;
-  stats_.updates += 1;
+  stats_.internal_read_bytes += states * elems * 4;
+  stats_.internal_write_bytes += states * elems * 4;
 }
 
 char* ShardEngine::GradStage() {
@@ -299,8 +301,21 @@ std::string ShardEngine::Update(const ShardUpdate& u) {
   if (u.check_finite && (u.pieces == nullptr || u.skipped == nullptr || !ChecksFiniteInPass())) {
     return "internal error: an in-pass finiteness check needs pieces, a skipped flag and a two-slot addressable store";
   }
+  const IoCounts before = backend_->Io();
   std::string err = Addressable() ? UpdateAddressable(u) : UpdateStreamed(u);
-  if (err.empty() && !(u.check_finite && *u.skipped)) CountUpdate(u);
+  // What the backend's I/O moved during the update (each call's return value), failed or not.
+  const IoCounts after = backend_->Io();
+  stats_.internal_read_bytes += after.read_bytes - before.read_bytes;
+  stats_.internal_write_bytes += after.write_bytes - before.write_bytes;
+  stats_.pages_read += after.pages_read - before.pages_read;
+  stats_.pages_written += after.pages_written - before.pages_written;
+  if (Addressable() && err.empty()) {  // every page of every state was passed over in place
+    int states = 0;
+    for (int s = 0; s < kNumStates; ++s) states += used_[s] ? 1 : 0;
+    stats_.pages_read += states * num_pages_;
+    stats_.pages_written += states * num_pages_;
+  }
+  if (err.empty() && !(u.check_finite && *u.skipped)) stats_.updates += 1;
   return err;
 }
 
@@ -333,15 +348,17 @@ std::string ShardEngine::UpdateAddressable(const ShardUpdate& u) {
       } else {
         span.param_bf16_out = static_cast<uint16_t*>(pieces.out[i]);
       }
+      PageGrad g;
+      g.type = pieces.type;
+      g.dense = pieces.grad[i];
+      CountShared(g, pieces.sizes[i], StateSpan{}, /*pieces=*/true);
+      CountInPlace(pieces.sizes[i]);
       if (u.check_finite) {
         if (!backend_->ComputeIfFinite(u.hp, span, pieces.grad[i], pieces.type)) {
           *u.skipped = true;  // slot dst is half written and stays uncommitted: Step skips the step
           return {};
         }
       } else {
-        PageGrad g;
-        g.type = pieces.type;
-        g.dense = pieces.grad[i];
         backend_->Compute(u.hp, span, g);
       }
       end = pieces.starts[i] + pieces.sizes[i];
@@ -354,6 +371,7 @@ std::string ShardEngine::UpdateAddressable(const ShardUpdate& u) {
       char* stage = GradStage();
       std::memset(stage, 0, static_cast<size_t>(n * GradBytes(pieces.type)));
       g.dense = stage;
+      CountInPlace(n);
       backend_->Compute(u.hp, SlotSpan(u, begin, n), g);
     }
     return {};
@@ -367,6 +385,8 @@ std::string ShardEngine::UpdateAddressable(const ShardUpdate& u) {
   g.indices = u.indices;
   g.values = u.values;
   g.count = u.count;
+  CountShared(g, size_, span, /*pieces=*/false);
+  CountInPlace(size_);
   backend_->Compute(u.hp, span, g);
   return {};
 }
@@ -449,6 +469,8 @@ std::string ShardEngine::UpdateStreamed(const ShardUpdate& u) {
   for (int r = 0; r < kWriters; ++r) writers.emplace_back(write_pages);
 
   // Compute on the calling thread (the kernel itself fans out over the thread pool).
+  const int64_t pieces_end =
+      u.pieces == nullptr || u.pieces->sizes.empty() ? 0 : u.pieces->starts.back() + u.pieces->sizes.back();
   int64_t computed = 0;
   Work w;
   while (ready.Pop(&w)) {
@@ -464,7 +486,12 @@ std::string ShardEngine::UpdateStreamed(const ShardUpdate& u) {
     if (used_[kMuState]) span.mu_in = span.mu_out = buffers_[w.set][kMuState].data;
     if (used_[kNuState]) span.nu_in = span.nu_out = buffers_[w.set][kNuState].data;
     if (u.params_bf16_out != nullptr) span.param_bf16_out = u.params_bf16_out + begin;
-    backend_->Compute(u.hp, span, GradForPage(u, w.page));
+    const PageGrad g = GradForPage(u, w.page);
+    // The gradient elements this page takes from the caller (a shard's padding past its pieces comes from none).
+    const int64_t from_caller = u.pieces == nullptr ? span.size
+                                                    : std::max<int64_t>(0, std::min(span.size, pieces_end - begin));
+    CountShared(g, from_caller, span, u.pieces != nullptr);
+    backend_->Compute(u.hp, span, g);
     if (u.pieces != nullptr) u.pieces->ScatterParams(begin, span.size, pbuf);
     writes.PushParam(w);
     ++computed;

@@ -165,7 +165,8 @@ class ShardEngine {
   std::string CommittedParamsOut(const ShardUpdate& u, int64_t version);
   PageGrad GradForPage(const ShardUpdate& u, int64_t page);
   char* GradStage();
-  void CountUpdate(const ShardUpdate& u);
+  void CountShared(const PageGrad& g, int64_t elems, const StateSpan& span, bool pieces);
+  void CountInPlace(int64_t elems);
 
   std::unique_ptr<Backend> backend_;
   std::mutex step_mu_;
