@@ -27,8 +27,8 @@ BUILD_INPUTS := pyproject.toml CMakeLists.txt $(shell find ffi -print)
 .PHONY: help setup train test
 
 help:
-	@echo "make train   set up .venv if needed, then run nsp train $(if $(ARGS),$(ARGS),(its defaults))"
-	@echo "make test    set up .venv if needed, then run the test suite (pytest -q $(PYTEST_ARGS))"
+	@echo "make train   set up .venv if needed, then run nsp train"
+	@echo "make test    set up .venv if needed, then run the test suite"
 	@echo "make setup   only the set-up"
 	@echo "options: ARGS=\"...\" for nsp train, PYTEST_ARGS=\"...\" for pytest, PYTHON=... to create .venv"
 
