@@ -449,40 +449,85 @@ _WRITER = textwrap.dedent("""
 """)
 
 
-def _reference_after(steps):
+def _writer(path, target, **kw):
+    return subprocess.Popen([sys.executable, "-c", _WRITER, path, str(target)], stdout=subprocess.PIPE, text=True,
+                            **kw)
+
+
+def _kill_reference():
     n = 1_500_003
-    spec = storage.OptimizerSpec("adamw", weight_decay=0.01)
     layout = storage.Layout.from_tree({"w": jnp.zeros(n)}, num_shards=2, page_bytes=64 * 1024)
-    ref = Reference(layout, {"w": jnp.asarray(np.random.default_rng(0).standard_normal(n).astype(np.float32))},
-                    spec)
-    for step in range(1, steps + 1):
-        g = np.random.default_rng(step).standard_normal(layout.padded_total).astype(np.float32)
-        g[layout.total:] = 0
-        ref.step(g, step, 1e-3)
-    return ref
+    return layout, Reference(layout, {"w": jnp.asarray(np.random.default_rng(0).standard_normal(n).astype(np.float32))},
+                             storage.OptimizerSpec("adamw", weight_decay=0.01))
+
+
+def _reference_step(ref, layout, step):
+    g = np.random.default_rng(step).standard_normal(layout.padded_total).astype(np.float32)
+    g[layout.total:] = 0
+    ref.step(g, step, 1e-3)
+
+
+def _assert_states_equal(store, expected, msg):
+    """p, m and v, bit for bit; expected maps a state name to its array."""
+    for state, want in expected.items():
+        np.testing.assert_array_equal(store.read(state), np.asarray(want), err_msg=f"{msg}: state {state}")
+
+
+KILL_STEPS_PER_RUN = 6  # each trial's run aims this many steps past the version it starts from
+KILL_MAX_DELAY_S = 0.6  # a trial's first kill lands within this long after its run's first update
+KILL_ATTEMPTS = 4  # a run that finished before its kill is retried with a quarter of the delay, the last with none
 
 
 def test_kill_during_updates_leaves_a_whole_committed_version(tmp_path):
+    """SIGKILL a writer mid-run, four times over the same store: each kill must land (exit -9, committed version
+    below the run's target, no printed step lost), the committed version must equal the in-RAM steps in p, m and
+    v, and the resumed run must land where an uninterrupted run lands."""
     path = str(tmp_path / "store")
     rng = np.random.default_rng(7)
-    steps = 12
+    layout, ref = _kill_reference()
+    version = 0
     for trial in range(4):
-        proc = subprocess.Popen([sys.executable, "-c", _WRITER, path, str(steps)], stdout=subprocess.PIPE,
-                                text=True)
-        proc.stdout.readline()  # at least one update done in this run
-        time.sleep(float(rng.uniform(0.0, 0.6)))  # then somewhere inside a later update or commit
-        proc.send_signal(signal.SIGKILL)
-        proc.wait()
-        with storage.open(path, tier="file", num_shards=2, page_bytes=64 * 1024) as store:
-            version = store.version
-            ref = _reference_after(version)
-            np.testing.assert_array_equal(store.read("param"), np.asarray(ref.p), err_msg=f"trial {trial}")
-            np.testing.assert_array_equal(store.read("nu"), np.asarray(ref.v), err_msg=f"trial {trial}")
-    # And the run resumes to the end, landing exactly where an uninterrupted run lands.
-    subprocess.run([sys.executable, "-c", _WRITER, path, str(steps)], check=True, capture_output=True)
-    with storage.open(path, tier="file", num_shards=2, page_bytes=64 * 1024) as store:
-        assert store.version == steps
-        np.testing.assert_array_equal(store.read("param"), np.asarray(_reference_after(steps).p))
+        delay = float(rng.uniform(0.0, KILL_MAX_DELAY_S))
+        for attempt in range(KILL_ATTEMPTS):
+            target = version + KILL_STEPS_PER_RUN
+            with open(tmp_path / f"trial{trial}.{attempt}.err", "w+") as err:
+                proc = _writer(path, target, stderr=err)
+                first = proc.stdout.readline()  # at least one update done in this run
+                time.sleep(delay)  # then somewhere inside a later update or commit
+                proc.send_signal(signal.SIGKILL)  # a no-op when the run has already exited
+                printed = first.split() + proc.communicate()[0].split()
+                err.seek(0)
+                assert first and proc.returncode in (0, -signal.SIGKILL), (
+                    f"trial {trial}: the writer failed on its own (exit {proc.returncode}):\n{err.read()[-3000:]}")
+            with storage.open(path, tier="file", num_shards=2, page_bytes=64 * 1024) as store:
+                before, version = version, store.version
+                assert before <= version <= target, f"trial {trial}: version {before} -> {version}, target {target}"
+                last = int(printed[-1])
+                assert last <= version <= last + 1, (
+                    f"trial {trial}: committed version {version}, but the run printed step {last} last")
+                for step in range(before + 1, version + 1):
+                    _reference_step(ref, layout, step)
+                _assert_states_equal(store, {"param": ref.p, "mu": ref.m, "nu": ref.v},
+                                     f"trial {trial}, attempt {attempt}, version {version}")
+            if proc.returncode == -signal.SIGKILL and version < target:
+                break  # the kill landed mid-run
+            delay = 0.0 if attempt == KILL_ATTEMPTS - 2 else delay / 4  # the run finished first: kill sooner
+        else:
+            pytest.fail(f"trial {trial}: in {KILL_ATTEMPTS} runs no kill landed before the run finished "
+                        f"(last exit {proc.returncode}, version {version} of target {target})")
+    # The run resumes to the end, landing exactly where an uninterrupted run lands, in p, m and v.
+    target = version + KILL_STEPS_PER_RUN
+    subprocess.run([sys.executable, "-c", _WRITER, path, str(target)], check=True, capture_output=True)
+    clean = str(tmp_path / "clean")
+    subprocess.run([sys.executable, "-c", _WRITER, clean, str(target)], check=True, capture_output=True)
+    for step in range(version + 1, target + 1):
+        _reference_step(ref, layout, step)
+    with storage.open(path, tier="file", num_shards=2, page_bytes=64 * 1024) as store, \
+            storage.open(clean, tier="file", num_shards=2, page_bytes=64 * 1024) as uninterrupted:
+        assert store.version == uninterrupted.version == target
+        _assert_states_equal(store, {state: uninterrupted.read(state) for state in ("param", "mu", "nu")},
+                             "resumed vs uninterrupted run")
+        _assert_states_equal(store, {"param": ref.p, "mu": ref.m, "nu": ref.v}, "resumed vs in-RAM steps")
 
 
 def test_a_shard_committed_ahead_rolls_back(tmp_path):
