@@ -21,23 +21,40 @@ RESULTS_DIR = Path(__file__).resolve().parent / "results"
 
 def time_interleaved(
     contenders: dict[str, Callable[[], Any]], *, repeats: int = 7, warmup: int = 2,
-    before: dict[str, Callable[[], Any]] | None = None,
+    before: dict[str, Callable[[], Any]] | None = None, pause: float = 0.0,
+    idle_cpu: dict[str, list[float]] | None = None,
 ) -> dict[str, list[float]]:
     """Runs every contender ``warmup`` times, then ``repeats`` interleaved rounds; returns seconds per call.
 
     A contender must block until its work is done (call ``jax.block_until_ready`` inside it). ``before`` maps a
     contender's name to a function run untimed right before each of its calls (warm-up included).
+
+    ``pause`` seconds are slept after every call (warm-up included), so that threads a contender leaves spinning
+    (an OpenMP runtime under OMP_WAIT_POLICY=ACTIVE, say) wind down before the next contender starts instead of
+    taking its cores. When ``idle_cpu`` is given, it receives, per contender, the CPU seconds this process spent
+    during each timed call's pause: about 0 when nothing of that contender keeps running after it returned.
     """
     before = before or {}
     unknown = set(before) - set(contenders)
     if unknown:
         raise ValueError(f"before names contenders that are not timed: {sorted(unknown)}")
+
+    def rest() -> float:
+        cpu0 = time.process_time()
+        time.sleep(pause)
+        return time.process_time() - cpu0
+
     for name, fn in contenders.items():
         for _ in range(warmup):
             if name in before:
                 before[name]()
             fn()
+            if pause > 0:
+                rest()
     times: dict[str, list[float]] = {name: [] for name in contenders}
+    if idle_cpu is not None:
+        for name in contenders:
+            idle_cpu.setdefault(name, [])
     for _ in range(repeats):
         for name, fn in contenders.items():
             if name in before:
@@ -45,6 +62,10 @@ def time_interleaved(
             t0 = time.perf_counter()
             fn()
             times[name].append(time.perf_counter() - t0)
+            if pause > 0:
+                spent = rest()
+                if idle_cpu is not None:
+                    idle_cpu[name].append(spent)
     return times
 
 
