@@ -73,26 +73,161 @@ def median(xs: list[float]) -> float:
     return statistics.median(xs)
 
 
+REPO = Path(__file__).resolve().parent.parent
+
+# The CPU flags that decide which kernels and checksum paths run (the rest of /proc/cpuinfo's list is not recorded).
+SIMD_FLAGS = ("sse4_2", "pclmulqdq", "avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512_bf16", "vpclmulqdq",
+              "sha_ni")
+# Libraries a record names the versions of (None: not installed). torch and deepspeed are optional contenders.
+VERSIONED_LIBRARIES = ("jax", "jaxlib", "flax", "optax", "tensorstore", "orbax-checkpoint", "numpy", "ml_dtypes",
+                       "nsp", "torch", "deepspeed")
+ENV_PREFIXES = ("NSP_", "XLA_", "JAX_", "OMP_")
+
+
 def machine_info() -> dict[str, Any]:
-    """What the numbers were measured on."""
+    """What the numbers were measured on: CPU model and the SIMD flags that matter, the kernel ISA nsp picked,
+    cores (all, and those this process may run on), RAM, OS kernel. Reads /proc only (no subprocess)."""
     import jax
 
-    cpu = platform.processor() or platform.machine()
+    cpu, flags = None, None
     try:
         with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
+            for line in f:  # the first processor's entries
+                if line.startswith("model name") and cpu is None:
                     cpu = line.split(":", 1)[1].strip()
+                elif line.startswith("flags") and flags is None:
+                    present = set(line.split(":", 1)[1].split())
+                    flags = [f for f in SIMD_FLAGS if f in present]
+                if cpu is not None and flags is not None:
                     break
     except OSError:
         pass
+    cpu = cpu or platform.processor() or platform.machine()
+    ram = None
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemTotal:"):
+                    ram = int(line.split()[1]) * 1024
+                    break
+    except (OSError, ValueError, IndexError):
+        pass
+    try:
+        from nsp.primitives import kernel_isa
+
+        isa = kernel_isa()
+    except Exception as e:  # noqa: BLE001  (a record still says what it can)
+        isa = f"unknown ({type(e).__name__})"
     return {
         "cpu": cpu,
+        "flags": flags,
+        "kernel_isa": isa,
         "cores": os.cpu_count(),
+        "cpus_usable": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count(),
+        "ram_bytes": ram,
+        "kernel": platform.release(),
         "python": platform.python_version(),
         "jax": jax.__version__,
         "platform": platform.platform(),
     }
+
+
+def library_versions() -> dict[str, str | None]:
+    """Installed versions of ``VERSIONED_LIBRARIES`` (package metadata only: nothing is imported)."""
+    import importlib.metadata
+
+    out: dict[str, str | None] = {"python": platform.python_version()}
+    for name in VERSIONED_LIBRARIES:
+        try:
+            out[name] = importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            out[name] = None
+    return out
+
+
+def git_output(*args: str) -> str | None:
+    """stdout of ``git -C REPO args`` (None when git or the repository is missing, or the command fails)."""
+    import subprocess
+
+    try:
+        done = subprocess.run(["git", "-C", str(REPO), *args], capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return done.stdout if done.returncode == 0 else None
+
+
+def git_info(max_paths: int = 40) -> dict[str, Any]:
+    """The commit the working tree is at, whether tracked files differ from it (and which, at most ``max_paths``),
+    ``git describe``. Untracked files are not counted. Three git calls."""
+    status = git_output("status", "--porcelain=v2", "--branch", "-z", "--untracked-files=no")
+    if status is None:
+        return {"commit": None, "error": "not a git checkout (or git is missing)"}
+    commit, branch, dirty = None, None, []
+    items = iter(status.split("\0"))
+    for item in items:
+        if item.startswith("# branch.oid "):
+            commit = item.split()[-1]
+        elif item.startswith("# branch.head "):
+            branch = item.split(" ", 2)[-1]
+        elif item[:2] == "1 ":
+            dirty.append(item.split(" ", 8)[-1])
+        elif item[:2] == "2 ":
+            dirty.append(item.split(" ", 9)[-1])
+            next(items, None)  # the path it was renamed from
+        elif item[:2] == "u ":
+            dirty.append(item.split(" ", 10)[-1])
+    if commit in (None, "(initial)"):
+        return {"commit": None, "error": "no commit yet"}
+    log = (git_output("log", "-1", "--format=%cI") or "").strip()
+    describe = (git_output("describe", "--always", "--dirty", "--tags") or "").strip()
+    return {"commit": commit, "commit_time": log or None, "describe": describe or None, "branch": branch,
+            "dirty": bool(dirty), "dirty_paths": dirty[:max_paths], "dirty_count": len(dirty)}
+
+
+def build_info() -> dict[str, Any]:
+    """When nsp's C++ extension was built, and which C++ sources are newer than it (a stale build: the numbers
+    would not be those of the code the commit holds). File times only."""
+    try:
+        from nsp import _nsp_ffi
+
+        built = os.stat(_nsp_ffi.__file__).st_mtime
+    except Exception as e:  # noqa: BLE001
+        return {"extension": None, "error": f"{type(e).__name__}: {e}"}
+    sources = [REPO / "CMakeLists.txt"] + sorted((REPO / "ffi").glob("*"))
+    newer = [str(p.relative_to(REPO)) for p in sources if p.is_file() and p.stat().st_mtime > built]
+    return {"extension_built": time.strftime("%Y-%m-%dT%H:%M:%S", time.localtime(built)),
+            "sources_newer_than_build": newer}
+
+
+def disk_info(path: str | os.PathLike) -> dict[str, Any]:
+    """The file system a benchmark's files went to (mount point, type, device, free space) from
+    /proc/self/mountinfo; a benchmark adds what it measured there (``write_json(..., disk=...)``)."""
+    real = os.path.realpath(path)
+    best: tuple[str, str, str] | None = None
+    try:
+        with open("/proc/self/mountinfo") as f:
+            for line in f:
+                left, _, right = line.partition(" - ")
+                mount = left.split()[4].replace("\\040", " ")
+                fs_type, device = (right.split() + ["?", "?"])[:2]
+                inside = real == mount or real.startswith(mount.rstrip("/") + "/")
+                if inside and (best is None or len(mount) >= len(best[0])):
+                    best = (mount, fs_type, device)
+    except (OSError, IndexError):
+        pass
+    out: dict[str, Any] = {"path": real}
+    if best:
+        out.update(mount=best[0], fs_type=best[1], device=best[2])
+    try:
+        st = os.statvfs(real)
+        out["free_bytes"] = st.f_bavail * st.f_frsize
+    except OSError:
+        pass
+    return out
+
+
+# The tree as the benchmark started (its modules were imported then): a record names this commit.
+START_GIT = git_info()
 
 
 def print_table(title: str, rows: list[dict[str, Any]], columns: list[tuple[str, str, str]]) -> None:
@@ -112,15 +247,37 @@ def print_table(title: str, rows: list[dict[str, Any]], columns: list[tuple[str,
             print("  ".join("-" * w for w in widths))
 
 
-def write_json(name: str, payload: dict[str, Any], path: str | os.PathLike | None = None) -> Path:
-    """Writes ``payload`` (plus the machine description) as JSON; returns the file written."""
+def write_json(name: str, payload: dict[str, Any], path: str | os.PathLike | None = None, *,
+               disk: dict[str, Any] | None = None) -> Path:
+    """Writes ``payload`` as benchmark ``name``'s JSON record; returns the file written.
+
+    The default place, ``bench/results/<name>.json``, holds the latest record of each benchmark and is tracked by
+    git: commit it with the code it measured (``bench/report.py`` renders only committed records). Besides
+    ``payload`` a record carries what its numbers depend on: the command line, ``git`` (the commit the tree was at
+    when the benchmark started, whether tracked files differed from it and which, ``git describe``; and
+    ``changed_during_run`` when the tree moved before the record was written), ``machine`` (``machine_info()``,
+    plus ``disk``: the file system the benchmark wrote to and what it measured there, see ``disk_info``),
+    ``versions`` (``library_versions()``), ``build`` (``build_info()``) and the ``NSP_*`` / ``XLA_*`` / ``JAX_*``
+    / ``OMP_*`` environment.
+    """
     out = Path(path) if path else RESULTS_DIR / f"{name}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     import shlex
     import sys
 
     command = "python " + shlex.join([os.path.relpath(sys.argv[0])] + sys.argv[1:])
-    record = {"benchmark": name, "time": time.strftime("%Y-%m-%dT%H:%M:%S"), "command": command,
-              "machine": machine_info(), **payload}
-    out.write_text(json.dumps(record, indent=2) + "\n")
+    git = dict(START_GIT)
+    end = git_info()
+    if (end.get("commit"), end.get("dirty_paths")) != (git.get("commit"), git.get("dirty_paths")):
+        git["changed_during_run"] = {k: end.get(k) for k in ("commit", "dirty", "dirty_paths")}
+    machine = machine_info()
+    if disk:
+        machine["disk"] = disk
+    record = {"benchmark": name, "record_format": 2, "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
+              "command": command, "git": git, "machine": machine, "versions": library_versions(),
+              "build": build_info(),
+              "env": {k: v for k, v in sorted(os.environ.items()) if k.startswith(ENV_PREFIXES)}, **payload}
+    tmp = out.with_name(out.name + ".tmp")
+    tmp.write_text(json.dumps(record, indent=2) + "\n")
+    os.replace(tmp, out)  # a reader never sees half a record
     return out

@@ -6,11 +6,41 @@ JSON records the benchmarks leave in bench/results/.
     python bench/report.py --run-benches    # first rerun the quick benchmark variants (kernel, store, Top-K)
     python bench/report.py --skip-train     # remeasure traffic, keep the training section of the last report
     python bench/report.py --reuse          # measure nothing: re-render from docs/results/report.json
+    python bench/report.py --reuse --allow-stale   # ... and render stale parts too, marked STALE
+
+Records and commits. Each benchmark writes its latest record to bench/results/<name>.json, which git tracks (small
+JSON). A record names the commit the tree was at when the benchmark started and which tracked files differed from
+it, the machine (CPU model, SIMD flags, the kernel ISA nsp picked, cores, RAM, the disk where it wrote), the library
+versions, when nsp's C++ extension was built, and its command line (bench/_common.py: write_json). The report
+renders a record only when it is
+  - committed: tracked by git and unchanged from HEAD (report.json keeps the git blob id of each record it rendered,
+    so `git show <blob>` gives back exactly what was rendered), and
+  - fresh: the code the benchmark measures (MEASURES below: its script, bench/_common.py, and the parts of nsp and
+    ffi/ it runs) is the same at HEAD as at the record's commit (`git diff --quiet <commit> HEAD -- <paths>`), had
+    no uncommitted changes when it ran, has none in the working tree now, and the C++ extension it ran was not
+    older than the ffi/ sources.
+A record that is not both is left out and the report says why and how to refresh it; `--allow-stale` renders it
+instead, marked STALE. Sections 1 and 2 are measured by this script at the commit it runs at (report.json keeps
+that commit, and the reused sections of --reuse / --skip-train are judged like the records); it refuses to measure
+on a tree with uncommitted changes to that code unless given --allow-stale. Each rendered part names its record
+(file, the commit it was measured at and its date, the machine).
+
+Re-rendering from fresh runs at a final commit (a quiet machine: `uptime` load below 1):
+    git status                                   # no uncommitted changes to ffi/, nsp/, models/, bench/
+    pip install -e .                             # the C++ extension built from this commit's ffi/
+    python bench/update_kernel.py; python bench/store_update.py; python bench/topk.py
+    python bench/train_step.py; python bench/train_step.py --engine-cpus 1; python bench/checkpoint.py
+    python bench/max_model.py; python bench/fault_campaign.py
+    git add bench/results/*.json && git commit -m "bench/results: records at <commit>"
+    python bench/report.py                       # sections 1 and 2 measured now, section 3 from those records
+    git add docs/results && git commit -m "docs/results: re-rendered at <commit>"
+`python bench/report.py --reuse` afterwards checks the result: every section renders, none is left out as stale.
 
 Sections:
   1. Traffic per optimizer step (Smart-Infinity Table I): bytes on the shared link (host <-> store) and on the
-     store's internal link, measured on a real file-tier store for the baseline host updater (the DeepSpeed-style
-     swap of bench/store_update.py), nsp near-storage dense and Top-K 10/5/2/1%, next to the formula values.
+     store's internal link, measured on a real file-tier store for a baseline host updater (read all of p, m, v,
+     Adam on the host with bench/store_update.py's make_host_adam, write all back: the whole-state swap Table I
+     counts), nsp near-storage dense and Top-K 10/5/2/1%, next to the formula values.
      The OS's own count of bytes through read/write system calls (/proc/self/io) is shown beside the counters.
   2. Loss vs compression ratio (Smart-Infinity Table IV / Fig. 16): the tiny GPT on the Python stdlib sources,
      optax.adamw in RAM, nsp adamw dense and Top-K with and without error feedback, all stepped in lockstep
@@ -28,7 +58,6 @@ import argparse
 import collections
 import dataclasses
 import importlib.metadata
-import importlib.util
 import json
 import os
 import shlex
@@ -48,7 +77,8 @@ import optax
 from flax import nnx
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _common import RESULTS_DIR, machine_info, median, print_table, write_json  # noqa: E402
+from _common import (RESULTS_DIR, START_GIT, build_info, git_info, git_output, library_versions,  # noqa: E402
+                     machine_info, median, print_table, write_json)
 
 import nsp.optim  # noqa: E402
 import nsp.storage  # noqa: E402
@@ -70,8 +100,24 @@ TRAFFIC_PARAMS = 1_024_000
 TRAFFIC_PAGE_BYTES = 1_024_000
 TRAFFIC_LR = 1e-3
 
-VERSIONED_LIBRARIES = ("jax", "jaxlib", "flax", "optax", "tensorstore", "numpy", "orbax-checkpoint", "ml_dtypes",
-                       "matplotlib", "nsp")
+# What each measurement depends on besides the machine: the paths whose change makes its record stale. Sections 1
+# and 2 are measured by this script ("traffic", "train"); the others are the benchmarks of section 3. Top-K is plain
+# JAX (no kernel of ffi/). bench/_common.py holds the timing protocol and the record's fields.
+BUILD = ("ffi/", "CMakeLists.txt")
+PROTOCOL = ("bench/_common.py",)
+MEASURES = {
+    "traffic": BUILD + ("nsp/", "bench/report.py", "bench/store_update.py") + PROTOCOL,
+    "train": BUILD + ("nsp/", "models/", "bench/report.py") + PROTOCOL,
+    "update_kernel": BUILD + ("nsp/primitives/", "bench/update_kernel.py", "bench/_wait_policy.py") + PROTOCOL,
+    "store_update": BUILD + ("nsp/primitives/", "nsp/storage/", "bench/store_update.py", "bench/_deepspeed_swap.py",
+                             "bench/_wait_policy.py") + PROTOCOL,
+    "topk": ("nsp/primitives/topk.py", "bench/topk.py") + PROTOCOL,
+    "train_step": BUILD + ("nsp/", "models/", "bench/train_step.py") + PROTOCOL,
+    "train_step_split": BUILD + ("nsp/", "models/", "bench/train_step.py") + PROTOCOL,
+    "checkpoint": BUILD + ("nsp/primitives/", "nsp/storage/", "bench/checkpoint.py") + PROTOCOL,
+    "max_model": BUILD + ("nsp/", "models/", "bench/max_model.py") + PROTOCOL,
+    "fault_campaign": BUILD + ("nsp/", "models/", "bench/fault_campaign.py") + PROTOCOL,
+}
 
 
 # ---- small helpers ---------------------------------------------------------------------------------------------
@@ -124,15 +170,133 @@ def exact(value: Fraction) -> int | float:
 
 
 def versions() -> dict[str, str]:
-    """Versions of the libraries the numbers depend on (torch only where it is importable)."""
-    names = list(VERSIONED_LIBRARIES) + (["torch"] if importlib.util.find_spec("torch") is not None else [])
-    out = {}
-    for name in names:
-        try:
-            out[name] = importlib.metadata.version(name)
-        except importlib.metadata.PackageNotFoundError:
-            out[name] = "not installed"
+    """Versions of the libraries the numbers depend on (the benchmarks' records name the same), and matplotlib."""
+    out = {k: v or "not installed" for k, v in library_versions().items() if k != "python"}
+    try:
+        out["matplotlib"] = importlib.metadata.version("matplotlib")
+    except importlib.metadata.PackageNotFoundError:
+        out["matplotlib"] = "not installed"
     return out
+
+
+# ---- provenance: which commit a measurement came from, and whether it still describes the code -----------------
+
+def _under(path: str, paths: tuple[str, ...]) -> bool:
+    return any(path == p or (p.endswith("/") and path.startswith(p)) for p in paths)
+
+
+class Provenance:
+    """Judges measurements against the repository: committed (a record file) and fresh (see the module docstring).
+    One ``git status`` for the working tree, then a few git calls per measurement."""
+
+    def __init__(self):
+        self.tree = git_info(max_paths=10**6)  # the working tree now (HEAD and its uncommitted changes)
+        self.head = self.tree.get("commit")
+
+    def describe_commit(self, commit: str) -> str | None:
+        """'<short> (<date>)' of a commit this repository knows, else None."""
+        out = git_output("log", "-1", "--format=%h (%cs)", f"{commit}^{{commit}}", "--")
+        return out.strip() if out else None
+
+    def staleness(self, git: dict | None, build: dict | None, paths: tuple[str, ...]) -> list[str]:
+        """Why a measurement made at ``git`` (a record's "git") no longer describes the code at ``paths``; [] when
+        it is fresh."""
+        if self.head is None:
+            return ["this is not a git checkout: nothing can be checked"]
+        if not git or not git.get("commit"):
+            return ["it names no commit (it was made before records carried one)"]
+        commit = git["commit"]
+        reasons = []
+        if self.describe_commit(commit) is None:
+            return [f"its commit {commit[:12]} is not in this repository"]
+        if git_output("diff", "--quiet", commit, self.head, "--", *paths) is None:
+            last = (git_output("log", "-1", "--format=%h %cs %s", f"{commit}..{self.head}", "--", *paths) or "").strip()
+            reasons.append("the code it measures changed after its commit"
+                           + (f", last in {last.split(' ', 2)[0]} ({last.split(' ', 2)[1]}: "
+                              f"\"{last.split(' ', 2)[2]}\")" if last.count(" ") >= 2 else ""))
+        dirty = [d for d in git.get("dirty_paths", []) if _under(d, paths)]
+        if dirty:
+            reasons.append("it ran with uncommitted changes to " + ", ".join(f"`{d}`" for d in dirty))
+        elif git.get("dirty_count", 0) > len(git.get("dirty_paths", [])):
+            reasons.append(f"it ran with {git['dirty_count']} uncommitted changes, not all of them recorded")
+        newer = [f for f in (build or {}).get("sources_newer_than_build", []) if _under(f, paths)]
+        if newer:
+            reasons.append("nsp's C++ extension it ran was built before the last change to "
+                           + ", ".join(f"`{f}`" for f in newer))
+        now = [d for d in self.tree.get("dirty_paths", []) if _under(d, paths)]
+        if now:
+            reasons.append("the working tree has uncommitted changes to " + ", ".join(f"`{d}`" for d in now))
+        return reasons
+
+    def record_file(self, path: Path) -> dict:
+        """Whether a record file is committed (tracked, unchanged from HEAD): its blob id and last commit."""
+        if not path.is_relative_to(REPO):
+            return {"committed": False, "why": f"{path} is outside the repository"}
+        rel = str(path.relative_to(REPO))
+        if git_output("ls-files", "--error-unmatch", "--", rel) is None:
+            return {"committed": False, "why": f"`{rel}` is not committed (git does not track it)"}
+        if rel in self.tree.get("dirty_paths", []):
+            return {"committed": False, "why": f"`{rel}` has uncommitted changes"}
+        blob = (git_output("rev-parse", f"{self.head}:{rel}") or "").strip() or None
+        last = (git_output("log", "-1", "--format=%h %cs", "--", rel) or "").split()
+        return {"committed": True, "blob": blob, "in_commit": last[0] if last else None,
+                "in_commit_date": last[1] if len(last) > 1 else None}
+
+    def judge(self, name: str, record: dict, path: Path | None = None) -> dict:
+        """The verdict on one measurement: ``fresh`` (rendered as is) and the reasons it is not."""
+        git = record.get("git")
+        verdict = {"paths": list(MEASURES[name]), "commit": (git or {}).get("commit"),
+                   "commit_time": (git or {}).get("commit_time"), "reasons": []}
+        if path is not None:
+            verdict["file"] = str(path.relative_to(REPO)) if path.is_relative_to(REPO) else str(path)
+            filed = self.record_file(path)
+            verdict.update({k: v for k, v in filed.items() if k != "why"})
+            if not filed["committed"]:
+                verdict["reasons"].append(filed["why"])
+        verdict["reasons"] += self.staleness(git, record.get("build"), MEASURES[name])
+        verdict["fresh"] = not verdict["reasons"]
+        return verdict
+
+
+def machine_line(machine: dict) -> str:
+    """'<cpu>, <n> cores (<m> usable), <RAM>, kernels <isa>' from a record's machine description."""
+    parts = [str(machine.get("cpu", "?"))]
+    cores, usable = machine.get("cores"), machine.get("cpus_usable")
+    parts.append(f"{cores} cores" + (f" ({usable} usable)" if usable not in (None, cores) else ""))
+    if machine.get("ram_bytes"):
+        parts.append(f"{machine['ram_bytes'] / 2**30:.1f} GiB RAM")
+    if machine.get("kernel_isa"):
+        parts.append(f"kernels {machine['kernel_isa']}")
+    if machine.get("flags") is not None:
+        parts.append("flags " + (" ".join(machine["flags"]) or "none of note"))
+    return ", ".join(parts)
+
+
+def provenance_line(verdict: dict, machine: dict | None, when: str | None) -> str:
+    """The line every rendered part starts with: its record, commit, date and machine, and whether it is fresh."""
+    what = f"Record `{verdict['file']}`" if verdict.get("file") else "Measured by this script"
+    if verdict.get("in_commit"):
+        what += f" (committed in `{verdict['in_commit']}`, blob `{(verdict.get('blob') or '?')[:12]}`)"
+    commit = verdict.get("commit")
+    at = (f"commit `{commit[:12]}` ({(verdict.get('commit_time') or '?')[:10]})" if commit
+          else "no recorded commit")
+    line = f"{what}: measured {when or '?'} at {at}"
+    if machine:
+        line += f", on {machine_line(machine)}"
+    if verdict["fresh"]:
+        return line + ". Fresh: the code it measures is unchanged since."
+    return f"**STALE**: {'; '.join(verdict['reasons'])}.\n\n{line}."
+
+
+def left_out(title: str, verdict: dict, refresh: str) -> str:
+    """What stands in the report for a stale part when --allow-stale is not given."""
+    where = f"`{verdict['file']}`" if verdict.get("file") else "this measurement"
+    commit = verdict.get("commit")
+    return (f"{title}\n\n**Left out, stale**: {where}"
+            + (f" (measured at commit `{commit[:12]}`)" if commit else "") + f": {'; '.join(verdict['reasons'])}. "
+            f"Refresh it with `{refresh}` at the current commit"
+            + (", commit the record," if verdict.get("file") else "")
+            + " and rerun this report (`--allow-stale` renders it marked instead).\n")
 
 
 def command_line() -> str:
@@ -194,10 +358,10 @@ class GradientSwap:
 
 
 def measure_baseline(workdir: str, p0: np.ndarray, grads: list[np.ndarray], swap_gradient: bool) -> dict:
-    """One step of the host updater of bench/store_update.py (read p, m, v from the store's page files into host
+    """One step of a host updater (read p, m, v from the store's page files into host
     buffers, Adam on the host, write them all back + sync), optionally with the gradient swapped through storage.
     The second step is measured (the first builds the optimizer's buffers)."""
-    from store_update import make_host_adam  # the benchmark's own baseline (bench/ is on sys.path)
+    from store_update import make_host_adam  # bench/ is on sys.path
 
     n = p0.size
     path = os.path.join(workdir, "baseline_swap" if swap_gradient else "baseline")
@@ -311,11 +475,12 @@ def run_traffic(args) -> dict:
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
     return {"params": n, "page_bytes": TRAFFIC_PAGE_BYTES, "seed": args.seed, "measured": measured,
-            "command": command_line(), "time": time.strftime("%Y-%m-%d %H:%M:%S")}
+            "command": command_line(), "time": time.strftime("%Y-%m-%d %H:%M:%S"), "git": START_GIT,
+            "build": build_info()}
 
 
 TRAFFIC_LABELS = {
-    "baseline": "(a) baseline host updater, gradient in host RAM (bench/store_update.py's DeepSpeed-style swap)",
+    "baseline": "(a) baseline host updater (read all state, Adam on the host, write all), gradient in host RAM",
     "baseline_swap": "(a') baseline host updater + gradient swapped through storage (ZeRO-Infinity)",
     "dense": "(b) nsp near-storage update, dense (SmartUpdate)",
     **{f"topk_{c:g}": f"(c) nsp near-storage + Top-K {c:.0%} (SmartComp)" for c in RATIOS},
@@ -531,7 +696,7 @@ def run_training(args) -> dict:
         "data": data_info, "start_held_out_loss": start_loss, "dense_rel_err": dense_err,
         "dense_rel_err_max": max(dense_err), "dense_rel_err_final": dense_err[-1], "runs": results,
         "wall_s": wall_s, "quick": args.quick, "command": command_line(),
-        "time": time.strftime("%Y-%m-%d %H:%M:%S"),
+        "time": time.strftime("%Y-%m-%d %H:%M:%S"), "git": START_GIT, "build": build_info(),
     }
 
 
@@ -662,14 +827,11 @@ def shown_command(command: str) -> str:
     return shlex.join(kept)
 
 
-def bench_header(record: dict, command: str, exact_command: bool, here: dict) -> str:
-    command = shown_command(command)
-    machine = record.get("machine", {})
-    same = all(machine.get(k) == here.get(k) for k in ("cpu", "cores", "platform"))
-    where = "this machine" if same else f"{machine.get('cpu')}, {machine.get('cores')} cores, {machine.get('platform')}"
+def bench_header(record: dict, command: str, exact_command: bool, verdict: dict) -> str:
+    """The record's provenance line (file, commit, date, machine, fresh or STALE) and the command that made it."""
     how = "Produced by" if exact_command else "Command (rebuilt from the parameters the JSON records)"
-    return (f"Benchmark timestamp **{record.get('time', '?')}** (on {where}; jax {machine.get('jax', '?')}).\n"
-            f"{how}: `{command}`")
+    return (provenance_line(verdict, record.get("machine"), record.get("time")) + "\n"
+            + f"{how}: `{shown_command(command)}`")
 
 
 def render_update_kernel(d: dict, out: Path) -> tuple[str, str]:
@@ -693,9 +855,14 @@ def render_update_kernel(d: dict, out: Path) -> tuple[str, str]:
 
 
 def render_store_update(d: dict, out: Path) -> tuple[str, str]:
-    command = (f"python bench/store_update.py --state-mib {d['state_bytes'] / 2**20:g} --repeats {d['repeats']} "
-               f"--page-mib {d['page_bytes'] / 2**20:g} --pages-in-flight {d['pages_in_flight']} "
-               f"--threads {d['threads']} --dir {d['directory']}")
+    """Reads store_update.json tolerantly: its contenders are found by name (any whose name mentions DeepSpeed or
+    "baseline" is a baseline of the disk group) and each sentence of the facts appears only when the record has
+    its fields, so that a record with other or more baselines still renders."""
+    command = "python bench/store_update.py" + "".join(
+        f" {flag} {fmt(d[key])}" for flag, key, fmt in (
+            ("--state-mib", "state_bytes", lambda v: f"{v / 2**20:g}"), ("--repeats", "repeats", str),
+            ("--page-mib", "page_bytes", lambda v: f"{v / 2**20:g}"), ("--pages-in-flight", "pages_in_flight", str),
+            ("--threads", "threads", str), ("--dir", "directory", str)) if key in d)
     med = d["median_s"]
     moved = d["bytes_read_per_update"] + d["bytes_written_per_update"]
     n = d["params"]
@@ -703,17 +870,20 @@ def render_store_update(d: dict, out: Path) -> tuple[str, str]:
     def find(prefix: str) -> str | None:
         return next((k for k in med if k.strip().startswith(prefix)), None)
 
-    # The file tier and the baseline move the same page bytes; the perfect update is their disk roofline.
+    # The file tier and the baselines move the same page bytes; the perfect update is their disk roofline.
     raw = [(k, v) for k, v in med.items() if k.startswith("raw disk")]
-    disk = [("perfect update (disk roofline)", d["perfect_update_s"]),
-            (find("nsp file tier"), med.get(find("nsp file tier"))),
-            (find("DeepSpeed-style"), med.get(find("DeepSpeed-style")))]
+    baselines = [k for k in med if "deepspeed" in k.lower() or "baseline" in k.lower()]
+    disk = ([("perfect update (disk roofline)", d["perfect_update_s"])] if "perfect_update_s" in d else [])
+    disk += [(find("nsp file tier"), med.get(find("nsp file tier")))] + [(k.strip(), med[k]) for k in baselines]
     memory = [(k, med.get(k)) for k in [find("kernel alone")] + [k for k in med if k.startswith("memory tier")]]
     memory += [(k.strip(), v) for k, v in med.items() if k.strip().startswith("diag")]
-    rows = [{"name": k, "ms": v * 1e3, "gbs": d["probe_bytes"] / v / 1e9} for k, v in raw]
+    rows = [{"name": k, "ms": v * 1e3, "gbs": d["probe_bytes"] / v / 1e9 if "probe_bytes" in d else None}
+            for k, v in raw]
     rows += [{"name": k, "ms": v * 1e3, "gbs": moved / v / 1e9} for k, v in disk if k]
     rows += [{"name": k, "ms": v * 1e3, "gbs": n * (28 if "kernel" in k or "no param" in k else 32) / v / 1e9}
              for k, v in memory if k]
+    listed = {r["name"].strip() for r in rows}
+    rows += [{"name": k.strip(), "ms": v * 1e3} for k, v in med.items() if k.strip() not in listed]  # the rest
     plt = pyplot()
     fig, axes = plt.subplots(1, 2, figsize=(12, 3.2))
     for ax, group, title in ((axes[0], disk, "file tier vs disk (GB/s of pages moved)"),
@@ -725,41 +895,78 @@ def render_store_update(d: dict, out: Path) -> tuple[str, str]:
         ax.set_title(title, fontsize=9)
         ax.margins(x=0.2)
     save_figure(fig, out / "store_update.png",
-                f"store update, {n / 2**20:.0f}M params ({d['state_bytes'] / 2**20:.0f} MiB of p, m, v), "
-                f"median of {d['repeats']} ({d['time']})")
+                f"store update, {n / 2**20:.0f}M params"
+                + (f" ({d['state_bytes'] / 2**20:.0f} MiB of p, m, v)" if "state_bytes" in d else "") + ", "
+                f"median of {d.get('repeats', '?')} ({d.get('time', '?')})")
     body = md_table(rows, [("name", "contender", ""), ("ms", "median ms", ".1f"), ("gbs", "GB/s moved", ".3f")])
+
+    def fact(template: str, *keys: str) -> str:
+        return template.format(*(d[k] for k in keys)) if all(k in d for k in keys) else ""
+
     probe = (f"fastest write: {d['probe_write'].split(': ')[-1]}; fastest read: {d['probe_read'].split(': ')[-1]}"
-             if "probe_write" in d else d.get("probe_mode", "?"))
-    facts = (f"Raw disk ({probe}): write {d['write_gbs']:.3f} GB/s, read {d['read_gbs']:.3f} GB/s. "
-             f"File tier at {d['file_tier_pct_of_disk']:.1f}% of the perfect update; DeepSpeed-style baseline at "
-             f"{d['baseline_pct_of_disk']:.1f}% (nsp vs baseline: {d['nsp_vs_baseline_speedup']:.2f}x; baseline "
-             f"Adam: {d['baseline_adam']}). Memory tier (jitted, as the transforms run it) at "
-             f"{d['memory_tier_pct_of_kernel']:.1f}% of the kernel alone "
-             f"({d['memory_tier_pct_of_kernel_roofline_adjusted']:.1f}% counting its 32 B/param against the "
-             f"kernel's 28).")
-    checks = "\n".join(f"- {c['check']}: {c['value']:.3g} ({'met' if c['met'] else 'missed'})"
-                       for c in d.get("checks", []))
+             if "probe_write" in d and "probe_read" in d else d.get("probe_mode", "?"))
+    facts = " ".join(f for f in (
+        fact(f"Raw disk ({probe}): write {{:.3f}} GB/s, read {{:.3f}} GB/s.", "write_gbs", "read_gbs"),
+        fact("File tier at {:.1f}% of the perfect update.", "file_tier_pct_of_disk"),
+        fact("Baseline at {:.1f}% of the perfect update", "baseline_pct_of_disk")
+        + fact(" (nsp vs baseline: {:.2f}x", "nsp_vs_baseline_speedup")
+        + fact("; baseline Adam: {}", "baseline_adam")
+        + (")." if "nsp_vs_baseline_speedup" in d else "." if "baseline_pct_of_disk" in d else ""),
+        fact("Memory tier (jitted, as the transforms run it) at {:.1f}% of the kernel alone",
+             "memory_tier_pct_of_kernel")
+        + fact(" ({:.1f}% counting its 32 B/param against the kernel's 28)",
+               "memory_tier_pct_of_kernel_roofline_adjusted")
+        + ("." if "memory_tier_pct_of_kernel" in d else ""),
+    ) if f)
+    checks = "\n".join(f"- {c.get('check', '?')}: "
+                       + (f"{c['value']:.3g}" if isinstance(c.get("value"), (int, float)) else str(c.get("value")))
+                       + f" ({'met' if c.get('met') else 'missed'})" for c in d.get("checks", []))
     return command, f"{body}\n\n{facts}\n\n{checks}\n\n![store update](store_update.png)"
+
+
+def _yes_no(value) -> str | None:
+    return None if value is None else value if isinstance(value, str) else ("yes" if value else "NO")
 
 
 def render_topk(d: dict, out: Path) -> tuple[str, str]:
     command = f"python bench/topk.py --size {d['size']} --ratio {d['ratio']:g} --repeats {d['repeats']}"
     inputs = list(dict.fromkeys(r["input"] for r in d["rows"]))
+    hard = [i for i in inputs if any(r.get("hard") for r in d["rows"] if r["input"] == i)]
+    if not hard:
+        command += " --easy-only" if "inputs" in d else ""
+    cols = min(3, len(inputs))
+    grid = -(-len(inputs) // cols)
     plt = pyplot()
-    fig, axes = plt.subplots(1, len(inputs), figsize=(6 * len(inputs), 3), squeeze=False)
-    for ax, inp in zip(axes[0], inputs):
+    fig, axes = plt.subplots(grid, cols, figsize=(6 * cols, 3 * grid), squeeze=False)
+    for ax, inp in zip(axes.flat, inputs):
         rows = [r for r in d["rows"] if r["input"] == inp]
         roof = [r["method"].startswith("roofline") for r in rows]
         draw_bars(ax, [r["method"] for r in rows], [r["median_ms"] for r in rows], roof, log=True,
                   fmt="{:.3g} ms")
-        ax.set_title(f"{inp}: median ms (log; lower is better)", fontsize=9)
+        ax.set_title(f"{inp}{' (hard)' if inp in hard else ''}: median ms (log; lower is better)", fontsize=9)
         ax.margins(x=0.3)
+    for ax in list(axes.flat)[len(inputs):]:
+        ax.axis("off")
     save_figure(fig, out / "topk.png",
                 f"Top-K {d['ratio']:.0%} of {d['size']:,} entries (k = {d['k']:,}), median of {d['repeats']} "
                  f"({d['time']})")
-    body = md_table(d["rows"], [("input", "input", ""), ("method", "method", ""), ("median_ms", "median ms", ".1f"),
-                                ("speedup", "vs lax.top_k", ".2f"), ("l2_mass_pct", "L2 mass kept %", ".2f")])
-    return command, f"{body}\n\n![top-k](topk.png)"
+    rows = [{**r, "input": r["input"] + (" (hard)" if r.get("hard") else ""), "correct": _yes_no(r.get("correct")),
+             "fallback": _yes_no(r.get("fallback"))} for r in d["rows"]]
+    columns = [("input", "input", ""), ("method", "method", ""), ("median_ms", "median ms", ".1f"),
+               ("speedup", "vs lax.top_k", ".2f"), ("l2_mass_pct", "L2 mass kept %", ".2f")]
+    if any("correct" in r for r in d["rows"]):
+        columns += [("correct", "correct", ""), ("fallback", "threshold fell back", "")]
+    body = md_table(rows, columns)
+    notes = []
+    if hard:
+        notes.append("Hard inputs (`bench/topk.py`'s docstring): many entries share the k-th largest magnitude, so "
+                     "no sampled threshold passes between k and 2k candidates; the threshold method then runs "
+                     "its exact fallback after the threshold pass (\"threshold fell back\": its candidate count "
+                     "missed). \"correct\": the output checked against numpy (k distinct ascending indices, the "
+                     "values at them, every kept magnitude at least the k-th largest and every larger one kept). "
+                     f"Threshold method, worst over the easy inputs: {d['threshold_speedup_min']:.2f}x lax.top_k; "
+                     f"over the hard ones: {d.get('threshold_speedup_min_hard', float('nan')):.2f}x.")
+    return command, body + "".join(f"\n\n{n}" for n in notes) + "\n\n![top-k](topk.png)"
 
 
 def render_train_step(d: dict, out: Path) -> tuple[str, str]:
@@ -787,9 +994,10 @@ def render_train_step(d: dict, out: Path) -> tuple[str, str]:
                  f"{m.get('staleness_hidden_fraction', float('nan')):.0%} counting each call's final drain"
                  if steady is not None else
                  f"{m.get('staleness_hidden_fraction', float('nan')):.0%} of the file tier's update")
+        all_cores = [("ratio_all", "x optax all CPUs", ".2f")] if any("ratio_all" in r for r in rows) else []
         parts.append(f"**{model}** ({m['params']:,} params; staleness 1 hides {hides})\n\n"
                      + md_table(rows, [("contender", "contender", ""), ("ms", "step ms", ".1f"),
-                                       ("ratio", "x optax", ".2f"), ("update_ms", "update ms", ".1f"),
+                                       ("ratio", "x optax", ".2f"), *all_cores, ("update_ms", "update ms", ".1f"),
                                        ("wait_ms", "wait ms", ".1f"), ("in", "link in B/step", ",.0f"),
                                        ("table1_in", "Table I in", ",.0f"),
                                        ("out", "link out B/step", ",.0f"), ("table1_out", "Table I out", ",.0f")]))
@@ -800,10 +1008,17 @@ def render_train_step(d: dict, out: Path) -> tuple[str, str]:
     name = "train_step_split" if split else "train_step"
     save_figure(fig, out / f"{name}.png", f"GPT train step (median of {repeats}; {d['time']})")
     if split:
+        everywhere = d.get("optax_all_cpus")
         parts.insert(0, f"The update ran on CPUs {d['engine_cpus']} (`NSP_ENGINE_CPUS`), every forward/backward on "
                         f"CPUs {d['compute_cpus']}: a stand-in for a host whose forward/backward runs on an "
                         f"accelerator, so that a staleness-1 update competes with it for memory and caches, not "
-                        f"for cores. Step times are those of fewer cores than the run above.")
+                        f"for cores. Step times are those of fewer cores than the run above. "
+                        + (f"The nsp contenders use CPUs {everywhere} in all, the pinned optax only "
+                           f"{d['compute_cpus']}; so optax also ran on all of {everywhere}, in a process of its own "
+                           "driven round by round in the same interleaved rounds (the row \"all N CPUs\"): "
+                           "\"x optax all CPUs\" compares every contender with it at equal cores, beside the pinned "
+                           "run's \"x optax\"." if everywhere else
+                           "(This record has no optax run on all the CPUs; rerun the command to add it.)"))
     return command, "\n\n".join(parts) + f"\n\n![train step]({name}.png)"
 
 
@@ -825,6 +1040,26 @@ def render_checkpoint(d: dict, out: Path) -> tuple[str, str]:
              f"{d['target_ratio']:.0f}x: {'met' if d['target_met'] else 'missed'}); snapshot method "
              f"{snap.get('method')}, {snap.get('linked_files')} page files linked, {snap.get('copied_bytes')} "
              "bytes copied. The raw write is the roofline of any checkpoint that copies the state.")
+    later = d.get("cost_later")
+    if later:
+        lrows = [{**r, "replaced": r.get("replaced", "-")} for r in later["rows"]]
+        facts += ("\n\n**The cost paid later.** A page file that a snapshot links is replaced, not rewritten in "
+                  "place, the next time the store writes it (a new file renamed over it). Versions alternate "
+                  "between two slots, so the first update after a snapshot writes the other slot and the second "
+                  "rewrites the snapshotted one. Both updates after a snapshot against two with none, the two "
+                  f"kinds of round alternating, median of {d['repeats']} (extra: median of the per-round "
+                  "differences; pages replaced: page files that got a new inode):\n\n"
+                  + md_table(lrows, [("name", "", ""), ("snapshot", "after a snapshot (s)", ".4f"),
+                                     ("none", "no snapshot (s)", ".4f"), ("extra", "extra (s)", "+.4f"),
+                                     ("replaced", "pages replaced (snapshot / none)", "")])
+                  + f"\n\nA checkpoint by snapshot costs its own time plus that extra: {later['snapshot_s']:.4f} + "
+                  f"{later['extra_s']:.4f} = **{later['total_s']:.4f} s**, against orbax Standard's "
+                  f"{later['total_s'] * later['ratio_orbax_standard']:.4f} s "
+                  f"(**{later['ratio_orbax_standard']:.1f}x**) and orbax from the store's "
+                  f"{later['total_s'] * later['ratio_orbax_from_store']:.4f} s "
+                  f"({later['ratio_orbax_from_store']:.1f}x), all in this run.")
+    else:
+        facts += " (This record predates the measurement of the cost a snapshot adds to the next updates.)"
     return command, f"{body}\n\n{facts}\n\n![checkpoint](checkpoint.png)"
 
 
@@ -868,7 +1103,8 @@ def render_fault_campaign(d: dict, out: Path) -> tuple[str, str]:
 BENCHES = {
     "update_kernel": ("Update kernel: nsp fused Adam vs optax, torch and the memory roofline",
                       "python bench/update_kernel.py", render_update_kernel),
-    "store_update": ("Store update: file tier vs the raw disk and a DeepSpeed-style swap; memory tier vs the kernel",
+    "store_update": ("Store update: file tier vs the raw disk and DeepSpeed's optimizer swap; memory tier vs the "
+                     "kernel",
                      "python bench/store_update.py", render_store_update),
     "topk": ("Top-K compression: nsp methods vs jax.lax.top_k and a one-pass roofline", "python bench/topk.py",
              render_topk),
@@ -905,16 +1141,38 @@ def run_benches(results_dir: Path) -> dict[str, dict]:
     return ran
 
 
-def render_benches(results_dir: Path, out: Path, ran: dict[str, dict], here: dict) -> str:
+def read_records(results_dir: Path) -> dict[str, dict]:
+    """The benchmarks' records found in ``results_dir``, by name (an unreadable file is left to render_benches)."""
+    records = {}
+    for name in BENCHES:
+        path = results_dir / f"{name}.json"
+        try:
+            records[name] = json.loads(path.read_text())
+        except (OSError, ValueError):
+            pass
+    return records
+
+
+def render_benches(results_dir: Path, out: Path, ran: dict[str, dict], verdicts: dict[str, dict],
+                   allow_stale: bool) -> str:
     parts = []
+    records = read_records(results_dir)
     for name, (title, default_command, render) in BENCHES.items():
         path = results_dir / f"{name}.json"
+        if name in records and not verdicts[name]["fresh"] and not allow_stale:
+            record = records[name]
+            parts.append(left_out(f"### {title}", verdicts[name], shown_command(record.get("command")
+                                                                                 or default_command)))
+            continue
         parts.append(f"### {title}\n")
         if not path.exists():
             parts.append(f"**Missing**: `{path.relative_to(REPO) if path.is_relative_to(REPO) else path}` does not "
-                         f"exist. Produce it with `{default_command}`, then rerun this report.\n")
+                         f"exist. Produce it with `{default_command}`, commit it, then rerun this report.\n")
             continue
-        record = json.loads(path.read_text())
+        if name not in records:
+            parts.append(f"**Unreadable**: `{path.name}` is not JSON. Regenerate it with `{default_command}`.\n")
+            continue
+        record = records[name]
         try:
             command, body = render(record, out)
         except (KeyError, TypeError, ValueError, ZeroDivisionError) as e:  # an older or foreign record layout
@@ -928,7 +1186,7 @@ def render_benches(results_dir: Path, out: Path, ran: dict[str, dict], here: dic
             command, exact_command = record["command"], True
         else:
             exact_command = False
-        parts.append(bench_header(record, command, exact_command, here)
+        parts.append(bench_header(record, command, exact_command, verdicts[name])
                      + "\n\n" + body + "\n")
     return "\n".join(parts)
 
@@ -1014,6 +1272,10 @@ def plot_loss_vs_ratio(train: dict, path: Path) -> None:
 def section_header(measurements: dict) -> str:
     m = measurements["machine"]
     v = measurements["versions"]
+    verdicts = measurements.get("provenance", {})
+    render_git = measurements.get("rendered_at", {})
+    fresh = [k for k, x in verdicts.items() if x["fresh"]]
+    stale = [k for k, x in verdicts.items() if not x["fresh"]]
     t_seed, s_seed = measurements["traffic"]["seed"], measurements["train"]["config"]["seed"]
     lines = [
         "# nsp results",
@@ -1026,12 +1288,22 @@ def section_header(measurements: dict) -> str:
            if measurements.get("rerendered") else ""),
         "Regenerate with `python bench/report.py` (options: `--help`). Every number below comes from a measurement "
         "made by that script (raw values in [`report.json`](report.json)) or from a benchmark's JSON record in "
-        "`bench/results/`.",
+        "`bench/results/`, committed to git. Each part names its record, the commit it was measured at and the "
+        "machine; a part whose code changed after that commit is stale and "
+        + ("rendered marked **STALE** (`--allow-stale`)." if measurements.get("allow_stale") else
+           "left out, with the reason.")
+        + f" Rendered at commit `{(render_git.get('commit') or '?')[:12]}` (`{render_git.get('describe')}`"
+        + (f"; {render_git.get('dirty_count')} tracked files with uncommitted changes" if render_git.get("dirty")
+           else "; no uncommitted changes") + "): "
+        + (f"{len(fresh)} of {len(verdicts)} parts fresh" + (f", stale: {', '.join(stale)}." if stale else ".")),
         "",
         "## Machine and versions",
         "",
-        md_table([{"k": "CPU", "v": m["cpu"]}, {"k": "cores", "v": str(m["cores"])},
-                  {"k": "platform", "v": m["platform"]}, {"k": "python", "v": m["python"]},
+        md_table([{"k": "CPU", "v": m["cpu"]}, {"k": "cores", "v": str(m["cores"])}]
+                 + [{"k": k, "v": v} for k, v in (
+                     ("SIMD flags", " ".join(m["flags"]) if m.get("flags") is not None else None),
+                     ("RAM", f"{m['ram_bytes'] / 2**30:.1f} GiB" if m.get("ram_bytes") else None)) if v]
+                 + [{"k": "platform", "v": m["platform"]}, {"k": "python", "v": m["python"]},
                   {"k": "nsp kernel ISA / threads", "v": f"{measurements['isa']} / {measurements['threads']}"},
                   {"k": "JAX devices", "v": measurements["devices"]},
                   {"k": "environment", "v": measurements["env"] or "(no NSP_* / XLA_* variables set)"}],
@@ -1048,7 +1320,7 @@ def section_header(measurements: dict) -> str:
     return "\n".join(lines)
 
 
-def section_traffic(traffic: dict, out: Path) -> str:
+def section_traffic(traffic: dict, out: Path, provenance: str) -> str:
     shared, internal = traffic_rows(traffic)
     n = traffic["params"]
     M = 2 * n
@@ -1057,6 +1329,8 @@ def section_traffic(traffic: dict, out: Path) -> str:
     note = traffic["measured"]["baseline"]["host_adam"]
     return "\n".join([
         "## 1. Traffic per optimizer step (Smart-Infinity Table I)",
+        "",
+        provenance,
         "",
         f"Command: `{shown_command(traffic['command'])}` (measured {traffic.get('time', '?')})",
         "",
@@ -1069,8 +1343,8 @@ def section_traffic(traffic: dict, out: Path) -> str:
         "",
         "Where the numbers come from: nsp rows are `store.stats()` of a store opened with `nsp.storage.open(..., "
         "tier=\"file\")` and stepped through a jitted `nsp.optim.adam(..., store=store)` (Top-K rows: "
-        "`compression=nsp.optim.TopK(c)`). The baseline rows run the host updater of `bench/store_update.py` "
-        f"(Adam: {note}) on the same page files, counting the bytes each whole-state read and write moves between "
+        "`compression=nsp.optim.TopK(c)`). The baseline rows run a host updater (`make_host_adam` of "
+        f"`bench/store_update.py`; Adam: {note}) on the same page files, counting the bytes each whole-state read and write moves between "
         "the store and host memory; row (a') also writes the gradient to the store's disk and reads it back, "
         "counting the bytes its system calls return. \"to store\" is gradients (and, for the baseline, state) "
         "going in; \"from store\" is params (and state) coming out.",
@@ -1103,7 +1377,7 @@ def section_traffic(traffic: dict, out: Path) -> str:
     ])
 
 
-def section_training(train: dict, out: Path) -> str:
+def section_training(train: dict, out: Path, provenance: str) -> str:
     cfg = train["config"]
     window = plot_loss_curves(train, out / "loss_curves.png")
     plot_loss_vs_ratio(train, out / "loss_vs_ratio.png")
@@ -1115,6 +1389,8 @@ def section_training(train: dict, out: Path) -> str:
     first_above = next((i + 1 for i, e in enumerate(err) if e > 1e-5), None)
     return "\n".join([
         "## 2. Loss vs compression ratio (Smart-Infinity Table IV / Fig. 16)",
+        "",
+        provenance,
         "",
         f"Command: `{shown_command(train['command'])}` (measured {train.get('time', '?')}; training took "
         f"{train['wall_s'] / 60:.1f} min of it)",
@@ -1168,19 +1444,30 @@ def section_csd() -> str:
     ])
 
 
+SECTION_TITLES = {"traffic": "## 1. Traffic per optimizer step (Smart-Infinity Table I)",
+                  "train": "## 2. Loss vs compression ratio (Smart-Infinity Table IV / Fig. 16)"}
+
+
 def render_report(measurements: dict, results_dir: Path, out: Path) -> Path:
     out.mkdir(parents=True, exist_ok=True)
+    allow_stale = bool(measurements.get("allow_stale"))
+    verdicts = measurements["provenance"]
     parts = [section_header(measurements)]
-    parts.append(section_traffic(measurements["traffic"], out))
-    parts.append(section_training(measurements["train"], out))
+    for key, section in (("traffic", section_traffic), ("train", section_training)):
+        verdict = verdicts[key]
+        if verdict["fresh"] or allow_stale:
+            parts.append(section(measurements[key], out,
+                                 provenance_line(verdict, measurements["machine"], measurements[key].get("time"))))
+        else:
+            parts.append(left_out(SECTION_TITLES[key], verdict, "python bench/report.py"))
     where = results_dir.relative_to(REPO) if results_dir.is_relative_to(REPO) else results_dir
     parts.append(f"## 3. Kernel and tier throughput\n\nFrom the JSON records in `{where}/`, each with the "
-                 "benchmark's own timestamp; rooflines are grey (hatched) bars measured in the same run. A record "
+                 "benchmark's own timestamp, commit and machine; rooflines are grey (hatched) bars measured in the same run. A record "
                  "whose command reads \"Produced by\" names the command line that wrote it (recorded by the "
                  "benchmark, or by this script's `--run-benches`), less the options that only place files ("
                  + ", ".join(f"`{o}`" for o in PLACEMENT_OPTIONS)
                  + "); for older records the command is rebuilt from the parameters they record.\n")
-    parts.append(render_benches(results_dir, out, measurements.get("ran_benches") or {}, measurements["machine"]))
+    parts.append(render_benches(results_dir, out, measurements.get("ran_benches") or {}, verdicts, allow_stale))
     parts.append(section_csd())
     path = out / "REPORT.md"
     path.write_text("\n".join(parts).rstrip() + "\n")
@@ -1237,6 +1524,9 @@ def main() -> None:
     parser.add_argument("--out", default=str(OUT_DIR), help="where REPORT.md, the PNGs and report.json go")
     parser.add_argument("--dir", default=None, help="where the traffic section's temporary stores go "
                         "(default: the system's temporary directory)")
+    parser.add_argument("--allow-stale", action="store_true",
+                        help="render stale or uncommitted records (and reused sections) marked STALE instead of "
+                             "leaving them out, and measure sections 1 and 2 on a tree with uncommitted changes")
     args = parser.parse_args()
     args.steps = args.steps or (30 if args.quick else 1000)
     args.eval_batches = args.eval_batches or (4 if args.quick else 16)
@@ -1246,6 +1536,17 @@ def main() -> None:
         parser.error(f"--seq {args.seq} exceeds the block size of {args.model!r}")
     out, results_dir = Path(args.out).absolute(), Path(args.results_dir).absolute()
     json_path = out / "report.json"
+
+    measured_now = [k for k, now in (("traffic", not args.reuse), ("train", not (args.reuse or args.skip_train)))
+                    if now]
+    if measured_now and not args.allow_stale:  # do not spend minutes on numbers that would be stale at once
+        here = Provenance()
+        reasons = {k: here.staleness(START_GIT, build_info(), MEASURES[k]) for k in measured_now}
+        reasons = {k: r for k, r in reasons.items() if r}
+        if reasons:
+            raise SystemExit("refusing to measure: the results would be stale at once ("
+                             + "; ".join(f"{k}: {', '.join(r)}" for k, r in reasons.items())
+                             + "). Commit (and rebuild: pip install -e .) first, or pass --allow-stale.")
 
     t0 = time.perf_counter()
     previous = load_previous(json_path, needed=args.reuse or args.skip_train)
@@ -1270,10 +1571,25 @@ def main() -> None:
     else:
         made = {"generated": time.strftime("%Y-%m-%d %H:%M:%S"), "command": command_line(),
                 "elapsed_s": time.perf_counter() - t0}
-    measurements = {**made, **setup, "traffic": traffic, "train": train, "ran_benches": ran}
+    # Judged now, at the end: a record committed while sections 1 and 2 ran counts as committed.
+    prov = Provenance()
+    verdicts = {"traffic": prov.judge("traffic", traffic), "train": prov.judge("train", train)}
+    verdicts.update({name: prov.judge(name, record, results_dir / f"{name}.json")
+                     for name, record in read_records(results_dir).items()})
+    rendered_at = {k: prov.tree.get(k) for k in ("commit", "commit_time", "describe", "dirty", "dirty_count")}
+    rendered_at["dirty_paths"] = prov.tree.get("dirty_paths", [])[:40]
+    measurements = {**made, **setup, "traffic": traffic, "train": train, "ran_benches": ran,
+                    "provenance": verdicts, "rendered_at": rendered_at, "allow_stale": args.allow_stale}
     print_sections(measurements)
     write_json("report", measurements, json_path)
     path = render_report(measurements, results_dir, out)
+    stale = {k: v for k, v in verdicts.items() if not v["fresh"]}
+    print(f"\n{len(verdicts) - len(stale)} of {len(verdicts)} parts fresh"
+          + (f"; stale ({'rendered, marked STALE' if args.allow_stale else 'left out'}):" if stale else "."))
+    for k, v in stale.items():
+        print(f"  {k}{' (' + v['file'] + ')' if v.get('file') else ''}: {'; '.join(v['reasons'])}")
+    if args.run_benches and not args.allow_stale:
+        print("the records --run-benches wrote are not committed yet: commit bench/results/ and rerun with --reuse")
     print(f"\nwrote {path} and {json_path} ({time.perf_counter() - t0:.0f} s)")
 
 
