@@ -17,6 +17,16 @@ removed after it was timed):
                      checkpoint that copies the state pays at least this; a snapshot does not copy.
 
 The figure of merit is the ratio of each contender's median time to nsp's (target: orbax Standard >= 10x).
+
+The cost paid later. A snapshot's hard links make the next write of the snapshotted pages dearer: the file tier
+rewrites a page file in place only when nothing else links it, and replaces a linked one (a new file written and
+renamed over it: fresh blocks allocated). A store keeps two version slots and an update writes the one it does not
+read, so after a snapshot of version t (slot t % 2) the first update writes the other slot as usual and the second
+rewrites the snapshotted slot: every one of its pages is replaced. The benchmark times those two updates after a
+snapshot against two updates with none (the snapshot removed before the control pair, so every page has one link
+again), the two kinds of round alternating, median of the per-round differences. It reports the snapshot's time plus
+that extra (what a checkpoint by snapshot costs in all) against the orbax saves timed above, and counts the page
+files each update replaced (a new inode) as evidence of which path ran.
 """
 
 from __future__ import annotations
@@ -33,7 +43,7 @@ import jax.numpy as jnp
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _common import median, print_table, write_json  # noqa: E402
+from _common import disk_info, median, print_table, write_json  # noqa: E402
 
 import orbax.checkpoint as ocp  # noqa: E402
 
@@ -41,6 +51,7 @@ import nsp.storage as storage  # noqa: E402
 from nsp.storage import checkpoint as ckpt  # noqa: E402
 
 TARGET_RATIO = 10.0
+STATES = ("param", "mu", "nu")
 
 
 def raw_write(path: str, arrays: list[np.ndarray]) -> None:
@@ -55,6 +66,82 @@ def raw_write(path: str, arrays: list[np.ndarray]) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def page_census(store, slot: int) -> dict[str, tuple[int, int]]:
+    """(inode, link count) of every page file of ``slot`` in every shard."""
+    out = {}
+    for shard in store.shard_paths:
+        for state in STATES:
+            chunk_dir = os.path.join(shard, f"slot{slot}", state, "c")
+            if not os.path.isdir(chunk_dir):
+                continue
+            for entry in os.scandir(chunk_dir):
+                if entry.name.isdigit():
+                    st = entry.stat()
+                    out[entry.path] = (st.st_ino, st.st_nlink)
+    return out
+
+
+def cost_paid_later(store, work: str, n: int, repeats: int) -> dict:
+    """Rounds of (snapshot, update, update) and of (update, update) with no snapshot, alternating, after one warm-up
+    round of each; see the module docstring. Returns per-round times and page counts and their medians."""
+    rng = np.random.default_rng(1)
+    g = (rng.standard_normal(store.layout.padded_total, dtype=np.float32) * np.float32(1e-3))
+    g[n:] = 0
+    steps = iter(range(2, 10**9))
+
+    def update() -> float:
+        t = time.perf_counter()
+        store.update(g, version=store.version, lr=1e-3, step=next(steps), params_out=False)
+        return time.perf_counter() - t
+
+    def cycle(snapshot: bool, dest: str) -> dict:
+        out = {}
+        if snapshot:
+            t = time.perf_counter()
+            ckpt.snapshot_store(store, dest)
+            out["snapshot_s"] = time.perf_counter() - t
+        slot = store.version % 2  # the slot a snapshot now links (or would)
+        before = page_census(store, slot)
+        out["pages"] = len(before)
+        out["linked_pages"] = sum(nlink > 1 for _, nlink in before.values())
+        out["update_other_slot_s"] = update()  # writes slot 1 - slot: nothing links it
+        out["update_snapshot_slot_s"] = update()  # rewrites slot: in place, or replaced where linked
+        after = page_census(store, slot)
+        out["replaced_pages"] = sum(after.get(path, (None,))[0] != ino for path, (ino, _) in before.items())
+        if snapshot:
+            shutil.rmtree(dest)
+        return out
+
+    rounds: dict[str, list[dict]] = {"snapshot": [], "none": []}
+    for rnd in range(1 + repeats):  # round 0 warms up
+        order = ("snapshot", "none") if rnd % 2 == 0 else ("none", "snapshot")
+        for kind in order:
+            result = cycle(kind == "snapshot", os.path.join(work, f"later_{rnd}"))
+            if rnd:
+                rounds[kind].append(result)
+
+    def med(kind: str, key: str) -> float:
+        return median([r[key] for r in rounds[kind]])
+
+    def pair_extra(key: str) -> float:
+        return median([(a[key] if key else a["update_other_slot_s"] + a["update_snapshot_slot_s"])
+                       - (b[key] if key else b["update_other_slot_s"] + b["update_snapshot_slot_s"])
+                       for a, b in zip(rounds["snapshot"], rounds["none"])])
+
+    return {
+        "rounds": rounds,
+        "snapshot_s": med("snapshot", "snapshot_s"),
+        "update_other_slot_s": {k: med(k, "update_other_slot_s") for k in rounds},
+        "update_snapshot_slot_s": {k: med(k, "update_snapshot_slot_s") for k in rounds},
+        "extra_other_slot_s": pair_extra("update_other_slot_s"),
+        "extra_snapshot_slot_s": pair_extra("update_snapshot_slot_s"),
+        "extra_s": pair_extra(""),  # both updates: a whole cycle of the two slots
+        "pages": rounds["none"][0]["pages"],
+        "linked_pages": {k: max(r["linked_pages"] for r in rounds[k]) for k in rounds},
+        "replaced_pages": {k: max(r["replaced_pages"] for r in rounds[k]) for k in rounds},
+    }
 
 
 def main() -> None:
@@ -137,6 +224,13 @@ def main() -> None:
                 elif os.path.exists(dest):
                     os.unlink(dest)
 
+        # The manager keeps its last checkpoints' links to the live pages: drop them, so that the control updates
+        # below find every page with one link.
+        manager.close()
+        closers.remove(manager.close)
+        shutil.rmtree(os.path.join(work, "manager"))
+        later = cost_paid_later(store, work, n, args.repeats)
+
         ref = median(times["nsp snapshot"])
         rows = []
         for name, ts_ in times.items():
@@ -152,6 +246,30 @@ def main() -> None:
               f"(target >= {TARGET_RATIO:.0f}x: {'met' if ratio >= TARGET_RATIO else 'NOT met'}); "
               f"snapshot method: {last_snapshot.get('method')}, {last_snapshot.get('linked_files')} page files "
               f"linked, {last_snapshot.get('copied_bytes')} bytes copied")
+        total = later["snapshot_s"] + later["extra_s"]
+        orbax_s = median(times["orbax Standard"])
+        orbax_store_s = median(times["orbax from store"])
+        later_rows = [
+            {"name": "snapshot", "snapshot": later["snapshot_s"], "none": None, "extra": None},
+            {"name": "1st update (writes the other slot)", "snapshot": later["update_other_slot_s"]["snapshot"],
+             "none": later["update_other_slot_s"]["none"], "extra": later["extra_other_slot_s"],
+             "replaced": "-"},
+            {"name": "2nd update (rewrites the snapshot's slot)",
+             "snapshot": later["update_snapshot_slot_s"]["snapshot"], "none": later["update_snapshot_slot_s"]["none"],
+             "extra": later["extra_snapshot_slot_s"],
+             "replaced": f"{later['replaced_pages']['snapshot']} / {later['replaced_pages']['none']} of "
+                         f"{later['pages']}"},
+        ]
+        print_table(f"\nthe cost paid later: the two updates after a snapshot vs two with none, median of "
+                    f"{args.repeats} (extra: median of the per-round differences)", later_rows,
+                    [("name", "", ""), ("snapshot", "after a snapshot s", ".4f"), ("none", "no snapshot s", ".4f"),
+                     ("extra", "extra s", "+.4f"), ("replaced", "pages replaced (snapshot / none)", "")])
+        print(f"snapshot + the extra its links cost the next updates: {later['snapshot_s']:.4f} + "
+              f"{later['extra_s']:.4f} = {total:.4f} s; orbax Standard {orbax_s:.4f} s ({orbax_s / total:.1f}x), "
+              f"orbax from store {orbax_store_s:.4f} s ({orbax_store_s / total:.1f}x)")
+        later.update(total_s=total, ratio_orbax_standard=orbax_s / total, ratio_orbax_from_store=orbax_store_s / total,
+                     rows=later_rows)
+        raw_s = median(times["raw write+fsync"])
         path = write_json("checkpoint", {
             "state_bytes": state_bytes, "params": n, "num_shards": args.num_shards, "page_bytes": page_bytes,
             "repeats": args.repeats, "quick": args.quick,
@@ -159,7 +277,8 @@ def main() -> None:
             "target_met": ratio >= TARGET_RATIO,
             "snapshot": {k: last_snapshot.get(k) for k in ("method", "linked_files", "linked_bytes", "copied_bytes",
                                                             "num_files", "total_bytes")},
-        }, args.json)
+            "cost_later": later,
+        }, args.json, disk={**disk_info(work), "raw_write_fsync_gbps": state_bytes / raw_s / 1e9})
         print(f"wrote {path}")
     finally:
         for close in reversed(closers):
