@@ -20,6 +20,11 @@ forward/backward runs on the accelerator and the update on the host's cores. ``-
 that split: it reserves the last N CPUs for the update work (NSP_ENGINE_CPUS) and runs the forward/backward
 (XLA) on the others, re-executing itself pinned so (JSON: ``train_step_split``). The forward/backward then runs
 on fewer cores, so its step times are not those of the default run; the two runs answer different questions.
+optax pinned so runs on fewer cores than nsp, whose update has the reserved ones as well; so the split run also
+times optax on all the CPUs the nsp contenders use together (forward/backward CPUs + update CPUs), in a process of
+its own started with that affinity (XLA sizes its thread pool by the CPUs a process may use, when it starts), driven
+round by round through a pipe so that it stays interleaved with the others; its row is "optax.adamw (RAM), all N
+CPUs" and the "x optax all CPUs" column compares every contender with it, beside the pinned optax's "x optax".
 """
 
 from __future__ import annotations
@@ -28,6 +33,7 @@ import argparse
 import functools
 import os
 import shutil
+import subprocess
 import sys
 import tempfile
 import time
@@ -39,7 +45,7 @@ import optax
 from flax import nnx
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _common import median, print_table, time_interleaved, write_json  # noqa: E402
+from _common import disk_info, median, print_table, time_interleaved, write_json  # noqa: E402
 
 import nsp.optim  # noqa: E402
 import nsp.storage  # noqa: E402
@@ -54,6 +60,8 @@ STEPS_PER_CALL = 8  # the last update of a call cannot overlap anything: 1/8 of 
 WORKLOADS = [("tiny", "tiny", 8, 64), ("small (batch 2)", "small", 2, 128), ("small", "small", 8, 128)]
 FULL_WORKLOADS = [("gpt2-124m", "gpt2-124m", 1, 128)]
 SPLIT_FLAG = "NSP_BENCH_SPLIT_CPUS"  # set on the re-executed, pinned run
+ALL_CPUS_VAR = "NSP_BENCH_ALL_CPUS"  # the CPUs the split run uses in all (compute + engine), for optax's own run
+OPTAX = "optax.adamw (RAM)"
 
 
 def split_cpus(n_engine: int) -> tuple[list[int], list[int]]:
@@ -69,13 +77,15 @@ def reexec_split(n_engine: int) -> None:
     """Re-executes this benchmark with the forward/backward pinned to the first CPUs and NSP_ENGINE_CPUS naming
     the rest (both must be in place before JAX and nsp start their threads)."""
     compute, engine = split_cpus(n_engine)
-    env = dict(os.environ, NSP_ENGINE_CPUS=",".join(map(str, engine)), **{SPLIT_FLAG: "1"})
+    env = dict(os.environ, NSP_ENGINE_CPUS=",".join(map(str, engine)),
+               **{SPLIT_FLAG: "1", ALL_CPUS_VAR: ",".join(map(str, compute + engine))})
     os.sched_setaffinity(0, compute)  # inherited across exec by every thread the new process starts
     sys.stdout.flush()
     os.execve(sys.executable, [sys.executable, *sys.argv], env)
 
 
-def contenders_for(model_name: str, batch: int, seq: int, workdir: str):
+def workload(model_name: str, batch: int, seq: int):
+    """(params, loss function of the params, param count): the same model and batch in every process."""
     cfg = get_config(model_name, vocab_size=256, block_size=max(seq, 64))
     graphdef, params = nnx.split(GPT(cfg, rngs=nnx.Rngs(0)), nnx.Param)
     n_params = sum(x.size for x in jax.tree_util.tree_leaves(params))
@@ -84,6 +94,16 @@ def contenders_for(model_name: str, batch: int, seq: int, workdir: str):
 
     def loss_fn(p):
         return cross_entropy_loss(nnx.merge(graphdef, p)(tokens[:, :-1]), tokens[:, 1:])
+
+    return params, loss_fn, n_params
+
+
+def optax_tx() -> optax.GradientTransformation:
+    return optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(1e-3, weight_decay=0.01))
+
+
+def contenders_for(model_name: str, batch: int, seq: int, workdir: str):
+    params, loss_fn, n_params = workload(model_name, batch, seq)
 
     def make(tx, store=None):
         @functools.partial(jax.jit, donate_argnums=(0, 1))
@@ -120,7 +140,7 @@ def contenders_for(model_name: str, batch: int, seq: int, workdir: str):
         "nsp file tier, staleness 1": nsp.storage.open(os.path.join(workdir, f"{model_name}-stale"), tier="file"),
     }
     clip = optax.clip_by_global_norm(1.0)
-    runs = {"optax.adamw (RAM)": make(optax.chain(clip, optax.adamw(1e-3, weight_decay=0.01)))}
+    runs = {OPTAX: make(optax_tx())}
     for name, store in stores.items():
         compression = nsp.optim.TopK(0.01) if "Top-K" in name else None
         staleness = 1 if "staleness" in name else 0
@@ -128,6 +148,74 @@ def contenders_for(model_name: str, batch: int, seq: int, workdir: str):
                                                             compression=compression, staleness=staleness)),
                           store)
     return runs, stores, n_params
+
+
+class OptaxElsewhere:
+    """The optax contender in a process of its own on ``cpus`` (``--optax-worker``): each call runs one timed call
+    there (``STEPS_PER_CALL`` steps, waited for) and keeps the time the worker measured around it."""
+
+    def __init__(self, model_name: str, batch: int, seq: int, cpus: list[int]):
+        env = {k: v for k, v in os.environ.items() if k not in ("NSP_ENGINE_CPUS", SPLIT_FLAG, ALL_CPUS_VAR)}
+        # A new process inherits the affinity of the thread that starts it: widen this thread's for the start only
+        # (JAX's and nsp's threads keep theirs; no Python runs between fork and exec).
+        own = os.sched_getaffinity(0)
+        os.sched_setaffinity(0, cpus)
+        try:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-X", "faulthandler", os.path.abspath(__file__), "--optax-worker",
+                 f"{model_name},{batch},{seq}"],
+                stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
+        finally:
+            os.sched_setaffinity(0, own)
+        ready = self.proc.stdout.readline().split()
+        if ready[:1] != ["ready"]:
+            raise RuntimeError(f"the optax worker did not start (it said {ready!r})")
+        self.cpus = [int(c) for c in ready[1].split(",")]
+        self.times: list[float] = []
+
+    def __call__(self) -> None:
+        self.proc.stdin.write("run\n")
+        self.proc.stdin.flush()
+        reply = self.proc.stdout.readline()
+        if not reply:
+            raise RuntimeError(f"the optax worker ended (exit code {self.proc.wait()})")
+        self.times.append(float(reply))
+
+    def close(self) -> None:
+        try:
+            self.proc.stdin.close()
+        finally:
+            self.proc.wait(timeout=60)
+
+
+def optax_worker(spec: str) -> None:
+    """``--optax-worker MODEL,BATCH,SEQ``: the optax contender's timed calls, one per "run" line on stdin, each
+    answered with its seconds on a line; ends at end of input."""
+    proto = os.fdopen(os.dup(1), "w")
+    os.dup2(2, 1)  # anything else printed goes to stderr, not into the replies
+    model_name, batch, seq = spec.split(",")
+    params, loss_fn, _ = workload(model_name, int(batch), int(seq))
+    tx = optax_tx()
+
+    @functools.partial(jax.jit, donate_argnums=(0, 1))
+    def step(p, s):
+        loss, g = jax.value_and_grad(loss_fn)(p)
+        u, s = tx.update(g, s, p)
+        return optax.apply_updates(p, u), s, loss
+
+    p = jax.tree_util.tree_map(jnp.copy, params)
+    s = tx.init(p)
+    proto.write(f"ready {','.join(map(str, sorted(os.sched_getaffinity(0))))}\n")
+    proto.flush()
+    for line in sys.stdin:
+        if line.strip() != "run":
+            break
+        t0 = time.perf_counter()
+        for _ in range(STEPS_PER_CALL):
+            p, s, loss = step(p, s)
+        jax.block_until_ready((p, loss))
+        proto.write(f"{time.perf_counter() - t0!r}\n")
+        proto.flush()
 
 
 def main() -> None:
@@ -138,34 +226,55 @@ def main() -> None:
     parser.add_argument("--json", default=None)
     parser.add_argument("--engine-cpus", type=int, default=0, metavar="N",
                         help="run the update on the last N CPUs and the forward/backward on the others, as on a "
-                             "host beside an accelerator (default 0: all share every core)")
+                             "host beside an accelerator (default 0: all share every core); optax also runs on "
+                             "all of them, in a process of its own")
+    parser.add_argument("--optax-worker", default=None, help=argparse.SUPPRESS)  # MODEL,BATCH,SEQ (internal)
     args = parser.parse_args()
+    if args.optax_worker:
+        optax_worker(args.optax_worker)
+        return
     if args.repeats < 5:
         parser.error("--repeats must be >= 5")
     if args.engine_cpus and os.environ.get(SPLIT_FLAG) != "1":
         reexec_split(args.engine_cpus)  # does not return
     record = {"models": {}, "engine_cpus": nsp.primitives.engine_cpus(),
               "compute_cpus": sorted(os.sched_getaffinity(0))}
+    all_cpus = [int(c) for c in os.environ[ALL_CPUS_VAR].split(",")] if args.engine_cpus else None
+    optax_all = f"{OPTAX}, all {len(all_cpus)} CPUs" if all_cpus else None
     if args.engine_cpus:
         print(f"forward/backward on CPUs {record['compute_cpus']}, the update on CPUs {record['engine_cpus']} "
-              f"(NSP_ENGINE_CPUS)")
+              f"(NSP_ENGINE_CPUS); {optax_all}: optax in a process of its own on CPUs {all_cpus}")
+        record["optax_all_cpus"] = all_cpus
     workloads = WORKLOADS + ([] if args.quick else FULL_WORKLOADS)
     workdir = tempfile.mkdtemp(prefix="nsp-bench-", dir=args.dir or os.getcwd())
     try:
         for key, model_name, batch, seq in workloads:
             runs, stores, n = contenders_for(model_name, batch, seq, tempfile.mkdtemp(dir=workdir))
+            elsewhere = None
+            if all_cpus:
+                elsewhere = OptaxElsewhere(model_name, batch, seq, all_cpus)
+                runs = {OPTAX: runs[OPTAX], optax_all: elsewhere,
+                        **{k: v for k, v in runs.items() if k != OPTAX}}
             for store in stores.values():
                 store.reset_stats()
-            times = time_interleaved(runs, repeats=args.repeats, warmup=2)
+            try:
+                times = time_interleaved(runs, repeats=args.repeats, warmup=2)
+            finally:
+                if elsewhere is not None:
+                    elsewhere.close()
+            if elsewhere is not None:  # the worker's own clock, as for the others (no pipe round trip)
+                times[optax_all] = elsewhere.times[-args.repeats:]
             med = {k: median(v) / STEPS_PER_CALL for k, v in times.items()}  # per step
             # Per step without the call's final drain (the timed rounds' drains only; the warm-up's come first).
             steady = {k: median([t - d for t, d in zip(v, runs[k].drains[-len(v):])]) / STEPS_PER_CALL
-                      for k, v in times.items() if runs[k].drains}
-            ref = med["optax.adamw (RAM)"]
+                      for k, v in times.items() if getattr(runs[k], "drains", None)}
+            ref = med[OPTAX]
             M = 2 * n
             rows = []
             for name, t in med.items():
                 row = {"contender": name, "ms": t * 1e3, "ratio": t / ref}
+                if optax_all:
+                    row["ratio_all"] = t / med[optax_all]
                 store = stores.get(name)
                 if store is not None:
                     s = store.stats()
@@ -185,7 +294,8 @@ def main() -> None:
             print_table(
                 f"{key}: {n / 1e6:.2f}M params, batch {batch} x {seq} tokens, median of {args.repeats}",
                 rows,
-                [("contender", "contender", ""), ("ms", "step ms", ".1f"), ("ratio", "x optax", ".2f"),
+                [("contender", "contender", ""), ("ms", "step ms", ".1f"), ("ratio", "x optax", ".2f")]
+                + ([("ratio_all", "x optax all CPUs", ".2f")] if optax_all else []) + [
                  ("update_ms", "update ms", ".1f"), ("wait_ms", "wait ms", ".1f"), ("in", "link in B/step", ".0f"),
                  ("table1_in", "Table I in", ".0f"), ("out", "link out B/step", ".0f"),
                  ("table1_out", "Table I out", ".0f")],
@@ -193,6 +303,10 @@ def main() -> None:
             memory_ratio = med["nsp memory tier"] / ref
             print(f"  nsp memory tier: {memory_ratio:.2f}x optax step time (target <= 1.10x) "
                   f"{'ok' if memory_ratio <= 1.10 else 'MISSED'}")
+            if optax_all:
+                print(f"  at equal cores (optax on all {len(all_cpus)} CPUs, {med[optax_all] * 1e3:.1f} ms/step): "
+                      + ", ".join(f"{k.removeprefix('nsp ')} {med[k] / med[optax_all]:.2f}x" for k in med
+                                  if k.startswith("nsp")))
             update_s = next(r["update_ms"] for r in rows if r["contender"] == "nsp file tier") / 1e3
             fwd_bwd_s = max(med["nsp file tier"] - update_s, 0.0)
             hidden = (med["nsp file tier"] - med["nsp file tier, staleness 1"]) / update_s
@@ -220,7 +334,8 @@ def main() -> None:
             record["models"][key]["staleness_hidden_fraction"] = hidden
             record["models"][key]["staleness_hidden_fraction_steady"] = hidden_steady
             record["models"][key]["steady_s"] = steady
-        path = write_json("train_step_split" if args.engine_cpus else "train_step", record, args.json)
+        path = write_json("train_step_split" if args.engine_cpus else "train_step", record, args.json,
+                          disk=disk_info(workdir))
         print(f"\nwrote {path}")
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
