@@ -117,7 +117,7 @@ def _ckpt(args: argparse.Namespace) -> int:
         info = ckpt.load_snapshot_info(run_dir / "ckpt" / str(step) / "store", check_files=False)
         files = info.pop("files", [])
         info["files"] = len(files)
-        info["bytes"] = sum(f.get("size", 0) for f in files)
+        info["bytes"] = sum(f["bytes"] for f in files)
         print(json.dumps({"step": step, "path": str(run_dir / "ckpt" / str(step)), "store": info}, indent=1))
         return 0
     if not args.out:

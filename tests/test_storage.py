@@ -257,9 +257,13 @@ def test_traffic_counters_follow_table_1(tmp_path):
         M = 2 * n
         store.update(grad_for(1, store.layout), version=0, lr=0.01, step=1)
         s = store.stats()
-        # SmartUpdate: 2M grads in, 2M params out on the shared link; the state stays inside (6M read + 6M write).
+        # SmartUpdate: 2M grads in, 2M params out on the shared link; the state stays inside (6M read + 6M write),
+        # counted as the page files moved: plus each file's CRC-32C trailer (and zarr's padding of a shard's last
+        # page, and direct I/O's block padding of what it writes).
         assert (s["shared_in_bytes"], s["shared_out_bytes"]) == (2 * M, 2 * M)
-        assert (s["internal_read_bytes"], s["internal_write_bytes"]) == (6 * M, 6 * M)
+        files = 3 * store.layout.pages_per_shard * store.num_shards
+        for key in ("internal_read_bytes", "internal_write_bytes"):
+            assert 6 * M + 4 * files <= s[key] <= 6 * M + (4 + PAGE + 4096) * files, key
         store.reset_stats()
         # bf16 transport halves the shared link: M grads in, M params out.
         store.update(grad_for(2, store.layout, ml_dtypes.bfloat16), version=1, lr=0.01, step=2,

@@ -13,6 +13,7 @@ import orbax.checkpoint as ocp
 import pytest
 
 from nsp.cli import main
+from nsp.storage import checkpoint as ckpt
 
 
 @pytest.fixture(autouse=True)
@@ -128,6 +129,25 @@ def test_topk_memory_tier_and_keep_n(tmp_path, corpus):
     assert rows[-1]["shared_in_bytes"] < 0.2 * rows[-1]["shared_out_bytes"]
 
 
+def test_default_seq_fits_the_model(tmp_path, corpus, capsys):
+    """With no --seq, a model whose block size is below the default trains at its block size."""
+    args = ["train", "--model", "tiny", "--run-dir", str(tmp_path / "run"), "--data", corpus, "--batch", "4",
+            "--steps", "1", "--eval-batches", "1"]
+    assert main(args) == 0
+    assert json.loads((tmp_path / "run" / "config.json").read_text())["seq"] == 64  # tiny's block size
+
+
+def test_train_run_again_with_the_default_run_dir_starts_a_new_run(tmp_path, corpus, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    args = ["train", "--model", "tiny", "--data", corpus, "--batch", "4", "--steps", "1", "--eval-batches", "1"]
+    assert main(args) == 0 and main(args) == 0
+    assert "this one goes to runs/default-2" in capsys.readouterr().out
+    assert (tmp_path / "runs" / "default" / "config.json").exists()
+    assert (tmp_path / "runs" / "default-2" / "config.json").exists()
+    # A run directory given on purpose is never switched: the clear error stays.
+    assert main([*args, "--run-dir", "runs/default-2"]) == 2
+
+
 def test_ckpt_and_sample_commands(tmp_path, corpus, capsys, monkeypatch):
     run = tmp_path / "run"
     assert train(run, corpus, "--steps", "4", "--ckpt-every", "2") == 0
@@ -136,7 +156,13 @@ def test_ckpt_and_sample_commands(tmp_path, corpus, capsys, monkeypatch):
     listed = capsys.readouterr().out
     assert "step 2: store version 2" in listed and "step 4: store version 4" in listed
     assert main(["ckpt", "show", "--run-dir", str(run), "--step", "2"]) == 0
-    assert json.loads(capsys.readouterr().out)["store"]["version"] == 2
+    shown = json.loads(capsys.readouterr().out)["store"]
+    assert shown["version"] == 2
+    # The size shown is the snapshot's files as they lie on disk.
+    snap = run / "ckpt" / "2" / "store"
+    listed_files = ckpt.load_snapshot_info(snap)["files"]
+    on_disk = sum((snap / f["path"]).stat().st_size for f in listed_files)
+    assert shown["files"] == len(listed_files) > 0 and shown["bytes"] == on_disk > 0
     assert main(["ckpt", "export", "--run-dir", str(run), "--out", str(tmp_path / "export")]) == 0
     assert (tmp_path / "export" / "params").is_dir()
     capsys.readouterr()

@@ -1,5 +1,6 @@
 """Optax transforms with optimizer state in a storage tier (``nsp.storage``) and Top-K compression."""
 
+from nsp.optim.accumulate import MultiStepsState, multi_steps
 from nsp.optim.alias import adagrad, adam, adamw, sgd
 from nsp.optim.compress import TOPK_ADAM_BETAS, Compressed, TopK, TopKState, topk_compress
 from nsp.optim.storage import (
@@ -13,6 +14,7 @@ from nsp.optim.storage import (
 
 __all__ = [
     "Compressed",
+    "MultiStepsState",
     "StorageState",
     "TOPK_ADAM_BETAS",
     "TopK",
@@ -20,6 +22,7 @@ __all__ = [
     "adagrad",
     "adam",
     "adamw",
+    "multi_steps",
     "scale_by_storage",
     "scale_by_storage_adagrad",
     "scale_by_storage_adam",

@@ -191,7 +191,8 @@ def topk_compress(
         _, padded = flat_size(params, num_shards)
         return TopKState(jnp.zeros((padded,) if error_feedback else (0,), jnp.float32))
 
-    def update_fn(updates, state, params=None):
+    def update_fn(updates, state, params=None, **extra_args):
+        del extra_args  # accepted so that chains passing e.g. value= work
         del params
         if isinstance(updates, Compressed):
             raise ValueError("the updates are compressed already (topk_compress appears twice in the chain)")

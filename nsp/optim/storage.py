@@ -20,6 +20,7 @@ import numbers
 from typing import Any, NamedTuple
 
 import jax
+import jax.experimental
 import jax.numpy as jnp
 import numpy as np
 import optax
@@ -96,15 +97,30 @@ def scale_by_storage(
         raise ValueError(f"staleness must be 0 or 1, got {staleness}")
 
     def init_fn(params):
-        if any(isinstance(x, jax.core.Tracer) for x in jax.tree_util.tree_leaves(params)):
-            raise TypeError("init writes the params into the store: call it outside jax.jit")
         if optimizer is None:
             raise TypeError("the optimizer's hyperparameters must be concrete numbers at init")
-        store.staleness = int(staleness)
-        version = store.initialize(params, optimizer)
+        leaves = jax.tree_util.tree_leaves(params)
+        traced = any(isinstance(x, jax.core.Tracer) for x in leaves)
+        if not leaves or not (traced or all(isinstance(x, (jax.Array, np.ndarray, np.generic)) for x in leaves)):
+            # A tree with no arrays (every leaf masked out), or placeholders (optax.tree.map_params), or an
+            # abstract one (jax.ShapeDtypeStruct): the state's structure, as optax's own transforms give it. The
+            # store is written by the first init on real arrays.
+            return StorageState(jnp.zeros((), jnp.int32), jnp.zeros((), jnp.int32))
+        if traced:
+            # Under jax.jit the params reach the store through a host callback (once, at init; never on the
+            # step's path); under jax.eval_shape nothing runs and nothing is written.
+            version = jax.experimental.io_callback(
+                lambda p: np.int32(_initialize(p)), jax.ShapeDtypeStruct((), jnp.int32), params, ordered=True)
+            return StorageState(version, version)
+        version = _initialize(params)
         return StorageState(jnp.asarray(version, jnp.int32), jnp.asarray(version, jnp.int32))
 
-    def update_fn(updates, state, params=None):
+    def _initialize(params) -> int:
+        store.staleness = int(staleness)
+        return store.initialize(params, optimizer)
+
+    def update_fn(updates, state, params=None, **extra_args):
+        del extra_args  # the store's update needs none; accepted so that chains passing e.g. value= work
         if params is None:
             raise ValueError("nsp storage transforms need params: call tx.update(grads, state, params)")
         layout = store.layout
@@ -132,13 +148,23 @@ def scale_by_storage(
             out = store_update(store, flat, version=state.version, lr=lr, step=state.count + 1, mesh=mesh,
                                axis_name=axis_name, staleness=staleness)
             new_params, version = layout.unflatten(out.params, params, dtype=jnp.float32), out.version
-        # p + (new - p) recovers new exactly whenever the subtraction is exact (Sterbenz: new and p are close).
-        new_updates = jax.tree_util.tree_map(lambda n, p: n - p.astype(jnp.float32), new_params, params)
+        new_updates = jax.tree_util.tree_map(_update_in_params_dtype, new_params, params)
         # A skipped step (non-finite gradient) leaves the version, and so the step count, where they were.
         applied = (version - state.version).astype(state.count.dtype)
         return new_updates, StorageState(state.count + applied, version)
 
     return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+
+
+def _update_in_params_dtype(new: jax.Array, param: jax.Array) -> jax.Array:
+    """The update, in the params' dtype (optax's rule), that ``optax.apply_updates`` turns into the store's new
+    fp32 master rounded to that dtype (``t``): ``p + (t - p)`` is exactly ``t`` whenever the difference is exact
+    in that dtype (Sterbenz: ``t`` and ``p`` within a factor of 2 of each other). A step larger than that (a
+    param near zero, or crossing it) needs a ``u`` finer than the dtype holds at ``u``'s size: ``p + u`` then
+    lands within an ulp of ``t``, as ``p + (t - p)`` does in optax's own arithmetic."""
+    target = new.astype(param.dtype)
+    wide = jnp.promote_types(param.dtype, jnp.float32)
+    return (target.astype(wide) - param.astype(wide)).astype(param.dtype)
 
 
 def _leaves_path(layout, updates, params, mesh) -> bool:

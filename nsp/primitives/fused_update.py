@@ -125,8 +125,8 @@ def fused_update(
         raise TypeError(f"param must be float32 (the fp32 master copy), got {param.dtype}")
     shape, n = param.shape, param.size
     need_mu, need_nu = uses_mu(kind, momentum), uses_nu(kind)
-    mu_flat = _state_operand("mu", mu, shape, need_mu, kind)
-    nu_flat = _state_operand("nu", nu, shape, need_nu, kind)
+    mu_state = _state_operand("mu", mu, shape, need_mu, kind)
+    nu_state = _state_operand("nu", nu, shape, need_nu, kind)
     lr = _scalar("lr", lr, jnp.float32)
     step = _scalar("step", step, jnp.int32)
     if not isinstance(step, jax.core.Tracer) and int(step) < 1:
@@ -138,7 +138,7 @@ def fused_update(
     if indices is None:
         if grad.shape != shape:
             raise ValueError(f"grad shape {grad.shape} does not match param shape {shape}")
-        target, operands = "nsp_fused_update_dense", [grad.reshape(-1)]
+        target, operands = "nsp_fused_update_dense", [grad]
     else:
         # Checked before conversion: jnp.asarray would silently narrow int64 to int32.
         idx_dtype = indices.dtype if hasattr(indices, "dtype") else np.asarray(indices).dtype
@@ -156,6 +156,30 @@ def fused_update(
             _check_indices(np.asarray(indices), n)
         target, operands = "nsp_fused_update_sparse", [grad, indices]
 
+    attrs = dict(kind=np.int32(KINDS[kind]), b1=np.float64(b1), b2=np.float64(b2), eps=np.float64(eps),
+                 weight_decay=np.float64(weight_decay), momentum=np.float64(momentum), nesterov=bool(nesterov),
+                 lazy=bool(lazy))
+    operands = [param, *operands, mu_state, nu_state, lr, step]
+    # Called eagerly, the update still runs as one compiled call (cached per shape and hyperparameters): op by
+    # op, every reshape and the kernel's non-donated in/out aliasing would each copy the state again.
+    # Eagerly a dense, non-lazy update also writes fresh outputs in its one pass instead of aliasing them: the
+    # caller's arrays cannot be donated, and aliasing them would copy each state before the kernel's pass.
+    eager = not any(isinstance(x, jax.core.Tracer) for x in operands)
+    alias = not (eager and indices is None and not lazy)
+    outs = (_kernel_jit if eager else _kernel)(target, bf16_out, tuple(sorted(attrs.items())), alias, *operands)
+    new_param, new_mu, new_nu, param_bf16 = outs
+    return FusedUpdateResult(new_param, new_mu if need_mu else mu, new_nu if need_nu else nu, param_bf16)
+
+
+def _kernel(target: str, bf16_out: bool, attrs: tuple, alias: bool, param, *rest):
+    """The FFI call on flat operands, reshaped back: param, grad (or values, indices), mu, nu, lr, step. With
+    ``alias`` the outputs are the param and state operands, updated in place (donated, under jit); without, the
+    kernel reads them and writes every element of new outputs (dense, non-lazy updates only)."""
+    *operands, mu, nu, lr, step = rest
+    shape, n = param.shape, param.size
+    mu_flat, nu_flat = mu.reshape(-1), nu.reshape(-1)
+    if target == "nsp_fused_update_dense":
+        operands = [operands[0].reshape(-1)]
     out_types = [
         jax.ShapeDtypeStruct((n,), jnp.float32),
         jax.ShapeDtypeStruct(mu_flat.shape, jnp.float32),
@@ -165,28 +189,14 @@ def fused_update(
         out_types.append(jax.ShapeDtypeStruct((n,), jnp.bfloat16))
     args = [lr, step, param.reshape(-1), *operands, mu_flat, nu_flat]
     mu_pos = len(args) - 2
-    call = jax.ffi.ffi_call(
-        target,
-        out_types,
-        input_output_aliases={2: 0, mu_pos: 1, mu_pos + 1: 2},
-        vmap_method="sequential",
-    )
-    outs = call(
-        *args,
-        kind=np.int32(KINDS[kind]),
-        b1=np.float64(b1),
-        b2=np.float64(b2),
-        eps=np.float64(eps),
-        weight_decay=np.float64(weight_decay),
-        momentum=np.float64(momentum),
-        nesterov=bool(nesterov),
-        lazy=bool(lazy),
-    )
-    new_param = outs[0].reshape(shape)
-    new_mu = outs[1].reshape(shape) if need_mu else mu
-    new_nu = outs[2].reshape(shape) if need_nu else nu
-    param_bf16 = outs[3].reshape(shape) if bf16_out else None
-    return FusedUpdateResult(new_param, new_mu, new_nu, param_bf16)
+    call = jax.ffi.ffi_call(target, out_types, vmap_method="sequential",
+                            input_output_aliases={2: 0, mu_pos: 1, mu_pos + 1: 2} if alias else None)
+    outs = call(*args, **dict(attrs))
+    return (outs[0].reshape(shape), outs[1].reshape(mu.shape), outs[2].reshape(nu.shape),
+            outs[3].reshape(shape) if bf16_out else None)
+
+
+_kernel_jit = jax.jit(_kernel, static_argnums=(0, 1, 2, 3))
 
 
 def _check_hyperparams(*, b1: float, b2: float, eps: float, weight_decay: float, momentum: float) -> None:
@@ -199,7 +209,7 @@ def _check_hyperparams(*, b1: float, b2: float, eps: float, weight_decay: float,
 
 
 def _state_operand(name: str, state, shape, needed: bool, kind: str) -> jax.Array:
-    """The flat fp32 operand for one optimizer state; an empty array when the kind keeps no such state."""
+    """The fp32 operand for one optimizer state; an empty array when the kind keeps no such state."""
     if not needed:
         return jnp.zeros((0,), jnp.float32)
     if state is None:
@@ -209,7 +219,7 @@ def _state_operand(name: str, state, shape, needed: bool, kind: str) -> jax.Arra
         raise ValueError(f"{name} shape {state.shape} does not match param shape {shape}")
     if state.dtype != jnp.float32:
         raise TypeError(f"{name} must be float32, got {state.dtype}")
-    return state.reshape(-1)
+    return state
 
 
 def _scalar(name: str, value, dtype) -> jax.Array:

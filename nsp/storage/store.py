@@ -787,6 +787,7 @@ def _open_existing(root: Path, tier, num_shards, page_bytes, shard_paths, pages_
         store.layout, store.optimizer = layout, optimizer
         version, checksums = _recover_version(store)
         _check_pages_present(store, version)
+        _check_checksums_recorded(store, version, checksums)
         store._make_engines(create=False, version=version, checksums=checksums)
     except BaseException:
         store._life.release()
@@ -810,6 +811,21 @@ def _check_pages_present(store: StateStore, version: int) -> None:
                                  f"{chunks} holds {present} of its {pages} pages: the store is damaged")
 
 
+def _check_checksums_recorded(store: StateStore, version: int, checksums: list[dict]) -> None:
+    """Each manifest records the checksum of every page of the committed version, for the version its slot
+    holds (a manifest naming a version its slot does not hold is damage)."""
+    used = store.optimizer.states_used()
+    for shard, tables in zip(store.shard_paths, checksums):
+        recorded = tables.get(version % 2, {})
+        missing = [s for s, u in zip(STATES, used) if u and s not in recorded]
+        if store.checksum and missing:
+            raise StoreError(f"{shard / MANIFEST} records no page checksums of {missing} for version {version}: "
+                             "the store is damaged")
+        if recorded and recorded["version"] != version:
+            raise StoreError(f"{shard / MANIFEST}: field 'version' names version {version}, but the slot it lives "
+                             f"in holds version {recorded['version']}: the store is damaged")
+
+
 def _recover_version(store: StateStore) -> tuple[int, list[dict]]:
     """The committed version, and each shard's page checksums. Every shard commits on its own, so a crash
     between shard commits leaves some one version ahead. Those never started another update (the next one needs
@@ -825,14 +841,6 @@ def _recover_version(store: StateStore) -> tuple[int, list[dict]]:
     if high - low > 1:
         raise StoreError(f"shard versions {versions} differ by more than one step: the store is inconsistent")
     for shard, m in zip(store.shard_paths, manifests):
-        recorded = m["checksums"].get(low % 2, {})
-        missing = [s for s, u in zip(STATES, used) if u and s not in recorded]
-        if store.checksum and missing:
-            raise StoreError(f"{shard / MANIFEST} records no page checksums of {missing} for version {low}: "
-                             "the store is damaged")
-        if recorded and recorded["version"] != low:
-            raise StoreError(f"{shard / MANIFEST}: field 'version' names version {low}, but the slot it lives in "
-                             f"holds version {recorded['version']}: the store is damaged")
         if m["version"] != low:
             tables = {str(slot): states for slot, states in m["checksums"].items()}
             _atomic_write_json(shard / MANIFEST, {"store": store.store_id, "shard": store.shard_paths.index(shard),

@@ -6,6 +6,8 @@ import dataclasses
 import json
 from pathlib import Path
 
+DEFAULT_SEQ = 128  # tokens per sequence when --seq is not given (and the model allows it)
+
 
 @dataclasses.dataclass
 class TrainConfig:
@@ -51,8 +53,8 @@ class TrainConfig:
     steps: int = 200
     # Sequences per step (split over the devices).
     batch: int = 8
-    # Tokens per sequence (at most the model's block size).
-    seq: int = 128
+    # Tokens per sequence, at most the model's block size (0 = the block size or 128, whichever is smaller).
+    seq: int = 0
     # Seed of the model init and of the data stream (batches are a function of seed and step).
     seed: int = 0
     # Compute in bfloat16 (the store keeps fp32 master params either way).
@@ -77,7 +79,7 @@ class TrainConfig:
         checks = [
             (self.steps >= 1, "steps must be >= 1"),
             (self.batch >= 1, "batch must be >= 1"),
-            (self.seq >= 1, "seq must be >= 1"),
+            (self.seq >= 0, "seq must be >= 1 (or 0: the model's block size or 128, whichever is smaller)"),
             (self.lr > 0, "lr must be > 0"),
             (0 <= self.topk < 1, "topk must be in [0, 1) (0 = dense)"),
             (0 <= self.topk_residual_decay <= 1, "topk_residual_decay must be in [0, 1]"),
@@ -94,6 +96,14 @@ class TrainConfig:
         for ok, message in checks:
             if not ok:
                 raise ValueError(message)
+
+    def resolved(self) -> TrainConfig:
+        """This config with its defaults that depend on the model filled in (``seq``)."""
+        if self.seq:
+            return self
+        from nsp.models import get_config
+
+        return dataclasses.replace(self, seq=min(DEFAULT_SEQ, get_config(self.model).block_size))
 
     @property
     def store_path(self) -> Path:

@@ -82,6 +82,23 @@ def _loss_fn(graphdef, params, tokens):
     return cross_entropy_loss(logits, tokens[:, 1:])
 
 
+def _beside_earlier_default_runs(config: TrainConfig, log: Callable[[str], None]) -> TrainConfig:
+    """``nsp train`` run again with the default run directory starts a new run beside the earlier ones
+    (``runs/default-2``, ...) instead of refusing; a run directory given on purpose is never switched."""
+    default = TrainConfig.run_dir
+    if config.resume or config.store_dir or config.run_dir != default or not _holds_files(Path(default)):
+        return config
+    n = 2
+    while _holds_files(Path(f"{default}-{n}")):
+        n += 1
+    log(f"{default} holds an earlier run: this one goes to {default}-{n} (--run-dir chooses, --resume continues)")
+    return dataclasses.replace(config, run_dir=f"{default}-{n}")
+
+
+def _holds_files(d: Path) -> bool:
+    return d.is_dir() and any(d.iterdir())
+
+
 def _has_complete_checkpoint(ckpt_dir: Path) -> bool:
     """Whether ``ckpt_dir`` holds a finished checkpoint (orbax finalises a step by renaming it into place; an
     interrupted save leaves only a temporary directory)."""
@@ -263,6 +280,7 @@ def train_and_evaluate(config: TrainConfig, *, log: Callable[[str], None] = prin
     Writes ``metrics.jsonl``, ``tb/`` (TensorBoard), ``config.json`` and ``ckpt/`` into ``config.run_dir``.
     Ctrl-C finishes the step in flight, checkpoints, and leaves a run that ``resume=True`` continues.
     """
+    config = _beside_earlier_default_runs(config.resolved(), log)
     run = _build(config, log)
     train_step, eval_step = _make_steps(run)
     manager = ckpt.make_checkpoint_manager(Path(config.run_dir) / "ckpt", max_to_keep=config.keep_checkpoints)
