@@ -1,6 +1,6 @@
 // Internal interface between the dispatcher (update_kernel.cc) and the per-ISA block kernels.
-// Kept free of standard-library templates: the AVX2 translation unit is compiled with -mavx2 -mfma and must not
-// emit inline library code that the linker could pick for the portable build.
+// Kept free of standard-library templates: the AVX2 and AVX-512 translation units are compiled with -mavx2 -mfma
+// and -mavx512* and must not emit inline library code that the linker could pick for the portable build.
 #pragma once
 
 #include <cstdint>
@@ -47,6 +47,8 @@ using BlockKernel = bool (*)(const Coefficients&, const Block&);
 // separate instantiation so that the usual update carries no trace of it in its loop.
 BlockKernel PortableKernel(int32_t kind, int grad_bf16, int lazy);
 BlockKernel Avx2Kernel(int32_t kind, int grad_bf16, int lazy);
+// bf16_insn: 1 where the CPU has AVX512_BF16, whose conversion instruction then writes the bf16 param copy.
+BlockKernel Avx512Kernel(int32_t kind, int grad_bf16, int lazy, int bf16_insn);
 
 void PortableStream(float* p, const float* g, float* m, float* v, int64_t n);
 
@@ -54,5 +56,6 @@ void PortableStream(float* p, const float* g, float* m, float* v, int64_t n);
 // handed back without an update (a skipped or stale step).
 void RoundToBf16(const float* in, uint16_t* out, int64_t n);
 void Avx2Stream(float* p, const float* g, float* m, float* v, int64_t n);
+void Avx512Stream(float* p, const float* g, float* m, float* v, int64_t n);
 
 }  // namespace nsp::internal

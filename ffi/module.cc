@@ -167,7 +167,15 @@ NB_MODULE(_nsp_ffi, m) {
       nb::arg("handle"),
       "Makes `handle` unknown to XLA FFI calls (a later call naming it fails: the store was closed). A call "
       "running now keeps the engine alive until it returns.");
-  m.def("kernel_isa", &nsp::KernelIsa, "Instruction set the update kernels use on this CPU.");
+  m.def(
+      "kernel_isa",
+      []() {
+        for (const std::string* error : {&nsp::KernelIsaError(), &nsp::Crc32cIsaError()}) {
+          if (!error->empty()) throw nb::value_error(error->c_str());
+        }
+        return nsp::KernelIsa();
+      },
+      "Instruction set the update kernels use on this CPU (a bad NSP_KERNEL_ISA or NSP_CRC32C_ISA raises).");
   m.def("get_num_threads", &nsp::GetNumThreads, "Threads the update kernels use.");
   m.def(
       "engine_cpus",

@@ -1,5 +1,5 @@
-// Dispatch of the update kernels: derives per-call coefficients, picks the AVX2 or portable block kernel once
-// per process, splits the state across the thread pool, and for compressed gradients scatters each block's
+// Dispatch of the update kernels: derives per-call coefficients, picks the AVX-512, AVX2 or portable block kernel
+// once per process, splits the state across the thread pool, and for compressed gradients scatters each block's
 // (index, value) pairs into a stack buffer right before that block is updated.
 #include "update_kernel.h"
 
@@ -31,17 +31,83 @@ constexpr int64_t kSparseBlock = 2048;
 // Below this many elements per task, splitting across threads costs more than it saves.
 constexpr int64_t kMinPerTask = 1 << 16;
 
-bool CpuHasAvx2Fma() {
-#if defined(__x86_64__) || defined(__i386__)
-  if (const char* env = std::getenv("NSP_KERNEL_ISA"); env && std::strcmp(env, "portable") == 0) return false;
+enum class Isa : int { kPortable = 0, kAvx2Fma = 1, kAvx512 = 2 };
+constexpr const char* kIsaNames[] = {"portable", "avx2-fma", "avx512"};
+constexpr int kNumIsas = 3;
+
+// Returns the CPU features `isa`'s kernels are compiled for that this CPU lacks, separated by ", "; empty when it
+// has them all. __builtin_cpu_supports also checks that the OS saves the registers (XSAVE's AVX and AVX-512
+// state): a feature the OS leaves off counts as absent, so no kernel can fault on an unknown instruction.
+std::string MissingFeatures(Isa isa) {
+  if (isa == Isa::kPortable) return {};
+#if (defined(__x86_64__) || defined(__i386__)) && !defined(NSP_NO_AVX2)
   __builtin_cpu_init();
-  return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+  std::string missing;
+  auto need = [&](bool has, const char* name) {
+    if (!has) missing += (missing.empty() ? "" : ", ") + std::string(name);
+  };
+  if (isa == Isa::kAvx2Fma) {
+    need(__builtin_cpu_supports("avx2"), "avx2");
+    need(__builtin_cpu_supports("fma"), "fma");
+  } else {
+    need(__builtin_cpu_supports("avx512f"), "avx512f");
+    need(__builtin_cpu_supports("avx512bw"), "avx512bw");
+    need(__builtin_cpu_supports("avx512vl"), "avx512vl");
+    need(__builtin_cpu_supports("avx512dq"), "avx512dq");
+    need(__builtin_cpu_supports("fma"), "fma");
+  }
+  return missing;
 #else
-  return false;
+  return "an x86-64 build";
 #endif
 }
 
-const bool kUseAvx2 = CpuHasAvx2Fma();
+struct IsaChoice {
+  Isa isa = Isa::kPortable;
+  bool avx512_bf16 = false;  // AVX512_BF16's conversion instruction writes the bf16 param copies
+  std::string error;         // a bad NSP_KERNEL_ISA; the kernels then run the best ISA the CPU has
+};
+
+// The best ISA the CPU has, unless NSP_KERNEL_ISA names another one it has.
+IsaChoice ChooseIsa() {
+  IsaChoice out;
+  for (int i = kNumIsas - 1; i > 0; --i) {
+    if (MissingFeatures(static_cast<Isa>(i)).empty()) {
+      out.isa = static_cast<Isa>(i);
+      break;
+    }
+  }
+#if (defined(__x86_64__) || defined(__i386__)) && !defined(NSP_NO_AVX2)
+  out.avx512_bf16 = out.isa == Isa::kAvx512 && __builtin_cpu_supports("avx512bf16");
+#endif
+  const char* env = std::getenv("NSP_KERNEL_ISA");
+  if (env == nullptr || *env == '\0') return out;
+  std::string supported;
+  for (int i = 0; i < kNumIsas; ++i) {
+    if (MissingFeatures(static_cast<Isa>(i)).empty()) supported += (i ? ", " : "") + std::string(kIsaNames[i]);
+  }
+  for (int i = 0; i < kNumIsas; ++i) {
+    if (std::strcmp(env, kIsaNames[i]) != 0) continue;
+    const std::string missing = MissingFeatures(static_cast<Isa>(i));
+    if (!missing.empty()) {
+      out.error = "NSP_KERNEL_ISA='" + std::string(env) + "' asks for kernels this CPU cannot run: it lacks " +
+                  missing + " (it can run: " + supported + ")";
+      return out;
+    }
+    out.isa = static_cast<Isa>(i);
+    out.avx512_bf16 = out.avx512_bf16 && out.isa == Isa::kAvx512;
+    return out;
+  }
+  out.error = "NSP_KERNEL_ISA='" + std::string(env) + "' is not one of portable, avx2-fma, avx512 (this CPU can run: " +
+              supported + ")";
+  return out;
+}
+
+// Read once, at first use; never freed (kernels may run from threads alive at exit).
+const IsaChoice& Choice() {
+  static const IsaChoice* choice = new IsaChoice(ChooseIsa());
+  return *choice;
+}
 
 // Out-of-place outputs (the memory tier's other version slot, a fresh params copy) are written with streaming
 // stores, whole 64-byte lines at a time: their lines are not read first, so the two-slot update moves 28 B/param
@@ -54,8 +120,10 @@ const bool kStreamingStores = [] {
 BlockKernel SelectKernel(const UpdateHyperParams& hp, GradType grad_type) {
   const int bf16 = grad_type == GradType::kBF16 ? 1 : 0, lazy = hp.lazy ? 1 : 0;
   const int32_t k = static_cast<int32_t>(hp.kind);
-#if defined(__x86_64__) || defined(__i386__)
-  if (kUseAvx2) return internal::Avx2Kernel(k, bf16, lazy);
+#if (defined(__x86_64__) || defined(__i386__)) && !defined(NSP_NO_AVX2)
+  const IsaChoice& isa = Choice();
+  if (isa.isa == Isa::kAvx512) return internal::Avx512Kernel(k, bf16, lazy, isa.avx512_bf16 ? 1 : 0);
+  if (isa.isa == Isa::kAvx2Fma) return internal::Avx2Kernel(k, bf16, lazy);
 #endif
   return internal::PortableKernel(k, bf16, lazy);
 }
@@ -222,8 +290,12 @@ void StreamRoofline(float* p, const float* g, float* m, float* v, int64_t size) 
   ParallelFor(split.num_tasks, [&](int t) {
     const int64_t begin = t * split.chunk;
     const int64_t n = std::min(split.chunk, size - begin);
-#if defined(__x86_64__) || defined(__i386__)
-    if (kUseAvx2) {
+#if (defined(__x86_64__) || defined(__i386__)) && !defined(NSP_NO_AVX2)
+    if (Choice().isa == Isa::kAvx512) {
+      internal::Avx512Stream(p + begin, g + begin, m + begin, v + begin, n);
+      return;
+    }
+    if (Choice().isa == Isa::kAvx2Fma) {
       internal::Avx2Stream(p + begin, g + begin, m + begin, v + begin, n);
       return;
     }
@@ -280,6 +352,8 @@ bool UpdateDenseIfFinite(const UpdateHyperParams& hp, const StateSpan& span, con
   return !bad.load();
 }
 
-const char* KernelIsa() { return kUseAvx2 ? "avx2-fma" : "portable"; }
+const char* KernelIsa() { return kIsaNames[static_cast<int>(Choice().isa)]; }
+
+const std::string& KernelIsaError() { return Choice().error; }
 
 }  // namespace nsp

@@ -86,7 +86,14 @@ bool AllFinite(const void* data, GradType type, int64_t n);
 // whose inputs stay intact (another version slot) and whose outputs the caller can restore.
 bool UpdateDenseIfFinite(const UpdateHyperParams& hp, const StateSpan& span, const void* grad, GradType grad_type);
 
-// Name of the instruction set the kernels dispatch to on this machine ("avx2-fma" or "portable").
+// Name of the instruction set the kernels dispatch to on this machine: "avx512" (AVX-512 F/BW/VL/DQ, with
+// AVX512_BF16's conversion for the bf16 param copy where present), "avx2-fma" or "portable" -- the best the CPU
+// has, or the one NSP_KERNEL_ISA names (read once, at first use).
 const char* KernelIsa();
+
+// "" when NSP_KERNEL_ISA is unset or names an ISA this CPU can run, else a message naming the problem (an unknown
+// name, or the features the CPU lacks). The kernels never run an ISA the CPU lacks: with a bad NSP_KERNEL_ISA
+// they run the best one it has, and the Python module refuses to import.
+const std::string& KernelIsaError();
 
 }  // namespace nsp

@@ -10,12 +10,14 @@ for _name, _capsule in _nsp_ffi.registrations().items():
     jax.ffi.register_ffi_target(_name, _capsule, platform="cpu")
 
 _nsp_ffi.engine_cpus()  # a bad NSP_ENGINE_CPUS fails here, at import, with a message naming it
+_nsp_ffi.kernel_isa()  # and so does a bad NSP_KERNEL_ISA (or one naming an ISA this CPU lacks), or NSP_CRC32C_ISA
 
 
 def kernel_isa() -> str:
-    """The instruction set the update kernels dispatch to on this CPU: ``"avx2-fma"`` or ``"portable"``.
+    """The instruction set the update kernels dispatch to on this CPU: ``"avx512"``, ``"avx2-fma"`` or
+    ``"portable"``.
 
-    Set ``NSP_KERNEL_ISA=portable`` before import to force the portable kernels.
+    Set ``NSP_KERNEL_ISA`` to one of those before import to force it; one this CPU lacks fails the import.
     """
     return _nsp_ffi.kernel_isa()
 
