@@ -334,8 +334,9 @@ def test_bad_input_is_refused_before_anything_is_written(tmp_path):
         with pytest.raises(TypeError, match="only floating-point leaves"):
             nsp.optim.adam(1e-3, store=store).init({"w": jnp.zeros(3), "step": jnp.zeros(1, jnp.int32)})
         assert not store.initialized
-        with pytest.raises(TypeError, match="outside jax.jit"):
-            jax.jit(nsp.optim.adam(1e-3, store=store).init)(params)
+        # Under jax.jit, init writes the store through a host callback: it works.
+        state = jax.jit(nsp.optim.adam(1e-3, store=store).init)(params)
+        assert store.initialized and int(state.version) == store.version == 0
 
 
 @pytest.mark.parametrize("tier", ["memory", "memory-in-place", "file"])
@@ -413,9 +414,16 @@ def test_bf16_params_come_back_as_the_rounded_fp32_master(tmp_path, tier):
         params = jax.tree_util.tree_map(lambda x: x.astype(jnp.bfloat16), params32)
         step = make_step(tx, lambda p: loss(jax.tree_util.tree_map(lambda x: x.astype(jnp.float32), p)))
         for _ in range(5):
+            before = params
             params, state, _ = step(params, state)
             master = store.layout.unflatten(jnp.asarray(store.read("param")), params32)
-            for p, m in zip(jax.tree_util.tree_leaves(params), jax.tree_util.tree_leaves(master)):
+            for b, p, m in zip(*(jax.tree_util.tree_leaves(t) for t in (before, params, master))):
                 assert p.dtype == jnp.bfloat16
-                np.testing.assert_array_equal(np.asarray(p), np.asarray(m.astype(jnp.bfloat16)))
+                # Updates come in the params' dtype (optax's rule), so p + u lands on the rounded master exactly
+                # wherever the step's difference is exact in bf16 (Sterbenz), and within a bf16 ulp of the step
+                # where a step outgrows its param. Each step re-targets the master: the gap never grows.
+                b, got, want = (np.asarray(x, np.float32) for x in (b, p, m.astype(jnp.bfloat16)))
+                exact = np.abs(want - b) <= np.minimum(np.abs(b), np.abs(want))
+                np.testing.assert_array_equal(got[exact], want[exact])
+                assert np.all(np.abs(got - want) <= np.abs(want - b) * 2.0 ** -7)
         assert int(state.version) == store.version == 5
