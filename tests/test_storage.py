@@ -411,7 +411,8 @@ def test_missing_page_is_an_error_never_zeros(tmp_path):
         with pytest.raises(storage.StoreError, match="is missing"):
             store.update(grad_for(2, store.layout), version=1, lr=0.01, step=2)
     # Reopening names the damage at once: the manifest's version lacks a page.
-    with pytest.raises(storage.StoreError, match=r"manifest names version 1, but .*slot1/mu/c holds \d+ of its \d+ pages"):
+    damage = r"manifest names version 1, but .*slot1/mu/c holds \d+ of its \d+ pages"
+    with pytest.raises(storage.StoreError, match=damage):
         storage.open(tmp_path / "store")
 
 
