@@ -427,3 +427,44 @@ def test_kernel_isa_is_reported():
     forced = os.environ.get("NSP_KERNEL_ISA")
     if forced:
         assert kernel_isa() == forced
+
+
+def test_eager_loop_reuses_dropped_outputs_and_never_touches_held_arrays():
+    """Called eagerly, each step writes into the arrays of the step before last once the loop has dropped them
+    (no fresh memory per step); an array the caller still holds is never written; results equal the jitted,
+    donated update's."""
+    from nsp.primitives import release_eager_buffers
+
+    n = 50_000
+    rng = np.random.default_rng(7)
+    p0 = jnp.asarray(rng.standard_normal(n, np.float32))
+    grads = [jnp.asarray(rng.standard_normal(n, np.float32)) for _ in range(6)]
+
+    @functools.partial(jax.jit, donate_argnums=(0, 2, 3))
+    def jitted(p, g, m, v, t):
+        return fused_update(p, g, m, v, kind="adam", step=t, lr=1e-2)[:3]
+
+    ref = (p0.copy(), jnp.zeros(n), jnp.zeros(n))
+    for t, g in enumerate(grads, 1):
+        ref = jitted(*ref[:1], g, *ref[1:], t)
+
+    release_eager_buffers()
+    p, m, v = p0, jnp.zeros(n), jnp.zeros(n)
+    kept = None
+    buffers = []  # each step's output buffers
+    for t, g in enumerate(grads, 1):
+        p, m, v = fused_update(p, g, m, v, kind="adam", step=t, lr=1e-2)[:3]
+        buffers.append({x.unsafe_buffer_pointer() for x in (p, m, v)})
+        if t == 2:
+            kept = (p, np.asarray(p).copy())  # held by the caller: must never be reused
+    for got, want in zip((p, m, v), ref):
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+    np.testing.assert_array_equal(np.asarray(kept[0]), kept[1])
+    assert all(kept[0].unsafe_buffer_pointer() not in b for b in buffers[2:])
+    # Steps 3, 5 and 6 write into the memory of earlier steps' dropped outputs; step 4 finds two (step 2's
+    # param is held) and gets one new array.
+    earlier = [set().union(*buffers[:t]) - {kept[0].unsafe_buffer_pointer()} for t in range(len(buffers))]
+    for t in (2, 4, 5):
+        assert buffers[t] <= earlier[t], t
+    assert len(buffers[3] & earlier[3]) == 2
+    release_eager_buffers()

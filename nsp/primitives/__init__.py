@@ -1,5 +1,6 @@
 """JAX-facing operations: the fused near-storage update kernel, the store update, Top-K compression."""
 
+from nsp.primitives._eager_buffers import release_eager_buffers
 from nsp.primitives._ffi import engine_cpus, get_num_threads, kernel_isa, set_num_threads
 from nsp.primitives.fused_update import FusedUpdateResult, fused_update, uses_mu, uses_nu
 from nsp.primitives.store_update import StoreUpdateResult, store_update, store_update_leaves
@@ -13,6 +14,7 @@ __all__ = [
     "get_num_threads",
     "kept_count",
     "kernel_isa",
+    "release_eager_buffers",
     "set_num_threads",
     "store_update",
     "store_update_leaves",

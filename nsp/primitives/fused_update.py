@@ -19,6 +19,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from nsp.primitives import _eager_buffers
 from nsp.primitives import _ffi  # noqa: F401  (registers the FFI targets)
 
 KINDS: dict[str, int] = {"adam": 0, "adamw": 1, "sgd": 2, "adagrad": 3}
@@ -115,6 +116,11 @@ def fused_update(
           return nsp.primitives.fused_update(p, g, m, v, kind="adam", step=t, lr=lr)[:3]
 
       p, m, v = step_fn(p, g, m, v, 1, 1e-3)
+
+    Called eagerly it still runs as one compiled call, and writes into the arrays of the call before last that
+    the caller has dropped (none are fresh memory after the second call of a loop
+    ``p, m, v = fused_update(p, g, m, v, ...)[:3]``); ``nsp.primitives.release_eager_buffers()`` frees those it
+    keeps for that.
     """
     if kind not in KINDS:
         raise ValueError(f"unknown optimizer kind {kind!r}; expected one of {sorted(KINDS)}")
@@ -166,7 +172,19 @@ def fused_update(
     # caller's arrays cannot be donated, and aliasing them would copy each state before the kernel's pass.
     eager = not any(isinstance(x, jax.core.Tracer) for x in operands)
     alias = not (eager and indices is None and not lazy)
-    outs = (_kernel_jit if eager else _kernel)(target, bf16_out, tuple(sorted(attrs.items())), alias, *operands)
+    static = (target, bf16_out, tuple(sorted(attrs.items())), alias)
+    if not eager:
+        outs = _kernel(*static, *operands)
+    else:
+        # The outputs go into the memory of arrays earlier eager calls returned and the caller has dropped
+        # (_eager_buffers: no fresh pages to fault in); where there are none yet, into new arrays.
+        avals = [jax.ShapeDtypeStruct(x.shape, jnp.float32) for x in (param, mu_state, nu_state) if x.size]
+        if bf16_out:
+            avals.append(jax.ShapeDtypeStruct(shape, jnp.bfloat16))
+        devices = param.devices()
+        scratch = _eager_buffers.take(avals, next(iter(devices))) if len(devices) == 1 else []
+        outs = _kernel_into_jit(tuple(scratch), *static, *operands) if scratch else _kernel_jit(*static, *operands)
+        _eager_buffers.hold(outs)
     new_param, new_mu, new_nu, param_bf16 = outs
     return FusedUpdateResult(new_param, new_mu if need_mu else mu, new_nu if need_nu else nu, param_bf16)
 
@@ -197,6 +215,16 @@ def _kernel(target: str, bf16_out: bool, attrs: tuple, alias: bool, param, *rest
 
 
 _kernel_jit = jax.jit(_kernel, static_argnums=(0, 1, 2, 3))
+
+
+def _kernel_into(scratch: tuple, target: str, bf16_out: bool, attrs: tuple, alias: bool, *operands):
+    """``_kernel`` with ``scratch`` donated: XLA gives each output the buffer of a scratch array of its shape and
+    dtype (the values are never read)."""
+    del scratch
+    return _kernel(target, bf16_out, attrs, alias, *operands)
+
+
+_kernel_into_jit = jax.jit(_kernel_into, static_argnums=(1, 2, 3, 4), donate_argnums=(0,), keep_unused=True)
 
 
 def _check_hyperparams(*, b1: float, b2: float, eps: float, weight_decay: float, momentum: float) -> None:
