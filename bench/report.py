@@ -38,10 +38,13 @@ Re-rendering from fresh runs at a final commit (a quiet machine: `uptime` load b
 
 Sections:
   1. Traffic per optimizer step (Smart-Infinity Table I): bytes on the shared link (host <-> store) and on the
-     store's internal link, measured on a real file-tier store for a baseline host updater (read all of p, m, v,
-     Adam on the host with bench/store_update.py's make_host_adam, write all back: the whole-state swap Table I
-     counts), nsp near-storage dense and Top-K 10/5/2/1%, next to the formula values.
-     The OS's own count of bytes through read/write system calls (/proc/self/io) is shown beside the counters.
+     store's internal link, next to the formula values: the baseline is DeepSpeed's own optimizer swap
+     (bench/_deepspeed_swap.py: ZeRO-Infinity's serial PartitionedOptimizerSwapper arrangement, its aio handle
+     swapping p, m, v in and out, DeepSpeedCPUAdam in between; once with the gradient in host memory, once with the
+     gradient swapped out to its files and read back as ZeRO-Infinity's NVMe gradient offload does), measured on a
+     real step; nsp near-storage dense and Top-K 10/5/2/1% on real file-tier stores.
+     The OS's own count of the bytes (/proc/self/io) is shown beside the counters: for nsp the bytes its read and
+     write system calls moved, for DeepSpeed (whose aio bypasses those calls) the bytes sent to the block layer.
   2. Loss vs compression ratio (Smart-Infinity Table IV / Fig. 16): the tiny GPT on the Python stdlib sources,
      optax.adamw in RAM, nsp adamw dense and Top-K with and without error feedback, all stepped in lockstep
      (interleaved, so that drift in the machine's speed hits all of them alike) on the same batches.
@@ -79,10 +82,10 @@ from flax import nnx
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _common import (RESULTS_DIR, START_GIT, build_info, git_info, git_output, library_versions,  # noqa: E402
                      machine_info, median, print_table, write_json)
+import _deepspeed_swap  # noqa: E402  (DeepSpeed's optimizer swap: Table I's baseline)
 
 import nsp.optim  # noqa: E402
 import nsp.storage  # noqa: E402
-from nsp import _nsp_ffi  # noqa: E402
 from nsp.models import GPT, cross_entropy_loss, get_config  # noqa: E402
 from nsp.primitives import get_num_threads, kernel_isa  # noqa: E402
 from nsp.train import data as data_lib  # noqa: E402
@@ -95,10 +98,12 @@ RATIOS = (0.10, 0.05, 0.02, 0.01)  # Top-K densities of Smart-Infinity's Table I
 
 # Section 1: 1,024,000 params makes c x N whole for every ratio (so the formula is a whole number of bytes),
 # fills one store shard with no padding, and cuts into 4 whole pages of 256,000 fp32 entries (1,024,000 bytes,
-# a multiple of 4096), so that no page file carries zarr padding either.
+# a multiple of 4096), so that no page file carries zarr padding either; it is also a whole number of DeepSpeed's
+# aio alignment (AIO_ALIGNED_BYTES = 1024 bytes = 256 fp32 entries), so its swap files carry no padding.
 TRAFFIC_PARAMS = 1_024_000
 TRAFFIC_PAGE_BYTES = 1_024_000
 TRAFFIC_LR = 1e-3
+TRAFFIC_BETAS, TRAFFIC_EPS = (0.9, 0.999), 1e-8  # nsp.optim.adam's defaults, which the nsp rows run
 
 # What each measurement depends on besides the machine: the paths whose change makes its record stale. Sections 1
 # and 2 are measured by this script ("traffic", "train"); the others are the benchmarks of section 3. Top-K is plain
@@ -106,7 +111,7 @@ TRAFFIC_LR = 1e-3
 BUILD = ("ffi/", "CMakeLists.txt")
 PROTOCOL = ("bench/_common.py",)
 MEASURES = {
-    "traffic": BUILD + ("nsp/", "bench/report.py", "bench/store_update.py") + PROTOCOL,
+    "traffic": BUILD + ("nsp/", "bench/report.py", "bench/_deepspeed_swap.py") + PROTOCOL,
     "train": BUILD + ("nsp/", "models/", "bench/report.py") + PROTOCOL,
     "update_kernel": BUILD + ("nsp/primitives/", "bench/update_kernel.py", "bench/_wait_policy.py") + PROTOCOL,
     "store_update": BUILD + ("nsp/primitives/", "nsp/storage/", "bench/store_update.py", "bench/_deepspeed_swap.py",
@@ -151,7 +156,11 @@ def proc_io() -> dict[str, int]:
 
 class IoDelta:
     """Bytes this process's system calls read and wrote between ``start`` and ``stop``, less what reading
-    /proc/self/io itself adds to rchar (measured on an empty interval just before)."""
+    /proc/self/io itself adds to rchar (measured on an empty interval just before).
+
+    ``stop`` also sets ``storage``: the bytes this process sent to and fetched from the block layer in that interval
+    (read_bytes / write_bytes). That is the OS's count for I/O that bypasses read and write system calls, such as
+    DeepSpeed's aio (io_submit on O_DIRECT files); a read served from the page cache adds nothing to it."""
 
     def start(self) -> None:
         a = proc_io()
@@ -160,6 +169,8 @@ class IoDelta:
 
     def stop(self) -> tuple[int, int]:
         io1 = proc_io()
+        self.storage = (io1.get("read_bytes", 0) - self.io0.get("read_bytes", 0),
+                        io1.get("write_bytes", 0) - self.io0.get("write_bytes", 0))
         return (io1.get("rchar", 0) - self.io0.get("rchar", 0) - self.probe,
                 io1.get("wchar", 0) - self.io0.get("wchar", 0))
 
@@ -305,104 +316,91 @@ def command_line() -> str:
 
 # ---- section 1: traffic ----------------------------------------------------------------------------------------
 
-class CountingEngine:
-    """A file-tier ShardEngine whose whole-state reads and writes count the bytes they move between the store and
-    host memory: the shared link of a host updater."""
+class CountedAio:
+    """One of the aio handles of DeepSpeed's swapper, counting the bytes of every read and write it is handed (the
+    tensor given to ``async_pread`` / ``async_pwrite``), split by swap file: a sub-group's gradient file or its
+    state files (p, m, v). Everything else is the handle's own."""
 
-    def __init__(self, engine):
-        self.engine = engine
-        self.read_bytes = 0
-        self.write_bytes = 0
+    def __init__(self, handle, gradient_paths: list[str]):
+        self._handle = handle
+        self._gradient_paths = set(gradient_paths)
+        self.read = {"state": 0, "gradient": 0}
+        self.written = {"state": 0, "gradient": 0}
 
-    def read_state(self, slot: int, state: int, out: np.ndarray) -> None:
-        self.engine.read_state(slot, state, out)
-        self.read_bytes += out.nbytes
+    def _kind(self, path: str) -> str:
+        return "gradient" if path in self._gradient_paths else "state"
 
-    def write_state(self, slot: int, state: int, buf: np.ndarray) -> None:
-        self.engine.write_state(slot, state, buf)
-        self.write_bytes += buf.nbytes
+    def async_pread(self, buffer, path, *args):
+        self.read[self._kind(path)] += buffer.numel() * buffer.element_size()
+        return self._handle.async_pread(buffer, path, *args)
 
-    def sync(self, slot: int) -> None:
-        self.engine.sync(slot)
+    def async_pwrite(self, buffer, path, *args):
+        self.written[self._kind(path)] += buffer.numel() * buffer.element_size()
+        return self._handle.async_pwrite(buffer, path, *args)
 
-
-class GradientSwap:
-    """ZeRO-Infinity's gradient round trip through storage: the accelerator writes the gradient to the store's
-    disk, the host optimizer reads it back. Counts the bytes its system calls return."""
-
-    def __init__(self, path: str):
-        self.path = path
-        self.written = 0
-        self.read = 0
-
-    def write(self, grad: np.ndarray) -> None:
-        view = memoryview(grad).cast("B")
-        with open(self.path, "wb", buffering=0) as f:
-            done = 0
-            while done < len(view):
-                done += f.write(view[done:])
-            os.fsync(f.fileno())
-            os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)  # read it back from the disk, not the cache
-        self.written += done
-
-    def read_into(self, buf: np.ndarray) -> None:
-        view = memoryview(buf).cast("B")
-        with open(self.path, "rb", buffering=0) as f:
-            done = 0
-            while done < len(view):
-                got = f.readinto(view[done:])
-                if not got:
-                    raise OSError(f"short read from {self.path}")
-                done += got
-        self.read += done
+    def __getattr__(self, name: str):
+        return getattr(self._handle, name)
 
 
-def measure_baseline(workdir: str, p0: np.ndarray, grads: list[np.ndarray], swap_gradient: bool) -> dict:
-    """One step of a host updater (read p, m, v from the store's page files into host
-    buffers, Adam on the host, write them all back + sync), optionally with the gradient swapped through storage.
-    The second step is measured (the first builds the optimizer's buffers)."""
-    from store_update import make_host_adam  # bench/ is on sys.path
+def adam_reference(p0: np.ndarray, grads: list[np.ndarray]) -> np.ndarray:
+    """Adam (no weight decay, bias-corrected, eps outside the root) in float64: what the baseline's params should be
+    after ``grads``."""
+    p, m, v = p0.astype(np.float64), np.zeros(p0.size), np.zeros(p0.size)
+    (b1, b2), eps = TRAFFIC_BETAS, TRAFFIC_EPS
+    for t, g in enumerate(grads, start=1):
+        m = b1 * m + (1 - b1) * g
+        v = b2 * v + (1 - b2) * np.square(g, dtype=np.float64)
+        p = p - TRAFFIC_LR * (m / (1 - b1 ** t)) / (np.sqrt(v / (1 - b2 ** t)) + eps)
+    return p
 
-    n = p0.size
+
+def measure_baseline(workdir: str, p0: np.ndarray, grads: list[np.ndarray], swap_gradient: bool,
+                     deepspeed: dict) -> dict:
+    """One optimizer step of DeepSpeed's optimizer swap (``bench/_deepspeed_swap.py``) in ZeRO's serial arrangement
+    (PartitionedOptimizerSwapper: one aio handle; per sub-group p, m, v swapped in, DeepSpeedCPUAdam, swapped out)
+    at DeepSpeed's default sub_group_size and aio settings. ``swap_gradient``: the gradient is first swapped out
+    to its files and read back with each sub-group's state (ZeRO-Infinity's gradient offload to NVMe); otherwise
+    it is copied from host memory. The second step is measured (the first sets up DeepSpeedCPUAdam's state).
+
+    Bytes are counted three ways: the swapper's own counters (``bytes_read`` / ``bytes_written``, added up at each
+    of its aio calls), the handle's calls split into state and gradient files (``CountedAio``), and the OS's
+    count of what this process sent to and fetched from the block layer (DeepSpeed's aio reads and writes its
+    files O_DIRECT through io_submit, which read and write system calls, rchar / wchar, do not see)."""
     path = os.path.join(workdir, "baseline_swap" if swap_gradient else "baseline")
-    store = nsp.storage.open(path, tier="file", page_bytes=TRAFFIC_PAGE_BYTES)
-    spec = nsp.storage.OptimizerSpec("adam")
-    store.initialize({"w": p0}, spec)  # the same page files as nsp's store: only the update differs
-    shard, page_elems = str(store.shard_paths[0]), store.layout.page_elems
-    store.close()
-    engine = CountingEngine(_nsp_ffi.ShardEngine("file", shard, n, page_elems, 4, list(spec.states_used()), True))
-    bufs = [np.empty(n, np.float32) for _ in range(3)]
-    gbuf = np.empty(n, np.float32)  # the optimizer reads its gradient from here (zero-copy under torch)
-    host_adam, note = make_host_adam(bufs, gbuf, get_num_threads())
-    swap = GradientSwap(os.path.join(path, "grad.bin")) if swap_gradient else None
-
-    def step(version: int, grad: np.ndarray) -> None:
-        if swap is not None:
-            swap.write(grad)
-            swap.read_into(gbuf)
-        else:
-            np.copyto(gbuf, grad)  # the gradient stays in host memory
-        for s in range(3):
-            engine.read_state(version % 2, s, bufs[s])
-        host_adam(version + 1)
-        for s in range(3):
-            engine.write_state((version + 1) % 2, s, bufs[s])
-        engine.sync((version + 1) % 2)
-
-    step(0, grads[0])
-    counted = (engine.read_bytes, engine.write_bytes, swap.read if swap else 0, swap.written if swap else 0)
-    io = IoDelta()
-    io.start()
-    step(1, grads[1])
-    os_read, os_written = io.stop()
-    state_read, state_written = engine.read_bytes - counted[0], engine.write_bytes - counted[1]
-    grad_read = (swap.read if swap else 0) - counted[2]
-    grad_written = (swap.written if swap else 0) - counted[3]
-    return {
-        "to_store": state_written + grad_written, "from_store": state_read + grad_read,
-        "state_read": state_read, "state_written": state_written, "grad_read": grad_read,
-        "grad_written": grad_written, "os_read": os_read, "os_written": os_written, "host_adam": note,
-    }
+    swap = _deepspeed_swap.DeepSpeedOptimizerSwap(
+        path, p0, sub_group_numel=int(deepspeed["sub_group_size_default"]), pipelined=False, lr=TRAFFIC_LR,
+        betas=TRAFFIC_BETAS, eps=TRAFFIC_EPS, threads=get_num_threads(), swap_gradient=swap_gradient)
+    try:
+        handle = CountedAio(swap.read_handle, swap.grad_paths)
+        swap.read_handle = swap.write_handle = handle  # the serial arrangement has one handle for both
+        swap.step(grads[0])
+        read0, written0 = swap.bytes_read, swap.bytes_written
+        calls0 = (dict(handle.read), dict(handle.written))
+        io = IoDelta()
+        io.start()
+        swap.step(grads[1])
+        os_read, os_written = io.stop()
+        storage_read, storage_written = io.storage
+        read, written = swap.bytes_read - read0, swap.bytes_written - written0
+        calls_read = {k: v - calls0[0][k] for k, v in handle.read.items()}
+        calls_written = {k: v - calls0[1][k] for k, v in handle.written.items()}
+        # The state the step left in the swap files: its change from p0 against Adam's, relative.
+        moved = swap.read_params().astype(np.float64) - p0
+        want = adam_reference(p0, grads) - p0
+        update_rel_err = float(np.linalg.norm(moved - want) / np.linalg.norm(want))
+        return {
+            "to_store": written, "from_store": read,
+            "state_read": calls_read["state"], "state_written": calls_written["state"],
+            "grad_read": calls_read["gradient"], "grad_written": calls_written["gradient"],
+            "counters_agree": calls_read["state"] + calls_read["gradient"] == read
+                              and calls_written["state"] + calls_written["gradient"] == written,
+            "os_read": os_read, "os_written": os_written,
+            "os_storage_read": storage_read, "os_storage_written": storage_written,
+            "numel": int(p0.size), "swapped_numel": int(sum(g[2] for g in swap.groups)),
+            "update_rel_err": update_rel_err, "deepspeed": swap.describe(),
+        }
+    finally:
+        swap.close()
 
 
 def measure_nsp(workdir: str, p0: np.ndarray, grads: list[np.ndarray], ratio: float | None) -> dict:
@@ -436,6 +434,7 @@ def measure_nsp(workdir: str, p0: np.ndarray, grads: list[np.ndarray], ratio: fl
             "internal_read": s["internal_read_bytes"], "internal_write": s["internal_write_bytes"],
             "pages_read": s["pages_read"], "pages_written": s["pages_written"], "updates": s["updates"],
             "os_read": os_read, "os_written": os_written,
+            "os_storage_read": io.storage[0], "os_storage_written": io.storage[1],
             "total": store.layout.total, "padded_total": store.layout.padded_total,
             "pages_per_state": store.layout.pages_per_shard * store.num_shards,
         }
@@ -463,45 +462,89 @@ def run_traffic(args) -> dict:
     rng = np.random.default_rng(args.seed)
     p0 = (rng.standard_normal(n, dtype=np.float32) * np.float32(0.02))
     grads = [rng.standard_normal(n, dtype=np.float32) * np.float32(1e-2) for _ in range(2)]
+    print("  DeepSpeed (the baseline): loading its async_io and cpu_adam ops (the first use compiles them, "
+          "minutes) ...", flush=True)
+    deepspeed = _deepspeed_swap.status()
+    if not deepspeed["available"]:
+        print(f"  DeepSpeed not available: {deepspeed['reason']} -- the baseline rows are left out", flush=True)
     workdir = tempfile.mkdtemp(prefix=".nsp_report_", dir=args.dir)
     try:
-        measured = {
-            "baseline": measure_baseline(workdir, p0, grads, swap_gradient=False),
-            "baseline_swap": measure_baseline(workdir, p0, grads, swap_gradient=True),
-            "dense": measure_nsp(workdir, p0, grads, None),
-        }
+        measured = {}
+        for key, swap_gradient in (("baseline", False), ("baseline_swap", True)):
+            if not deepspeed["available"]:
+                measured[key] = {"unavailable": f"DeepSpeed not available: {deepspeed['reason']}"}
+                continue
+            try:
+                measured[key] = measure_baseline(workdir, p0, grads, swap_gradient, deepspeed)
+            except Exception as e:  # noqa: BLE001  (what DeepSpeed raises varies; the row says what it was)
+                measured[key] = {"unavailable": f"DeepSpeed not available: its optimizer swap failed here: "
+                                                f"{type(e).__name__}: {e}"}
+                print(f"  {key}: {measured[key]['unavailable']}", flush=True)
+        measured["dense"] = measure_nsp(workdir, p0, grads, None)
         for c in RATIOS:
             measured[f"topk_{c:g}"] = measure_nsp(workdir, p0, grads, c)
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
     return {"params": n, "page_bytes": TRAFFIC_PAGE_BYTES, "seed": args.seed, "measured": measured,
-            "command": command_line(), "time": time.strftime("%Y-%m-%d %H:%M:%S"), "git": START_GIT,
+            "deepspeed": deepspeed, "command": command_line(), "time": time.strftime("%Y-%m-%d %H:%M:%S"), "git": START_GIT,
             "build": build_info()}
 
 
 TRAFFIC_LABELS = {
-    "baseline": "(a) baseline host updater (read all state, Adam on the host, write all), gradient in host RAM",
-    "baseline_swap": "(a') baseline host updater + gradient swapped through storage (ZeRO-Infinity)",
     "dense": "(b) nsp near-storage update, dense (SmartUpdate)",
     **{f"topk_{c:g}": f"(c) nsp near-storage + Top-K {c:.0%} (SmartComp)" for c in RATIOS},
 }
-SHORT_LABELS = {"baseline": "(a) baseline, grad in RAM", "baseline_swap": "(a') baseline, grad swapped",
-                "dense": "(b) nsp dense", **{f"topk_{c:g}": f"(c) nsp Top-K {c:.0%}" for c in RATIOS}}
+SHORT_LABELS = {"dense": "(b) nsp dense", **{f"topk_{c:g}": f"(c) nsp Top-K {c:.0%}" for c in RATIOS}}
+BASELINE_TAGS = {"baseline": "(a)", "baseline_swap": "(a')"}
+
+
+def deepspeed_name(traffic: dict) -> str | None:
+    """'DeepSpeed <version>' of the baseline rows; None for a record made before they ran DeepSpeed's swapper."""
+    if "deepspeed" not in traffic:
+        return None
+    version = traffic["deepspeed"].get("version")  # unknown when DeepSpeed could not be imported
+    return f"DeepSpeed {version}" if version else "DeepSpeed"
+
+
+def traffic_label(key: str, traffic: dict, short: bool = False) -> str:
+    """A row's label; the baseline's names the DeepSpeed version whose optimizer swap it ran."""
+    if not key.startswith("baseline"):
+        return (SHORT_LABELS if short else TRAFFIC_LABELS)[key]
+    swapped = key == "baseline_swap"
+    tag = BASELINE_TAGS[key]
+    ds = deepspeed_name(traffic)
+    if ds is None:  # an older record: the baseline was then modelled with nsp's own engine
+        return (f"{tag} baseline host updater modelled with nsp's engine (older record), gradient "
+                + ("swapped" if swapped else "in host RAM"))
+    if short:
+        return f"{tag} {ds} swap, grad " + ("swapped" if swapped else "in RAM")
+    if swapped:
+        return (f"{tag} baseline: {ds}'s optimizer swap, serial, + gradient swapped out to its files and read back "
+                "(ZeRO-Infinity's gradient offload to NVMe)")
+    return (f"{tag} baseline: {ds}'s optimizer swap, serial (p, m, v swapped in, DeepSpeedCPUAdam, swapped out), "
+            "gradient in host RAM")
 
 
 def traffic_rows(traffic: dict) -> tuple[list[dict], list[dict]]:
-    """(shared-link rows, internal-link rows) with the formula value and whether they match to the byte."""
+    """(shared-link rows, internal-link rows) with the formula value and whether they match to the byte. A baseline
+    row that could not be measured (DeepSpeed not available) says why and has no numbers; the baseline has no
+    internal link (see ``baseline_rows`` for its OS check)."""
     n = traffic["params"]
     M = 2 * n
     formulas = traffic_formulas(n)
     shared, internal = [], []
     for key, m in traffic["measured"].items():
+        label = traffic_label(key, traffic)
+        if "unavailable" in m:
+            shared.append({"config": f"{BASELINE_TAGS[key]} baseline, {deepspeed_name(traffic)}'s optimizer swap: "
+                                     f"{m['unavailable']} (left out)", "key": key, "match": "-"})
+            continue
         f = formulas["baseline" if key.startswith("baseline") else key]
         total = m["to_store"] + m["from_store"]
         f_total = f["to_store"] + f["from_store"]
         match = m["to_store"] == f["to_store"] and m["from_store"] == f["from_store"]
         shared.append({
-            "config": TRAFFIC_LABELS[key], "key": key, "to": m["to_store"], "from": m["from_store"], "total": total,
+            "config": label, "key": key, "to": m["to_store"], "from": m["from_store"], "total": total,
             "total_m": f"{total / M:.4g} M", "formula_to": exact(f["to_store"]), "formula_from": exact(f["from_store"]),
             "formula_total": exact(f_total), "formula_m": f"{float(f_total) / M:.4g} M",
             "match": "yes" if match else f"no ({(total - float(f_total)) / M:+.4g} M)",
@@ -509,19 +552,34 @@ def traffic_rows(traffic: dict) -> tuple[list[dict], list[dict]]:
         if "internal_read" in m:
             imatch = m["internal_read"] == f["internal_read"] and m["internal_write"] == f["internal_write"]
             internal.append({
-                "config": TRAFFIC_LABELS[key], "key": key, "read": m["internal_read"], "write": m["internal_write"],
+                "config": label, "key": key, "read": m["internal_read"], "write": m["internal_write"],
                 "pages": f"{m['pages_read']} / {m['pages_written']}",
                 "formula": f"{exact(f['internal_read']):,} / {exact(f['internal_write']):,}",
                 "match": "yes" if imatch else "no", "os_read": m["os_read"], "os_written": m["os_written"],
                 "os_extra": f"{m['os_read'] - m['internal_read']:+,} / {m['os_written'] - m['internal_write']:+,}",
             })
-        else:
-            internal.append({
-                "config": TRAFFIC_LABELS[key], "key": key, "read": None, "write": None, "pages": "-",
-                "formula": "-", "match": "-", "os_read": m["os_read"], "os_written": m["os_written"],
-                "os_extra": f"{m['os_read'] - m['from_store']:+,} / {m['os_written'] - m['to_store']:+,}",
-            })
     return shared, internal
+
+
+def baseline_rows(traffic: dict) -> list[dict]:
+    """The measured baseline rows' byte counts side by side: the swapper's counters, its aio calls by swap file,
+    and the OS's counts (system calls; block layer)."""
+    rows = []
+    for key, m in traffic["measured"].items():
+        if not key.startswith("baseline") or "unavailable" in m or "os_storage_read" not in m:
+            continue
+        r, w = m["os_storage_read"], m["os_storage_written"]
+        rows.append({
+            "config": traffic_label(key, traffic, short=True), "key": key,
+            "swapper": f"{m['from_store']:,} / {m['to_store']:,}",
+            "state": f"{m['state_read']:,} / {m['state_written']:,}",
+            "grad": f"{m['grad_read']:,} / {m['grad_written']:,}",
+            "agree": "yes" if m["counters_agree"] else "no",
+            "os_sys": f"{m['os_read']:,} / {m['os_written']:,}", "os_block": f"{r:,} / {w:,}",
+            "os_extra": f"{r - m['from_store']:+,} / {w - m['to_store']:+,}",
+            "update_err": m["update_rel_err"],
+        })
+    return rows
 
 
 SHARED_COLUMNS = [("config", "configuration", ""), ("to", "to store (B)", ",d"), ("from", "from store (B)", ",d"),
@@ -532,6 +590,12 @@ INTERNAL_COLUMNS = [("config", "configuration", ""), ("read", "read (B)", ",d"),
                     ("pages", "pages r / w", ""), ("formula", "formula r / w (B)", ""), ("match", "match", ""),
                     ("os_read", "OS rchar (B)", ",d"), ("os_written", "OS wchar (B)", ",d"),
                     ("os_extra", "OS - counted r / w (B)", "")]
+BASELINE_COLUMNS = [("config", "configuration", ""), ("swapper", "swapper counters r / w (B)", ""),
+                    ("state", "aio calls, p m v files r / w (B)", ""),
+                    ("grad", "aio calls, gradient files r / w (B)", ""), ("agree", "calls = counters", ""),
+                    ("os_sys", "OS rchar / wchar (B)", ""), ("os_block", "OS block layer r / w (B)", ""),
+                    ("os_extra", "OS block - counters r / w (B)", ""),
+                    ("update_err", "update vs Adam (rel. err)", ".2g")]
 
 
 # ---- section 2: training ---------------------------------------------------------------------------------------
@@ -1193,10 +1257,11 @@ def render_benches(results_dir: Path, out: Path, ran: dict[str, dict], verdicts:
 
 # ---- plots of sections 1 and 2 ---------------------------------------------------------------------------------
 
-def plot_traffic(shared: list[dict], internal: list[dict], M: int, path: Path) -> None:
+def plot_traffic(traffic: dict, shared: list[dict], internal: list[dict], M: int, path: Path) -> None:
     plt = pyplot()
     fig, axes = plt.subplots(1, 2, figsize=(12, 3.6), gridspec_kw={"width_ratios": [3, 2]})
-    labels = [SHORT_LABELS[r["key"]] for r in shared]
+    shared = [r for r in shared if r.get("total") is not None]  # not the baseline rows DeepSpeed could not run
+    labels = [traffic_label(r["key"], traffic, short=True) for r in shared]
     y = np.arange(len(shared))
     axes[0].barh(y, [r["total"] / M for r in shared], color="#3a76af", label="measured")
     axes[0].scatter([r["formula_total"] / M for r in shared], y, marker="D", color="black", zorder=3,
@@ -1210,7 +1275,7 @@ def plot_traffic(shared: list[dict], internal: list[dict], M: int, path: Path) -
     yi = np.arange(len(nsp_rows))
     axes[1].barh(yi - 0.2, [r["read"] / M for r in nsp_rows], 0.4, label="pages read", color="#3a76af")
     axes[1].barh(yi + 0.2, [r["write"] / M for r in nsp_rows], 0.4, label="pages written", color="#e0873a")
-    axes[1].set_yticks(yi, [SHORT_LABELS[r["key"]] for r in nsp_rows], fontsize=7)
+    axes[1].set_yticks(yi, [traffic_label(r["key"], traffic, short=True) for r in nsp_rows], fontsize=7)
     axes[1].invert_yaxis()
     axes[1].set_xlabel("internal bytes per step / M")
     axes[1].legend(fontsize=7)
@@ -1320,13 +1385,105 @@ def section_header(measurements: dict) -> str:
     return "\n".join(lines)
 
 
+def baseline_text(traffic: dict) -> tuple[str, str]:
+    """(where the baseline rows come from, what their bytes hold against the formula and the OS's counts)."""
+    M = 2 * traffic["params"]
+    rows = {k: m for k, m in traffic["measured"].items() if k.startswith("baseline")}
+    ds = deepspeed_name(traffic)
+    if ds is None:
+        return ("The baseline rows of this (older) record were modelled with nsp's own engine: whole-state reads "
+                "and writes of the store's page files, Adam on the host, not DeepSpeed's swapper.", "")
+    missing = {k: m["unavailable"] for k, m in rows.items() if "unavailable" in m}
+    measured = {k: m for k, m in rows.items() if "unavailable" not in m}
+    info = traffic["deepspeed"]
+    parts = []
+    if missing:
+        parts.append("**The baseline rows " + ", ".join(BASELINE_TAGS[k] for k in missing) + " are left out**: " + "; ".join(sorted(set(missing.values())))
+                     + ". Nothing stands in for them (no model of the baseline with nsp's own engine). "
+                     f"Install DeepSpeed with `{info.get('install', _deepspeed_swap.INSTALL_HINT)}` to measure them.")
+    if not measured:
+        return " ".join(parts), ""
+    d = next(iter(measured.values()))["deepspeed"]
+    aio = d["aio"]
+    sub = info.get("sub_group_size_default")
+    parts.insert(0, (
+        f"The baseline rows are {ds}'s optimizer swap (ZeRO-Infinity's `offload_optimizer: {{device: nvme}}`), driven "
+        "through DeepSpeed's own ops by `bench/_deepspeed_swap.py` and measured on a real step, in the "
+        f"{d['arrangement']} arrangement: {d['aio_handles']} aio handle (DeepSpeed's default aio settings: "
+        f"block_size {aio['block_size']:,}, queue_depth {aio['queue_depth']}, intra_op_parallelism "
+        f"{aio['intra_op_parallelism']}, single_submit {aio['single_submit']}, overlap_events "
+        f"{aio['overlap_events']}), sub_group_size {sub:.0e} (its default), so "
+        + (f"one sub-group of all {d['sub_group_numel']:,} params;" if d["sub_groups"] == 1 else
+           f"{d['sub_groups']} sub-groups of up to {d['sub_group_numel']:,} params;")
+        + " per sub-group p, m, v swapped in (`async_pread` into page-locked buffers, "
+        f"`wait`), {d['optimizer']} on them, swapped out (`async_pwrite`, `wait`). Its swap files are its own (one "
+        "per tensor and sub-group, opened O_DIRECT by the aio op, not fsynced, as DeepSpeed's swapper does not "
+        "sync), in the same temporary folder as the nsp stores. Serial, not pipelined: the pipelined arrangement "
+        "overlaps the same reads and writes, so Table I's bytes are the same, and serial is the simpler one to "
+        "count. Row (a) copies the gradient from host memory into the pinned gradient buffer at swap-in (as ZeRO "
+        "hands over an unswapped gradient partition); row (a') first swaps it out to each sub-group's gradient file "
+        "through the same aio handle and reads it back with the sub-group's state (ZeRO-Infinity's gradient offload "
+        "to NVMe). \"to store\" / \"from store\" of these rows are the swapper's own counters (`bytes_written` / "
+        "`bytes_read`, added up at each of its aio calls) over the second step; the first sets up DeepSpeedCPUAdam's "
+        "state. After the two steps the params in its swap files have moved from p0 by float64 Adam's update to a "
+        "relative error of " + ", ".join(f"{m['update_rel_err']:.2g} in row {BASELINE_TAGS[k]}"
+                                         for k, m in measured.items()) + "."))
+
+    notes = []
+    for key, m in measured.items():
+        tag = BASELINE_TAGS[key]
+        pad = m["swapped_numel"] - m["numel"]
+        f = traffic_formulas(traffic["params"])["baseline"]
+        gap_to, gap_from = m["to_store"] - f["to_store"], m["from_store"] - f["from_store"]
+        what = (f"Row {tag} moves p, m, v ({m['state_read']:,} B read, {m['state_written']:,} B written = "
+                f"{m['state_read'] / M:.4g} M / {m['state_written'] / M:.4g} M)")
+        if m["grad_read"] or m["grad_written"]:
+            what += (f" and the gradient ({m['grad_written']:,} B written before the step, {m['grad_read']:,} B "
+                     f"read back = {m['grad_written'] / M:.4g} M / {m['grad_read'] / M:.4g} M)")
+        else:
+            what += ", not the gradient, which stays in host memory"
+        what += (f": {float(gap_to) / M:+.4g} M to the store and {float(gap_from) / M:+.4g} M from it against the "
+                 "formula" if gap_to or gap_from else ": the formula's bytes exactly")
+        if not (m["grad_read"] or m["grad_written"]):
+            what += (", which also counts ZeRO-Infinity's gradient round trip through storage (2M written by the "
+                     "backward, 2M read by the optimizer), the part row (a') adds")
+        notes.append(what + ".")
+        if pad:
+            notes.append(f"DeepSpeed pads every swapped tensor to a multiple of AIO_ALIGNED_BYTES x "
+                         f"intra_op_parallelism: row {tag} swaps {m['swapped_numel']:,} entries per tensor for N = "
+                         f"{m['numel']:,}, {pad * 4:,} bytes of padding per tensor and direction, counted in its "
+                         "bytes and not in the formula.")
+    if all(m["swapped_numel"] == m["numel"] for m in measured.values()):
+        notes.append("N is a whole number of DeepSpeed's aio alignment (AIO_ALIGNED_BYTES x intra_op_parallelism), "
+                     "so its swap files carry no padding.")
+    extra = [(BASELINE_TAGS[k], m["os_storage_read"] - m["from_store"],
+              m["os_storage_written"] - m["to_store"]) for k, m in measured.items()]
+    odd = [f"row {t}: {r:+,} B read, {w:+,} B written" for t, r, w in extra if r or w]
+    check = (
+        "**Baseline bytes, counted three ways** (the second step): the swapper's own counters; the bytes of the "
+        "tensors its aio handle was handed, split by swap file (`CountedAio` in `bench/report.py`: the p, m, v "
+        "files and the gradient files; \"calls = counters\" checks that they add up to the counters); and the OS's "
+        "counts from `/proc/self/io` over the step. DeepSpeed's aio submits its reads and writes with io_submit on "
+        "files opened O_DIRECT: they pass through no read or write system call, so rchar / wchar do not count them "
+        "(what those columns show is the process's other system-call I/O in the step, less rchar's own probe of "
+        "/proc/self/io); the block-layer counts (read_bytes / write_bytes: what the process fetched from and sent "
+        "to the block device, which O_DIRECT I/O reaches without the page cache) do, and the next column is what "
+        "they hold beyond the swapper's counters"
+        + (" (" + "; ".join(odd) + ": block-layer I/O the kernel charged to this process during the step beyond "
+           "the bytes handed to the swapper's aio calls)" if odd else
+           ": nothing, to the byte")
+        + ". Last column: the params' change in the swap files over the two steps against float64 Adam's.")
+    return " ".join(parts), " ".join(notes) + "\n\n" + check + "\n\n" + md_table(baseline_rows(traffic),
+                                                                                 BASELINE_COLUMNS)
+
+
 def section_traffic(traffic: dict, out: Path, provenance: str) -> str:
     shared, internal = traffic_rows(traffic)
     n = traffic["params"]
     M = 2 * n
     dense = traffic["measured"]["dense"]
-    plot_traffic(shared, internal, M, out / "traffic.png")
-    note = traffic["measured"]["baseline"]["host_adam"]
+    plot_traffic(traffic, shared, internal, M, out / "traffic.png")
+    baseline_where, baseline_bytes = baseline_text(traffic)
     return "\n".join([
         "## 1. Traffic per optimizer step (Smart-Infinity Table I)",
         "",
@@ -1343,11 +1500,10 @@ def section_traffic(traffic: dict, out: Path, provenance: str) -> str:
         "",
         "Where the numbers come from: nsp rows are `store.stats()` of a store opened with `nsp.storage.open(..., "
         "tier=\"file\")` and stepped through a jitted `nsp.optim.adam(..., store=store)` (Top-K rows: "
-        "`compression=nsp.optim.TopK(c)`). The baseline rows run a host updater (`make_host_adam` of "
-        f"`bench/store_update.py`; Adam: {note}) on the same page files, counting the bytes each whole-state read and write moves between "
-        "the store and host memory; row (a') also writes the gradient to the store's disk and reads it back, "
-        "counting the bytes its system calls return. \"to store\" is gradients (and, for the baseline, state) "
-        "going in; \"from store\" is params (and state) coming out.",
+        "`compression=nsp.optim.TopK(c)`). \"to store\" is gradients (and, for the baseline, state) going in; "
+        "\"from store\" is params (and state) coming out.",
+        "",
+        baseline_where,
         "",
         "Formulas: baseline 6M state read + 6M state written + 2M gradients written + 2M gradients read = 16M; "
         "SmartUpdate 2M gradients in + 2M params out; SmartComp at ratio c: c x N x (4 + 4) bytes in (fp32 value + "
@@ -1357,16 +1513,13 @@ def section_traffic(traffic: dict, out: Path, provenance: str) -> str:
         "",
         md_table(shared, SHARED_COLUMNS),
         "",
-        "Row (a) keeps the gradient in host memory, as `bench/store_update.py`'s baseline does: it moves the state "
-        "only, 4M less than the formula, which also counts ZeRO-Infinity's gradient round trip through storage "
-        "(row a').",
-        "",
+        *([baseline_bytes, ""] if baseline_bytes else []),
         "**Store internal link** (pages read and written inside the store, bytes per step), with the OS's count of "
         "the bytes this process's read and write system calls moved during the step (`/proc/self/io` rchar / "
         "wchar, less what reading that file adds). The OS figures are an independent check of the counters; the "
         "last column is what the system calls moved beyond them: each page file's 4-byte CRC-32C trailer and, in "
-        "writes, the shard manifest a commit rewrites. For the baseline the store runs no update: its page I/O is "
-        "the shared-link traffic above, and the last column compares the OS figures with that.",
+        "writes, the shard manifest a commit rewrites. The baseline has no row here: DeepSpeed's swapper updates "
+        "on the host, so everything it moves crosses the shared link (its OS check is the table above).",
         "",
         md_table(internal, INTERNAL_COLUMNS),
         "",
@@ -1481,6 +1634,10 @@ def environment() -> str:
 def print_sections(measurements: dict) -> None:
     shared, internal = traffic_rows(measurements["traffic"])
     print_table("Shared link, bytes per step", shared, SHARED_COLUMNS)
+    baseline = baseline_rows(measurements["traffic"])
+    if baseline:
+        print_table("Baseline (DeepSpeed's optimizer swap): its counters against the OS's", baseline,
+                    BASELINE_COLUMNS)
     print_table("Store internal link, bytes per step", internal, INTERNAL_COLUMNS)
     train = measurements["train"]
     print_table(f"Training ({train['config']['steps']} steps; nsp dense vs optax max rel. param diff "
