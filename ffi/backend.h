@@ -34,12 +34,13 @@ struct IoCounts {
   int64_t write_bytes = 0;
   int64_t pages_read = 0;
   int64_t pages_written = 0;
+  int64_t pages_read_direct = 0;  // of pages_read, those read with direct I/O (the rest went through the cache)
 };
 
 struct AtomicIoCounts {
-  std::atomic<int64_t> read_bytes{0}, write_bytes{0}, pages_read{0}, pages_written{0};
+  std::atomic<int64_t> read_bytes{0}, write_bytes{0}, pages_read{0}, pages_written{0}, pages_read_direct{0};
   IoCounts Get() const {
-    return {read_bytes.load(), write_bytes.load(), pages_read.load(), pages_written.load()};
+    return {read_bytes.load(), write_bytes.load(), pages_read.load(), pages_written.load(), pages_read_direct.load()};
   }
 };
 
@@ -78,6 +79,10 @@ class Backend {
   // What the backend's storage I/O has moved so far (null counts for page-addressable state, which the
   // engine counts as the kernel passes over it).
   virtual IoCounts Io() const { return {}; }
+  // Called around each streamed update (ReadPage/WritePage page by page): a backend may tune its I/O by the
+  // time updates take. `ns` is the update's wall time; `ok` false when it failed (not a fair sample).
+  virtual void StreamStarted() {}
+  virtual void StreamFinished(int64_t /*ns*/, bool /*ok*/) {}
   // Whether writing one slot leaves the other's version whole (false when both slots are one memory: an
   // in-place store, which cannot replay a step).
   virtual bool KeepsPrevious() const { return true; }

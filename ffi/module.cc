@@ -281,6 +281,7 @@ NB_MODULE(_nsp_ffi, m) {
              d["internal_write_bytes"] = s.internal_write_bytes;
              d["pages_read"] = s.pages_read;
              d["pages_written"] = s.pages_written;
+             d["pages_read_direct"] = s.pages_read_direct;
              d["updates"] = s.updates;
              d["update_ns"] = s.update_ns;
              d["skipped"] = s.skipped;

@@ -27,7 +27,10 @@
 namespace nsp {
 namespace {
 
-constexpr int kReaders = 2;  // page reader threads of a streamed update
+// Reader threads of a streamed update, each with one page file read in flight: the disk sees this many requests
+// at once (a page's p, m and v files are read side by side, and the next pages' behind them), and while some
+// threads check checksums (CPU) the others keep it busy.
+constexpr int kReaders = 6;
 constexpr int kWriters = 2;  // page writer threads: while one checksums a page (CPU), the other's write runs
 
 // A staleness-1 step in the background yields the CPU to the foreground (see StepAsync), unless
@@ -60,6 +63,7 @@ class AddElapsedNs {
 struct Work {
   int set;
   int64_t page;
+  int state = -1;  // a read of one state's page file (the readers' queue); -1 elsewhere
 };
 
 class Queue {
@@ -309,6 +313,7 @@ std::string ShardEngine::Update(const ShardUpdate& u) {
   stats_.internal_write_bytes += after.write_bytes - before.write_bytes;
   stats_.pages_read += after.pages_read - before.pages_read;
   stats_.pages_written += after.pages_written - before.pages_written;
+  stats_.pages_read_direct += after.pages_read_direct - before.pages_read_direct;
   if (Addressable() && err.empty()) {  // every page of every state was passed over in place
     int states = 0;
     for (int s = 0; s < kNumStates; ++s) states += used_[s] ? 1 : 0;
@@ -402,32 +407,42 @@ std::string ShardEngine::UpdateStreamed(const ShardUpdate& u) {
     }
   }
   auto page_len = [&](int64_t page) { return std::min(page_elems_, size_ - page * page_elems_); };
+  const auto started = std::chrono::steady_clock::now();
+  backend_->StreamStarted();
   Queue free_sets, ready;
   WriteQueues writes;
   ErrorSlot error;
   for (int s = 0; s < pages_in_flight_; ++s) free_sets.Push({s, -1});
 
-  // Two readers take the pages in turn: while one checks a page's checksums (CPU), the other's read keeps the
-  // disk busy. Pages therefore reach the compute loop in about, not exactly, their order.
-  std::atomic<int64_t> next_page{0};
+  // Reading: a feeder gives each free buffer set the next page and queues one read per used state; the readers
+  // take those reads in order, several at once, and the last of a page's reads passes its set to the compute
+  // loop. Pages therefore reach the compute loop in about, not exactly, their order.
+  Queue reads;
+  std::vector<std::atomic<int>> reads_left(static_cast<size_t>(pages_in_flight_));
+  int states_used = 0;
+  for (int s = 0; s < kNumStates; ++s) states_used += used_[s] ? 1 : 0;
+  std::thread feeder([&] {
+    Work w;
+    for (int64_t page = 0; page < num_pages_ && !error.failed() && free_sets.Pop(&w); ++page) {
+      reads_left[static_cast<size_t>(w.set)].store(states_used);
+      for (int s = 0; s < kNumStates; ++s) {
+        if (used_[s]) reads.Push({w.set, page, s});
+      }
+    }
+    reads.Close();
+  });
   std::atomic<int> readers_left{kReaders};
   auto read_pages = [&] {
-    for (;;) {
-      Work w;
-      if (error.failed() || !free_sets.Pop(&w)) break;
-      const int64_t page = next_page.fetch_add(1);
-      if (page >= num_pages_) {
-        free_sets.Push(w);
-        break;
-      }
-      for (int s = 0; s < kNumStates && !error.failed(); ++s) {
-        if (!used_[s]) continue;
-        if (std::string e = backend_->ReadPage(u.src_slot, s, page, buffers_[w.set][s].data, page_len(page), true);
+    Work r;
+    while (reads.Pop(&r)) {
+      if (!error.failed()) {
+        if (std::string e = backend_->ReadPage(u.src_slot, r.state, r.page, buffers_[r.set][r.state].data,
+                                               page_len(r.page), true);
             !e.empty()) {
           error.Set(e);
         }
       }
-      ready.Push({w.set, page});
+      if (reads_left[static_cast<size_t>(r.set)].fetch_sub(1) == 1) ready.Push({r.set, r.page});
     }
     if (readers_left.fetch_sub(1) == 1) ready.Close();
   };
@@ -502,10 +517,14 @@ std::string ShardEngine::UpdateStreamed(const ShardUpdate& u) {
     while (ready.Pop(&w)) {
     }
   }
+  feeder.join();
   for (auto& r : readers) r.join();
   // The writers exit once every queued write has drained.
   writes.Close();
   for (auto& t : writers) t.join();
+  backend_->StreamFinished(
+      std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - started).count(),
+      !error.failed());
   if (error.failed()) return error.Get();
   if (computed != num_pages_) return "internal error: not every page was updated";
   return {};

@@ -32,6 +32,7 @@ struct TrafficStats {
   int64_t internal_write_bytes = 0;
   int64_t pages_read = 0;
   int64_t pages_written = 0;
+  int64_t pages_read_direct = 0;  // of pages_read, those the backend read with direct I/O
   int64_t updates = 0;
   int64_t update_ns = 0;  // wall time inside Step (update + sync + commit)
   int64_t skipped = 0;    // steps skipped because the gradient was not finite

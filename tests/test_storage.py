@@ -653,11 +653,13 @@ def test_non_finite_gradient_skips_the_step_and_leaves_the_store_untouched(tmp_p
         assert store.version == 2
 
 
-@pytest.mark.parametrize("variable", ["NSP_BUFFERED_WRITES", "NSP_NO_DIRECT_IO", "NSP_REPLACE_PAGES"])
+@pytest.mark.parametrize("variable", ["NSP_BUFFERED_WRITES", "NSP_NO_DIRECT_IO", "NSP_REPLACE_PAGES",
+                                      "NSP_READ_MODE=buffered", "NSP_READ_MODE=direct"])
 def test_other_io_paths_give_the_same_bytes(tmp_path, monkeypatch, variable):
-    """Buffered writes (opt-out of direct writes), fully buffered I/O (opt-out of direct reads and writes) and
-    replacing every page (opt-out of in-place rewrites) store exactly the same state."""
-    monkeypatch.setenv(variable, "1")
+    """Buffered writes (opt-out of direct writes), fully buffered I/O (opt-out of direct reads and writes),
+    replacing every page (opt-out of in-place rewrites) and either read mode fixed store exactly the same state."""
+    variable, _, value = variable.partition("=")
+    monkeypatch.setenv(variable, value or "1")
     params, spec = make_params(), SPECS["adamw"]
     with open_store(tmp_path, "file") as store:
         store.initialize(params, spec)
@@ -671,6 +673,47 @@ def test_other_io_paths_give_the_same_bytes(tmp_path, monkeypatch, variable):
     with storage.open(tmp_path / "store") as store:  # and the default path reads it back
         assert store.verify()["problems"] == []
         np.testing.assert_array_equal(store.read("param"), np.asarray(ref.p))
+
+
+def _direct_io_works(directory) -> bool:
+    """Whether the file system under ``directory`` accepts O_DIRECT (tmpfs does not)."""
+    probe = os.path.join(directory, "direct-probe")
+    try:
+        os.close(os.open(probe, os.O_CREAT | os.O_WRONLY | os.O_DIRECT, 0o644))
+        return True
+    except OSError:
+        return False
+    finally:
+        if os.path.exists(probe):
+            os.unlink(probe)
+
+
+@pytest.mark.parametrize("mode", ["auto", "direct", "buffered"])
+def test_read_mode_picks_direct_or_buffered_reads_per_update(tmp_path, monkeypatch, mode):
+    """NSP_READ_MODE: auto (the default) reads the first update direct and the second buffered, then whichever
+    was faster; every update reads all its pages one way. direct and buffered fix it. Where the file system
+    refuses O_DIRECT, every read is buffered."""
+    if mode != "auto":
+        monkeypatch.setenv("NSP_READ_MODE", mode)
+    direct_ok = _direct_io_works(tmp_path)
+    with open_store(tmp_path, "file", num_shards=1) as store:
+        store.initialize(make_params(), SPECS["adam"])
+        pages = 3 * store.layout.pages_per_shard
+        direct_per_update = []
+        for step in range(1, 6):
+            before = store.stats()["pages_read_direct"]
+            store.update(grad_for(step, store.layout), version=step - 1, lr=0.01, step=step)
+            direct_per_update.append(store.stats()["pages_read_direct"] - before)
+        assert store.stats()["pages_read"] == 5 * pages
+    if not direct_ok:
+        assert direct_per_update == [0] * 5
+    elif mode == "direct":
+        assert direct_per_update == [pages] * 5
+    elif mode == "buffered":
+        assert direct_per_update == [0] * 5
+    else:
+        assert direct_per_update[:2] == [pages, 0]
+        assert set(direct_per_update[2:]) <= {0, pages}
 
 
 def _crc32c_reference(data: bytes) -> int:

@@ -586,7 +586,8 @@ class StateStore:
         """Traffic and time since open (or ``reset_stats``).
 
         Bytes on the shared link (``shared_in_bytes``: grads in, ``shared_out_bytes``: params out) and on the
-        internal one (``internal_read_bytes``/``internal_write_bytes``, ``pages_read``/``pages_written``);
+        internal one (``internal_read_bytes``/``internal_write_bytes``, ``pages_read``/``pages_written``, and
+        ``pages_read_direct``: the file tier's pages read with direct I/O, the rest through the page cache);
         ``updates`` and ``skipped`` steps; ``update_ns``, the wall time of the updates (each step as long as its
         slowest shard); ``wait_ns``, the time staleness-1 steps held their callers (waiting for the previous
         background update, copying the gradient): the part of the update staleness did not hide;
