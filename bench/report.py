@@ -907,11 +907,14 @@ def render_update_kernel(d: dict, out: Path) -> tuple[str, str]:
     if abs(ratio - 0.01) > 1e-12:
         command += f" --ratio {ratio:g}"
     roof = {k for k in names if k.startswith("roofline")}
-    rows = [{"name": k, "ms": v * 1e3, "gparams": d["size"] / v / 1e9} for k, v in med.items()]
+    bpp = d.get("bytes_per_param", {})
+    rows = [{"name": k, "ms": v * 1e3, "gparams": d["size"] / v / 1e9,
+             "bpp": f"{bpp[k]:g}" if k in bpp else ""} for k, v in med.items()]
     bar_chart(out / "update_kernel.png", names, [d["size"] / v / 1e9 for v in med.values()],
               title=f"fp32 Adam update of {d['size'] / 2**20:.0f}M params, {d['threads']} threads, ISA {d['isa']} "
                     f"(median of {d['repeats']}; {d['time']})", xlabel="Gparam/s (higher is better)", roofline=roof)
-    body = md_table(rows, [("name", "contender", ""), ("ms", "median ms", ".1f"), ("gparams", "Gparam/s", ".3f")])
+    body = md_table(rows, [("name", "contender", ""), ("ms", "median ms", ".1f"), ("gparams", "Gparam/s", ".3f"),
+                           ("bpp", "B/param moved", "")])
     notes = "; ".join(f"{k}: {v}" for k, v in d.get("notes", {}).items())
     checks = "\n".join(f"- {c['check']}: {c['ratio']:.2f}x (target {c['target']:.2f}x, "
                        f"{'met' if c['met'] else 'missed'})" for c in d.get("checks", []))

@@ -27,8 +27,9 @@ OMP_WAIT_POLICY=PASSIVE keep one contender's idle threads off the next one's cor
   swap               probes, updated in RAM by the fastest in-place kernel (torch fused Adam on zero-copy views
                      when torch is installed, else nsp fused_update), written whole with the fastest write method
                      + fsync; nothing overlapped: the floor of any swapper that does not overlap I/O with compute
-  nsp file tier      store.update(grad, version=store.version, step=store.version + 1): read, compute and write
-                     pages overlapped, then sync + commit of the new version
+  nsp file tier      store.update(grad, version=store.version, step=store.version + 1, params_into=out): read,
+                     compute and write pages overlapped, then sync + commit of the new version; the new params
+                     land in one reused array (the other contenders update theirs in place too)
   DeepSpeed          ZeRO-Infinity's optimizer swap with DeepSpeed's own ops (bench/_deepspeed_swap.py): its aio
                      handle (O_DIRECT, page-locked buffers, documented defaults: 1 MiB blocks, queue depth 8, one
                      I/O thread per handle, overlap_events) and DeepSpeedCPUAdam, per sub-group swap p, m, v in,
@@ -399,68 +400,6 @@ def in_ram_adam(bufs: list[np.ndarray], grad: np.ndarray, threads: int):
     return jax_step, "nsp fused_update (copies the buffers in and out: torch is not installed)"
 
 
-# ---- the earlier host updater (still imported by bench/report.py's Table I) ---------------------------------------
-
-def make_host_adam(bufs: list[np.ndarray], grad: np.ndarray, threads: int):
-    """An in-place Adam step on host arrays p, m, v (what ZeRO-Infinity runs between swap-in and swap-out).
-    No longer a contender here (bench/_deepspeed_swap.py drives DeepSpeed's real swapper); kept because
-    bench/report.py's Table I baseline still calls it.
-
-    Returns (fn(step), description). Prefers DeepSpeedCPUAdam, then torch fused Adam, both on zero-copy views of
-    the host buffers; falls back to nsp fused_update under jit (which copies the buffers into JAX arrays).
-    """
-    try:
-        import torch
-    except ImportError:
-        torch = None
-    if torch is not None:
-        torch.set_num_threads(threads)
-        views = [torch.from_numpy(b) for b in bufs]
-        param = torch.nn.Parameter(views[0])
-        param.grad = torch.from_numpy(grad)
-        assert param.data_ptr() == bufs[0].ctypes.data, "torch did not wrap the host buffer in place"
-        opt, what = None, None
-        try:
-            from deepspeed.ops.adam import DeepSpeedCPUAdam
-
-            opt, what = DeepSpeedCPUAdam([param], lr=LR, betas=(B1, B2), eps=EPS), "DeepSpeedCPUAdam"
-            opt.step()  # a trial step (the buffers are overwritten before every timed use): its op must build
-            opt.state.clear()
-        except Exception:  # noqa: BLE001  (deepspeed raises various errors when its ops cannot build)
-            try:
-                opt = torch.optim.Adam([param], lr=LR, betas=(B1, B2), eps=EPS, fused=True)
-                what = f"torch {torch.__version__} fused Adam"
-            except (RuntimeError, TypeError):
-                opt = None
-        if opt is not None:
-            step_t = torch.zeros((), dtype=torch.float32)
-            opt.state[param] = {"step": step_t, "exp_avg": views[1], "exp_avg_sq": views[2]}
-
-            def torch_step(step: int) -> None:
-                # The optimizers increment the step count before using it for bias correction.
-                if what == "DeepSpeedCPUAdam":
-                    opt.state[param]["step"] = step - 1
-                else:
-                    step_t.fill_(step - 1)
-                opt.step()
-
-            return torch_step, f"{what} on zero-copy views, {threads} threads"
-
-    @functools.partial(jax.jit, donate_argnums=(0, 2, 3))
-    def step_fn(p, g, m, v, t):
-        return fused_update(p, g, m, v, kind="adam", step=t, lr=LR, b1=B1, b2=B2, eps=EPS)[:3]
-
-    g = jnp.asarray(grad)
-
-    def jax_step(step: int) -> None:
-        out = jax.block_until_ready(step_fn(jnp.asarray(bufs[0]), g, jnp.asarray(bufs[1]), jnp.asarray(bufs[2]),
-                                            step))
-        for b, o in zip(bufs, out):
-            np.copyto(b, np.asarray(o))
-
-    return jax_step, "nsp fused_update (copies host buffers in and out: torch fused Adam unavailable)"
-
-
 # ---- main -----------------------------------------------------------------------------------------------------------
 
 def main() -> None:
@@ -599,8 +538,10 @@ def run(args, work: Workdir, n: int, page_bytes: int, page_elems: int, repeats: 
     read_bytes = stats1["internal_read_bytes"] - stats0["internal_read_bytes"]
     write_bytes = stats1["internal_write_bytes"] - stats0["internal_write_bytes"]
 
+    params_out = np.empty(n, np.float32)  # the params land in one array, reused (as the others update in place)
+
     def nsp_file() -> None:
-        store.update(grad, version=store.version, lr=LR, step=store.version + 1)
+        store.update(grad, version=store.version, lr=LR, step=store.version + 1, params_into=params_out)
 
     # -- DeepSpeed's optimizer swap (its own files in the same directory: the same p, m, v bytes)
     ds_swaps, ds_info = setup_deepspeed(args, work, p0, threads)
