@@ -79,10 +79,10 @@ class Backend {
   // What the backend's storage I/O has moved so far (null counts for page-addressable state, which the
   // engine counts as the kernel passes over it).
   virtual IoCounts Io() const { return {}; }
-  // Called around each streamed update (ReadPage/WritePage page by page): a backend may tune its I/O by the
-  // time updates take. `ns` is the update's wall time; `ok` false when it failed (not a fair sample).
+  // Called around each streamed update (ReadPage/WritePage page by page), from the updating thread: a backend
+  // may tune its I/O by what it measures in between (`ok` false: the update failed, not a fair measurement).
   virtual void StreamStarted() {}
-  virtual void StreamFinished(int64_t /*ns*/, bool /*ok*/) {}
+  virtual void StreamFinished(bool /*ok*/) {}
   // Whether writing one slot leaves the other's version whole (false when both slots are one memory: an
   // in-place store, which cannot replay a step).
   virtual bool KeepsPrevious() const { return true; }

@@ -6,6 +6,7 @@
 #include <unistd.h>
 
 #include <atomic>
+#include <chrono>
 #include <cerrno>
 #include <cstdlib>
 #include <cstdio>
@@ -194,36 +195,50 @@ class FileBackend final : public Backend {
   // Page reads go direct (O_DIRECT: no page-cache copy) or buffered (the kernel's readahead), whichever this
   // disk does faster: which one wins depends on the device and its driver (a virtual disk served from its host's
   // cache measured buffered reads up to 2x faster one day and 2x slower another). NSP_READ_MODE=auto (the
-  // default) times the updates: the first one reads direct, the second buffered, then each update uses the
-  // faster so far, and the other is timed again every kRetry updates, so a change of conditions is followed.
-  // NSP_READ_MODE=direct or buffered fixes the choice.
+  // default) measures it inside updates: the second and third update (the first is cold) and every kRetry-th
+  // after them read alternate page files each way and time every read, so both ways meet the same disk at the
+  // same moment; the other updates read the way that was faster. NSP_READ_MODE=direct or buffered fixes it.
   void StreamStarted() override {
-    if (read_mode_ != kAuto || !direct_.load()) {
-      streaming_direct_ = read_mode_ != kBuffered && direct_.load();
-    } else if (mode_time_[kDirect].samples == 0 || mode_time_[kBuffered].samples == 0) {
-      streaming_direct_ = mode_time_[kDirect].samples == 0;
-    } else {
-      const int best = mode_time_[kDirect].ns <= mode_time_[kBuffered].ns ? kDirect : kBuffered;
-      const int other = 1 - best;
-      const bool retry = streams_ - mode_time_[other].last >= kRetry;
-      streaming_direct_ = (retry ? other : best) == kDirect;
+    const bool can_direct = direct_.load() && read_mode_ != kBuffered;
+    calibrating_ = can_direct && read_mode_ == kAuto && streams_ > 0 && (streams_ <= 2 || streams_ % kRetry == 0);
+    for (int m = 0; m < 2; ++m) {
+      calib_ns_[m].store(0);
+      calib_bytes_[m].store(0);
     }
-    read_direct_.store(streaming_direct_);
+    read_direct_.store(can_direct && !buffered_faster_);
   }
 
-  void StreamFinished(int64_t ns, bool ok) override {
-    read_direct_.store(read_mode_ != kBuffered);  // reads outside updates (verify, export): direct where allowed
-    if (!ok) return;
-    // Each mode's time weighs its latest sample half, its earlier ones the other half, so that one slow update
-    // (another process's I/O) does not send the choice the wrong way for kRetry updates.
-    ModeTime& t = mode_time_[streaming_direct_ ? kDirect : kBuffered];
-    t.ns = t.samples == 0 ? static_cast<double>(ns) : 0.5 * (t.ns + static_cast<double>(ns));
-    t.samples += 1;
-    t.last = streams_++;
+  void StreamFinished(bool ok) override {
+    if (calibrating_ && ok && calib_bytes_[kDirect].load() > 0 && calib_bytes_[kBuffered].load() > 0) {
+      // Each way's time per byte weighs this measurement half and the earlier ones the other half, so that one
+      // disturbed update does not decide alone.
+      for (int m = 0; m < 2; ++m) {
+        const double per_byte = static_cast<double>(calib_ns_[m].load()) / static_cast<double>(calib_bytes_[m].load());
+        ns_per_byte_[m] = ns_per_byte_[m] == 0 ? per_byte : 0.5 * (ns_per_byte_[m] + per_byte);
+      }
+      buffered_faster_ = ns_per_byte_[kBuffered] < ns_per_byte_[kDirect];
+    }
+    calibrating_ = false;
+    read_direct_.store(direct_.load() && read_mode_ != kBuffered && !buffered_faster_);
+    ++streams_;
   }
 
   std::string ReadPageOnce(int slot, int state, int64_t page, float* dst, int64_t n, bool scratch) {
-    if (scratch && direct_.load() && read_direct_.load()) {
+    if (!calibrating_ || !scratch) return ReadPageAs(read_direct_.load() && scratch, slot, state, page, dst, n, scratch);
+    const bool direct = (page + state) % 2 == 0;
+    const auto start = std::chrono::steady_clock::now();
+    std::string err = ReadPageAs(direct, slot, state, page, dst, n, scratch);
+    const int64_t ns =
+        std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - start).count();
+    if (err.empty()) {
+      calib_ns_[direct ? kDirect : kBuffered].fetch_add(ns);
+      calib_bytes_[direct ? kDirect : kBuffered].fetch_add(static_cast<int64_t>(file_bytes_));
+    }
+    return err;
+  }
+
+  std::string ReadPageAs(bool direct, int slot, int state, int64_t page, float* dst, int64_t n, bool scratch) {
+    if (direct && direct_.load()) {
       std::string err;
       if (ReadDirect(slot, state, page, dst, &err)) {
         if (err.empty()) io_.pages_read_direct.fetch_add(1, std::memory_order_relaxed);
@@ -238,12 +253,19 @@ class FileBackend final : public Backend {
       if (errno == ENOENT) return MissingPage(path);
       return ErrnoMessage("cannot open", path);
     }
-    // Straight into the caller's buffer; the last page's padding and the CRC trailer go to a side buffer.
-    std::lock_guard<std::mutex> pad_lock(read_mu_);
+    // Straight into the caller's buffer, the CRC trailer into a local. An engine page buffer (scratch) has room
+    // for the last page's padding too; another buffer's padding goes to a side buffer, one reader at a time (only
+    // the shard's last page has any: the readers of all other pages never wait for each other).
     const size_t data_bytes = sizeof(float) * static_cast<size_t>(n);
     const size_t pad_bytes = chunk_bytes_ - data_bytes;
     uint32_t stored_crc = 0;
-    iovec iov[3] = {{dst, data_bytes}, {read_pad_.data(), pad_bytes}, {&stored_crc, checksum_ ? 4u : 0u}};
+    char* pad = reinterpret_cast<char*>(dst) + data_bytes;
+    std::unique_lock<std::mutex> pad_lock(read_mu_, std::defer_lock);
+    if (!scratch && pad_bytes > 0) {
+      pad_lock.lock();
+      pad = read_pad_.data();
+    }
+    iovec iov[3] = {{dst, data_bytes}, {pad, pad_bytes}, {&stored_crc, checksum_ ? 4u : 0u}};
     const ssize_t got = ReadFullV(fd, iov, 3);
     const int read_errno = errno;
     DropFromCache(fd);  // the state is bigger than RAM by design: don't cache it
@@ -256,7 +278,7 @@ class FileBackend final : public Backend {
       return "page file " + path + " is truncated: " + std::to_string(got) + " bytes, expected " +
              std::to_string(file_bytes_);
     }
-    if (checksum_ && Crc32cExtend(Crc32c(dst, data_bytes), read_pad_.data(), pad_bytes) != stored_crc) {
+    if (checksum_ && Crc32cExtend(Crc32c(dst, data_bytes), pad, pad_bytes) != stored_crc) {
       return CorruptMessage(state, page, path);
     }
     return CheckPlace(slot, state, page, stored_crc, path);
@@ -582,10 +604,10 @@ class FileBackend final : public Backend {
   int64_t kill_after_writes_ = -1;  // likewise
   std::atomic<int64_t> kill_writes_{0};
   std::vector<char> zeros_;     // written as the last page's padding
-  std::vector<char> read_pad_;  // receives the last page's padding on buffered reads (guarded by read_mu_)
+  std::vector<char> read_pad_;  // the last page's padding on buffered reads into a caller's array (read_mu_)
   std::mutex read_mu_;
   std::atomic<bool> direct_{std::getenv("NSP_NO_DIRECT_IO") == nullptr};
-  // Read-mode choice (StreamStarted): the setting, each mode's measured update time, and the current choice.
+  // Read-mode choice (StreamStarted): the setting, each way's measured time per byte, and the current choice.
   enum ReadMode { kDirect = 0, kBuffered = 1, kAuto = 2 };
   static constexpr int64_t kRetry = 32;
   static ReadMode ReadModeSetting() {
@@ -594,14 +616,11 @@ class FileBackend final : public Backend {
     return mode == "direct" ? kDirect : mode == "buffered" ? kBuffered : kAuto;
   }
   const ReadMode read_mode_ = ReadModeSetting();
-  struct ModeTime {
-    double ns = 0;
-    int64_t samples = 0;
-    int64_t last = 0;  // the stream number of its latest sample
-  };
-  ModeTime mode_time_[2];
   int64_t streams_ = 0;
-  bool streaming_direct_ = true;
+  bool calibrating_ = false;  // set and cleared between streams, read by the readers during one
+  bool buffered_faster_ = false;
+  double ns_per_byte_[2] = {0, 0};
+  std::atomic<int64_t> calib_ns_[2] = {0, 0}, calib_bytes_[2] = {0, 0};
   std::atomic<bool> read_direct_{ReadModeSetting() != kBuffered};
   const bool direct_writes_ = std::getenv("NSP_BUFFERED_WRITES") == nullptr;
   // NSP_REPLACE_PAGES=1 replaces every page (temporary file + rename), even one nothing else shares.

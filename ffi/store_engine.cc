@@ -407,7 +407,6 @@ std::string ShardEngine::UpdateStreamed(const ShardUpdate& u) {
     }
   }
   auto page_len = [&](int64_t page) { return std::min(page_elems_, size_ - page * page_elems_); };
-  const auto started = std::chrono::steady_clock::now();
   backend_->StreamStarted();
   Queue free_sets, ready;
   WriteQueues writes;
@@ -522,9 +521,7 @@ std::string ShardEngine::UpdateStreamed(const ShardUpdate& u) {
   // The writers exit once every queued write has drained.
   writes.Close();
   for (auto& t : writers) t.join();
-  backend_->StreamFinished(
-      std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - started).count(),
-      !error.failed());
+  backend_->StreamFinished(!error.failed());
   if (error.failed()) return error.Get();
   if (computed != num_pages_) return "internal error: not every page was updated";
   return {};
