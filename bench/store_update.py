@@ -540,8 +540,15 @@ def run(args, work: Workdir, n: int, page_bytes: int, page_elems: int, repeats: 
 
     params_out = np.empty(n, np.float32)  # the params land in one array, reused (as the others update in place)
 
+    nsp_reads: list[str] = []  # how each call read its pages (the file tier picks direct or buffered itself)
+
     def nsp_file() -> None:
+        before = store.stats()
         store.update(grad, version=store.version, lr=LR, step=store.version + 1, params_into=params_out)
+        after = store.stats()
+        direct = after["pages_read_direct"] - before["pages_read_direct"]
+        pages = after["pages_read"] - before["pages_read"]
+        nsp_reads.append("O_DIRECT" if direct == pages else "buffered" if direct == 0 else "both (calibrating)")
 
     # -- DeepSpeed's optimizer swap (its own files in the same directory: the same p, m, v bytes)
     ds_swaps, ds_info = setup_deepspeed(args, work, p0, threads)
@@ -779,9 +786,20 @@ def run(args, work: Workdir, n: int, page_bytes: int, page_elems: int, repeats: 
         return f"{label}: " + ", ".join(f"{k} {median(v) * 1e3:.0f} ms" for k, v in phases.items())
 
     del perfect_used[: len(perfect_used) - repeats]  # the timed rounds' choices
+    del nsp_reads[: len(nsp_reads) - repeats]
     used = {f"read {r}; write {w}": perfect_used.count((r, w)) for r, w in dict.fromkeys(perfect_used)}
     print(f"\n  perfect serial swap (methods: the probes' fastest so far, chosen before each call): "
           f"{'; '.join(f'{k} in {c} of {repeats} rounds' for k, c in used.items())}; Adam: {perfect_kernel}")
+    print(f"  nsp file tier reads per round: {', '.join(nsp_reads)}")
+    # The rounds in which the perfect swap read the way nsp did: the same I/O methods, overlapped or not.
+    same = [i for i, (r, _) in enumerate(perfect_used) if r.split(",")[0] == nsp_reads[i]]
+    same_io = None
+    if same:
+        t_n = median([times[names["nsp"]][i] for i in same])
+        t_p = median([times[names["perfect"]][i] for i in same])
+        same_io = {"rounds": same, "nsp_s": t_n, "perfect_s": t_p, "nsp_speedup": t_p / t_n}
+        print(f"  rounds where the perfect swap read pages the way nsp did ({len(same)} of {repeats}): nsp "
+              f"{t_n * 1e3:.0f} ms vs perfect serial swap {t_p * 1e3:.0f} ms: nsp {t_p / t_n:.2f}x")
     if not ds_swaps:
         print(f"  DeepSpeed: unavailable -- {ds_info['reason']}")
     print("  " + phase_line("perfect serial swap phases (median)", perfect.phases))
@@ -863,6 +881,7 @@ def run(args, work: Workdir, n: int, page_bytes: int, page_elems: int, repeats: 
          "perfect_serial_swap": {
              "s": t_perfect, "pct_of_disk": perfect_s / t_perfect * 100, "nsp_speedup": perfect_speedup,
              "methods_per_round": [{"read": r, "write": w} for r, w in perfect_used],
+             "nsp_reads_per_round": nsp_reads, "same_read_method": same_io,
              "calibration_calls": CALIBRATION_CALLS,
              "probe_calibration_s": {k: v[:CALIBRATION_CALLS] for k, v in probe_times.items()},
              "adam": perfect_kernel, "phases_s": perfect.phases},
