@@ -984,11 +984,27 @@ def render_store_update(d: dict, out: Path) -> tuple[str, str]:
         + fact(" ({:.1f}% counting its 32 B/param against the kernel's 28)",
                "memory_tier_pct_of_kernel_roofline_adjusted")
         + ("." if "memory_tier_pct_of_kernel" in d else ""),
+        _perfect_swap_fact(d.get("perfect_serial_swap") or {}),
     ) if f)
     checks = "\n".join(f"- {c.get('check', '?')}: "
                        + (f"{c['value']:.3g}" if isinstance(c.get("value"), (int, float)) else str(c.get("value")))
                        + f" ({'met' if c.get('met') else 'missed'})" for c in d.get("checks", []))
     return command, f"{body}\n\n{facts}\n\n{checks}\n\n![store update](store_update.png)"
+
+
+def _perfect_swap_fact(perfect: dict) -> str:
+    """The file tier against the perfect serial swap: overall, and in the rounds where both read their pages the
+    same way (direct or buffered), with how the file tier read each round."""
+    if "nsp_speedup" not in perfect:
+        return ""
+    text = f"Against the perfect serial swap: nsp {perfect['nsp_speedup']:.2f}x"
+    same = perfect.get("same_read_method")
+    if same:
+        text += (f"; in the {len(same['rounds'])} rounds where both read pages the same way, nsp "
+                 f"{same['nsp_s'] * 1e3:.0f} ms vs {same['perfect_s'] * 1e3:.0f} ms ({same['nsp_speedup']:.2f}x)")
+    if perfect.get("nsp_reads_per_round"):
+        text += f"; nsp read its pages per round: {', '.join(perfect['nsp_reads_per_round'])}"
+    return text + "."
 
 
 def _yes_no(value) -> str | None:
