@@ -16,6 +16,8 @@ import tensorstore as ts
 
 import nsp.storage as storage
 from nsp.storage import checkpoint as ckpt
+from nsp.storage.export import path_keys
+from nsp.storage.placement import Placer
 
 PAGE = 16 * 1024
 STATES = ("param", "mu", "nu")
@@ -258,7 +260,7 @@ def test_train_state_meta_round_trip_and_export(tmp_path):
     originals = make_params()
     assert set(params) == {"dense", "blocks"} and set(params["blocks"]) == {"0", "1"}
     for leaf in layout.leaves:
-        keys = ckpt._path_keys(leaf.path)
+        keys = path_keys(leaf.path)
         got = params
         for key in keys:
             got = got[key]
@@ -307,7 +309,7 @@ def test_bad_input_gives_clear_errors(tmp_path, monkeypatch):
             ckpt.snapshot_store(live, tmp_path / "snap")
         # A snapshot that fails half-way leaves nothing that could pass for a snapshot.
         calls = {"n": 0}
-        real_place = ckpt._Placer.place
+        real_place = Placer.place
 
         def failing_place(self, src, dst, size):
             calls["n"] += 1
@@ -315,7 +317,7 @@ def test_bad_input_gives_clear_errors(tmp_path, monkeypatch):
                 raise OSError(28, "No space left on device")
             return real_place(self, src, dst, size)
 
-        monkeypatch.setattr(ckpt._Placer, "place", failing_place)
+        monkeypatch.setattr(Placer, "place", failing_place)
         with pytest.raises(OSError, match="No space left"):
             ckpt.snapshot_store(live, tmp_path / "half")
         monkeypatch.undo()

@@ -12,8 +12,10 @@ import shutil
 import uuid
 from pathlib import Path
 
-from nsp.storage import store as store_lib
-from nsp.storage.metadata import LOCK, MANIFEST, METADATA, SHARD_ID, StoreError, check_metadata
+from nsp.storage.format import (LOCK, MANIFEST, METADATA, SHARD_ID, StoreError, atomic_write_json, fsync_file,
+                                inside, lock_store, read_json, release_locks, shard_dir, write_shard_id)
+from nsp.storage.metadata import check_metadata
+from nsp.storage.opening import open as open_store
 
 
 def copy_store(src: str | os.PathLike, dst: str | os.PathLike) -> Path:
@@ -25,23 +27,23 @@ def copy_store(src: str | os.PathLike, dst: str | os.PathLike) -> Path:
     dst = Path(dst).absolute()
     if dst.exists() and any(dst.iterdir()):
         raise StoreError(f"cannot copy into {dst}: it exists and is not empty")
-    with store_lib.open(src) as store:
+    with open_store(src) as store:
         store.barrier()
         store_id = uuid.uuid4().hex
         dst.mkdir(parents=True, exist_ok=True)
         try:
             shards = []
             for i, shard in enumerate(store.shard_paths):
-                target = dst / "shards" / f"{i:05d}"
+                target = shard_dir(dst, i)
                 shutil.copytree(shard, target, ignore=shutil.ignore_patterns(LOCK, SHARD_ID, "*.tmp", "*.nsp-tmp"))
                 _rename_identity(target, store_id, i, dst)
                 shards.append(target)
             for path in dst.rglob("*"):
                 if path.is_file():
-                    _fsync(path)
-            meta = store_lib._read_json(store.root / METADATA, "store metadata")
+                    fsync_file(path)
+            meta = read_json(store.root / METADATA, "store metadata")
             meta.update(store_id=store_id, shard_paths=[str(s.relative_to(dst)) for s in shards])
-            store_lib._atomic_write_json(dst / METADATA, meta)  # last: from here on it is a store
+            atomic_write_json(dst / METADATA, meta)  # last: from here on it is a store
         except BaseException:
             shutil.rmtree(dst, ignore_errors=True)
             raise
@@ -56,41 +58,31 @@ def reidentify(path: str | os.PathLike) -> str:
     a copy sharing the original's shard, and ``copy_store`` is the way to copy it.
     """
     root = Path(path).absolute()
-    meta = check_metadata(store_lib._read_json(root / METADATA, "store metadata"), str(root / METADATA))
+    meta = check_metadata(read_json(root / METADATA, "store metadata"), str(root / METADATA))
     shards = [root / p for p in meta["shard_paths"]]
     for shard in shards:
-        owner = store_lib._read_json(shard / SHARD_ID, "shard identity")
+        owner = read_json(shard / SHARD_ID, "shard identity")
         if owner.get("store") != meta["store_id"]:
             raise StoreError(f"shard {shard} belongs to store {owner.get('store')} at {owner.get('root')}, not to "
                              f"{root} ({meta['store_id']}): refusing to take it")
         old_root = Path(str(owner.get("root")))
-        if old_root != root and not store_lib._inside(shard, root) and (old_root / METADATA).exists():
+        if old_root != root and not inside(shard, root) and (old_root / METADATA).exists():
             raise StoreError(f"shard {shard} is still named by the store at {old_root}: {root} is a copy that "
                              f"shares it; copy stores with `nsp store copy`")
     store_id = uuid.uuid4().hex
-    store = store_lib.StateStore(root, meta["tier"], len(shards), meta["page_bytes"], shards, 2, meta["checksum"],
-                                 store_id=store_id)
+    locks = lock_store(root, shards)  # no writer may hold it meanwhile
     try:
-        store._acquire_locks()  # no writer may hold it meanwhile
         for i, shard in enumerate(shards):
             _rename_identity(shard, store_id, i, root)
-        store_lib._atomic_write_json(root / METADATA, dict(meta, layout=meta["layout"].to_json(), store_id=store_id))
+        atomic_write_json(root / METADATA, dict(meta, layout=meta["layout"].to_json(), store_id=store_id))
     finally:
-        store._life.release()
+        release_locks(locks)
     return store_id
 
 
 def _rename_identity(shard: Path, store_id: str, index: int, root: Path) -> None:
-    store_lib._atomic_write_json(shard / SHARD_ID, {"store": store_id, "shard": index, "root": str(root)})
+    write_shard_id(shard, store_id, index, root)
     manifest = shard / MANIFEST
     if manifest.exists():
-        data = store_lib._read_json(manifest, "shard manifest")
-        store_lib._atomic_write_json(manifest, dict(data, store=store_id, shard=index))
-
-
-def _fsync(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+        data = read_json(manifest, "shard manifest")
+        atomic_write_json(manifest, dict(data, store=store_id, shard=index))

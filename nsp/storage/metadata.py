@@ -2,7 +2,7 @@
 
 These files come from disk, so a damaged or hostile one must not steer nsp: every field is checked (type, range,
 consistency with the layout and with the other files) before anything is opened for writing, and anything off
-is a ``StoreError`` that names the file and the field.
+is a ``StoreError`` that names the file and the field. What the files are is ``format.py``'s.
 """
 
 from __future__ import annotations
@@ -12,25 +12,14 @@ import re
 from pathlib import Path
 from typing import Any
 
+from nsp.storage.format import FORMAT_VERSION, STATES, TIERS, StoreError
 from nsp.storage.layout import Layout, Leaf
-
-FORMAT_VERSION = 2
-METADATA = "nsp_store.json"
-MANIFEST = "MANIFEST.json"
-SHARD_ID = "SHARD.json"
-LOCK = "LOCK"
-STATES = ("param", "mu", "nu")
-TIERS = ("memory", "file", "csd")
 
 _MAX_SHARDS = 1 << 16
 _MAX_PAGE_BYTES = 1 << 30  # 1 GiB pages: far past any sensible size, and a buffer the engine can allocate
 _MAX_ELEMENTS = 1 << 44    # 16 Ti parameters
 _DTYPES = ("float32", "bfloat16", "float16", "float64")
 _STORE_ID = re.compile(r"[0-9a-f]{32}")
-
-
-class StoreError(RuntimeError):
-    """A store cannot do what was asked (wrong layout, missing version, locked, corrupt...)."""
 
 
 def _field(where: str, name: str, problem: str) -> StoreError:

@@ -8,32 +8,17 @@ replaying an update from ``t`` gives the same bytes. A ``memory`` store opened w
 copy instead (both slots name it): updates run in place, in half the RAM, and cannot be replayed.
 
 On disk (``file`` tier) every state array of every slot is a zarr v3 array that plain ``tensorstore.open``
-reads: one chunk per page, raw little-endian fp32 plus a CRC-32C trailer::
-
-    ROOT/nsp_store.json                   store id, layout, optimizer, tier, shard paths (written once, atomically)
-    ROOT/LOCK, SHARD/LOCK                 held by the single writer (every shard is locked, wherever it lives)
-    SHARD/SHARD.json                      {"store": id, "shard": i, "root": ROOT}: whose shard this is
-    SHARD/MANIFEST.json                   {"store", "shard", "version": t, "checksums": each page's CRC-32C per slot}
-    SHARD/slot{0,1}/{param,mu,nu}/        zarr v3 arrays (zarr.json + c/<page>)
-
-SHARD is ``ROOT/shards/00000`` (recorded relative to ROOT, so a copied or moved store opens its own shards) or a
-directory given as ``shard_paths[i]`` outside ROOT (recorded absolute). Every shard knows its store: a shard of
-another store is refused at open, and the manifest ties each page's checksum to its store, shard, state, page
-and version, so a valid page put in another page's place is reported as damage.
+reads; ``format.py`` describes the files. Every shard knows its store: a shard of another store is refused at open
+(``opening.py``, which also creates new stores and recovers existing ones), and the manifest ties each page's
+checksum to its store, shard, state, page and version, so a valid page put in another page's place is reported as
+damage. Snapshots, restores and identity changes use only this module's public API.
 """
 
 from __future__ import annotations
 
-import builtins
 import concurrent.futures
 import dataclasses
-import errno
-import fcntl
-import json
-import os
-import sys
 import uuid
-import warnings
 import weakref
 from pathlib import Path
 from typing import Any
@@ -43,126 +28,14 @@ import numpy as np
 import tensorstore as ts
 
 from nsp import _nsp_ffi
-from nsp.primitives.fused_update import KINDS, _DEFAULT_EPS
-from nsp.storage.layout import PAGE_BYTES_DEFAULT, PAGES_IN_FLIGHT_DEFAULT, Layout, check_page_bytes
-from nsp.storage.metadata import (FORMAT_VERSION, LOCK, MANIFEST, METADATA, SHARD_ID, STATES, TIERS, StoreError,
-                                  check_manifest, check_metadata, check_shard_id)
+from nsp.primitives.fused_update import KINDS
+from nsp.storage.format import (MANIFEST, METADATA, STATES, StoreError, array_dir, atomic_write_json, inside,
+                                lock_store, recorded_path, store_metadata, zarr_spec)
+from nsp.storage.layout import Layout
+from nsp.storage.lifetime import Lifetime
+from nsp.storage.optimizer import OptimizerSpec
 
 _INIT_CHUNK_BYTES = 16 << 20  # initialize writes the state this many bytes at a time
-
-
-@dataclasses.dataclass(frozen=True)
-class OptimizerSpec:
-    """Which update the store runs and with which (static) hyperparameters.
-
-    ``lr`` and ``step`` are not here: they are given to every update, so schedules work.
-    """
-
-    kind: str = "adam"
-    b1: float = 0.9
-    b2: float = 0.999
-    eps: float | None = None
-    weight_decay: float = 0.0
-    momentum: float = 0.0
-    nesterov: bool = False
-    lazy: bool = False  # entries with a zero gradient keep param and state (see nsp.primitives.fused_update)
-    initial_nu: float = 0.0  # AdaGrad's initial accumulator (optax: 0.1)
-
-    def __post_init__(self):
-        if self.kind not in KINDS:
-            raise ValueError(f"unknown optimizer kind {self.kind!r}; expected one of {sorted(KINDS)}")
-        if self.eps is None:
-            object.__setattr__(self, "eps", _DEFAULT_EPS[self.kind])
-
-    def states_used(self) -> tuple[bool, bool, bool]:
-        mu = self.kind in ("adam", "adamw") or (self.kind == "sgd" and self.momentum != 0.0)
-        nu = self.kind in ("adam", "adamw", "adagrad")
-        return (True, mu, nu)
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _atomic_write_json(path: Path, data: dict) -> None:
-    """Write-to-temp, fsync, rename, fsync the directory: readers see the old or the new file, never a mix."""
-    tmp = path.with_name(path.name + ".tmp")
-    with builtins.open(tmp, "w") as f:
-        json.dump(data, f, indent=1)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    _fsync_dir(path.parent)
-
-
-def _read_json(path: Path, what: str) -> dict:
-    try:
-        with builtins.open(path) as f:
-            return json.load(f)
-    except FileNotFoundError:
-        raise StoreError(f"{what} {path} is missing") from None
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise StoreError(f"{what} {path} is corrupt or truncated ({e})") from None
-
-
-def _effects_barrier() -> None:
-    """Waits for the side-effecting computations this thread dispatched (jitted steps run asynchronously)."""
-    try:
-        jax.effects_barrier()
-    except Exception:  # noqa: BLE001  (a failed step raises its error to its own caller, from its outputs)
-        pass
-
-
-class _Lifetime:
-    """What a store must release, apart from the store object so that a finalizer can hold it.
-
-    The C++ side keeps each engine alive while its registry handle or a running step holds it, so nothing here
-    can free an engine under a step. What remains is the order: the handles stay registered until the steps
-    already dispatched have run, or a queued step would find its store gone.
-    """
-
-    def __init__(self, num_shards: int):
-        self.engines: list[Any] = []  # _nsp_ffi.ShardEngine, one per shard
-        self.handles: list[int] = []  # their registry handles, once a jitted step asked for them
-        self.lock_fds: list[int] = []
-        self.pool = concurrent.futures.ThreadPoolExecutor(max_workers=num_shards, thread_name_prefix="nsp-shard")
-        self.released = False
-
-    def release(self, *, from_finalizer: bool = False) -> list[Exception]:
-        """Waits for dispatched steps and background updates, then lets go of everything; returns the errors of
-        background updates (they have nowhere else to go)."""
-        if self.released:
-            return []
-        self.released = True
-        # A finalizer can run on a pool thread (garbage collection happens wherever Python allocates): never
-        # join the pool from there.
-        self.pool.shutdown(wait=not from_finalizer)
-        if self.handles:
-            _effects_barrier()
-        errors = []
-        for engine in self.engines:
-            try:
-                engine.wait()
-            except RuntimeError as e:
-                errors.append(e)
-        for handle in self.handles:
-            _nsp_ffi.unregister_engine(handle)
-        for engine in self.engines:
-            engine.release()
-        self.handles, self.engines = [], []
-        for fd in self.lock_fds:
-            os.close(fd)  # closing the descriptor drops the flock
-        self.lock_fds = []
-        return errors
-
-    def release_dropped(self) -> None:
-        """The finalizer of a store dropped without ``close()`` (also run at interpreter exit)."""
-        for error in self.release(from_finalizer=True):
-            print(f"nsp: a background update of a store dropped without close() failed: {error}", file=sys.stderr)
 
 
 class StateStore:
@@ -183,10 +56,13 @@ class StateStore:
         self.layout: Layout | None = None
         self.optimizer: OptimizerSpec | None = None
         self.staleness = 0  # set by the nsp.optim transform that drives the store
+        # Where a store rebuilt by nsp.storage.restore.restore_store came from and how its pages got there
+        # (snapshot, version, method, file counts); None for any other store.
+        self.restore_info: dict | None = None
         self._closed = False
         # Engines, handles, locks and threads live in their own object, released by close() or, for a store
         # dropped without close(), by a finalizer that runs only once the steps already dispatched are done.
-        self._life = _Lifetime(num_shards)
+        self._life = Lifetime(num_shards)
         weakref.finalize(self, self._life.release_dropped)
 
     @property
@@ -203,35 +79,16 @@ class StateStore:
 
     # ---- lifecycle -------------------------------------------------------------------------------------------
 
-    def _acquire_locks(self) -> None:
-        """Locks the store and every shard it will write, wherever the shard lives: a second writer on any of
-        them is refused, whichever store directory it came through."""
-        for directory in [self.root, *self.shard_paths]:
-            self._lock(directory / LOCK, directory)
-
-    def _lock(self, path: Path, what: Path) -> None:
-        try:
-            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
-        except OSError as e:
-            raise StoreError(f"cannot open the writer lock {path}: {e.strerror}") from None
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError as e:
-            os.close(fd)
-            if e.errno in (errno.EWOULDBLOCK, errno.EACCES):
-                holder = path.read_text().strip() or "another process"
-                where = f"store {self.root}" if what == self.root else f"shard {what} (of store {self.root})"
-                raise StoreError(f"{where} is already open for writing by {holder}") from None
-            raise
-        os.ftruncate(fd, 0)
-        os.write(fd, f"pid {os.getpid()}".encode())
-        self._life.lock_fds.append(fd)
+    def acquire_locks(self) -> None:
+        """Takes the writer locks of the store and of every shard it will write, wherever the shard lives
+        (``format.lock_store``); ``close`` drops them. ``nsp.storage.open`` calls it: a second writer is refused."""
+        self._life.lock_fds += lock_store(self.root, self.shard_paths)
 
     @property
     def external_shards(self) -> list[Path]:
         """Shards that live outside the store's directory (on another disk, say): a copy of the directory does
         not include them."""
-        return [p for p in self.shard_paths if self.root is not None and not _inside(p, self.root)]
+        return [p for p in self.shard_paths if self.root is not None and not inside(p, self.root)]
 
     def close(self) -> None:
         """Waits for the steps already dispatched to this store, then releases its engines, their buffers and
@@ -255,6 +112,10 @@ class StateStore:
     def __exit__(self, *exc) -> None:
         self.close()
 
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
     def _check_open(self) -> None:
         if self._closed:
             raise StoreError("the store is closed")
@@ -266,14 +127,7 @@ class StateStore:
     def barrier(self) -> None:
         """Waits for the updates already dispatched to this store (jitted steps run asynchronously) and every
         background step (``staleness=1``) to commit; raises the first background step's error."""
-        if self._life.handles:
-            _effects_barrier()
-        errors = []
-        for engine in self._engines:
-            try:
-                engine.wait()
-            except RuntimeError as e:
-                errors.append(e)
+        errors = self._life.wait()
         if errors:
             raise StoreError(f"a background update failed; version {self.version} is intact: {errors[0]}")
 
@@ -351,25 +205,42 @@ class StateStore:
                 engine.commit(0)
             if self.root is not None:
                 # Written last: a store without metadata is an empty one, whatever else a crash left behind.
-                _atomic_write_json(self.root / METADATA, self._metadata())
+                atomic_write_json(self.root / METADATA, self.metadata())
         except (RuntimeError, OSError) as e:
             self.layout = self.optimizer = None
             self._engines = []
             raise StoreError(f"cannot initialize store {self.root or '(memory)'}: {e}") from e
         return 0
 
-    def _metadata(self) -> dict:
-        return {
-            "format": "nsp-store",
-            "format_version": FORMAT_VERSION,
-            "store_id": self.store_id,
-            "tier": self.tier,
-            "page_bytes": self.page_bytes,
-            "checksum": self.checksum,
-            "shard_paths": [_recorded_path(p, self.root) for p in self.shard_paths],
-            "layout": self.layout.to_json(),
-            "optimizer": dataclasses.asdict(self.optimizer),
-        }
+    def metadata(self) -> dict:
+        """What ``nsp_store.json`` holds for this store (a memory store writes none; its snapshots do)."""
+        return store_metadata(store_id=self.store_id, tier=self.tier, page_bytes=self.page_bytes,
+                              checksum=self.checksum,
+                              shard_paths=[recorded_path(p, self.root) for p in self.shard_paths],
+                              layout=self.layout.to_json(), optimizer=dataclasses.asdict(self.optimizer))
+
+    def attach(self, layout: Layout, optimizer: OptimizerSpec, version: int,
+               checksums: list[dict] | None = None) -> None:
+        """Takes over state that exists already at committed ``version``, instead of writing version 0 as
+        ``initialize`` does: the shard engines are made over the shards' arrays as they are on disk (memory tier:
+        zeros, filled by ``load_state``). ``checksums``: each shard's page checksums per slot and state, from its
+        manifest (reads then check every page against them). For opening and restoring stores; the caller has
+        checked that the arrays hold that version."""
+        self._check_open()
+        if self.initialized:
+            raise StoreError(f"store {self.root or '(memory)'} holds state already")
+        self.layout, self.optimizer = layout, optimizer
+        self._make_engines(create=False, version=version, checksums=checksums)
+
+    def load_state(self, state: str, shard: int, values: np.ndarray) -> None:
+        """Writes ``values`` (fp32, ``layout.shard_size`` elements) as ``state`` of shard ``shard`` in the committed
+        version, outside any update: how a restore fills a memory store after ``attach``."""
+        self._check_open()
+        if not self.initialized:
+            raise StoreError("the store holds no state yet")
+        if self.tier != "memory":
+            raise StoreError("load_state fills a memory store; a file store is restored by placing its files")
+        self._engines[shard].write_state(self.version % 2, STATES.index(state), values)
 
     def _make_engines(self, create: bool, version: int = 0, checksums: list[dict] | None = None) -> None:
         """One engine per shard at committed ``version``; ``checksums``: each shard's page checksums per slot
@@ -393,28 +264,12 @@ class StateStore:
 
     def _create_arrays(self, shard: Path, used: list[bool]) -> None:
         """Creates every slot's state arrays through tensorstore (it owns the format; the engine follows it)."""
-        codecs = [{"name": "bytes", "configuration": {"endian": "little"}}]
-        if self.checksum:
-            codecs.append({"name": "crc32c"})
         for slot in (0, 1):
             for state, is_used in zip(STATES, used):
                 if not is_used:
                     continue
-                path = shard / f"slot{slot}" / state
-                spec = {
-                    "driver": "zarr3",
-                    "kvstore": {"driver": "file", "path": str(path)},
-                    "metadata": {
-                        "shape": [self.layout.shard_size],
-                        "data_type": "float32",
-                        "chunk_grid": {"name": "regular",
-                                       "configuration": {"chunk_shape": [self.layout.page_elems]}},
-                        "chunk_key_encoding": {"name": "default"},
-                        "codecs": codecs,
-                        "fill_value": 0.0,
-                        "attributes": {"nsp": {"state": state, "slot": slot}},
-                    },
-                }
+                path = array_dir(shard, slot, state)
+                spec = zarr_spec(path, self.layout.shard_size, self.layout.page_elems, self.checksum, state, slot)
                 ts.open(spec, create=True, delete_existing=True).result()
                 (path / "c").mkdir(exist_ok=True)
 
@@ -615,235 +470,3 @@ class StateStore:
                 f"optimizer={self.optimizer.kind if self.optimizer else None})")
 
 
-def open(  # noqa: A001  (mirrors tensorstore.open / builtins.open on purpose)
-    path: str | os.PathLike | None = None,
-    *,
-    tier: str | None = None,
-    num_shards: int | None = None,
-    page_bytes: int | None = None,
-    shard_paths: list[str | os.PathLike] | None = None,
-    pages_in_flight: int = PAGES_IN_FLIGHT_DEFAULT,
-    checksum: bool = True,
-    in_place: bool = False,
-) -> StateStore:
-    """Opens the store at ``path``, or creates an empty one there.
-
-    Args:
-      path: the store's directory (``file``/``csd`` tiers); ``None`` for the ``memory`` tier.
-      tier: ``"memory"`` (host RAM), ``"file"`` (NVMe/SSD) or ``"csd"`` (for now the file tier with one
-        engine worker per shard, like one computational-storage device per shard). Default: ``"file"`` with a
-        path, ``"memory"`` without.
-      num_shards: equal shards the flattened state is cut into (one per mesh device / storage device);
-        default 1 for a new store.
-      page_bytes: page (and zarr chunk) size; 4 MiB by default for a new store.
-      For an existing store, ``None`` accepts what it was created with; a value must match it.
-      shard_paths: one directory per shard (each on its own disk, say); default ``path/shards/NNNNN``.
-      pages_in_flight: buffers the file tier streams through per shard (peak extra memory is
-        ``pages_in_flight x 3 x page_bytes`` per shard; 8 by default).
-      checksum: CRC-32C per page (zarr v3 ``crc32c`` codec), verified on every read.
-      in_place: ``memory`` tier only. ``False`` (default) keeps two version slots: an update reads version
-        ``t`` and writes ``t+1`` beside it, so the step can be replayed from ``t``. ``True`` keeps one copy of
-        the state and updates it in place: half the RAM (12 instead of 24 B/param for Adam) and the kernel's
-        speed (no second copy to write), but a step cannot be replayed; updating from the version before the
-        committed one is then an error like any stale version.
-
-    Returns:
-      A ``StateStore``. An existing store is checked against the arguments; a new one holds no state until
-      ``initialize``.
-
-    Example::
-
-      store = nsp.storage.open("/nvme/run1/store", tier="file", num_shards=2)
-      store.initialize(params, nsp.storage.OptimizerSpec("adamw", weight_decay=0.1))
-    """
-    asked_tier = tier
-    if tier is None:
-        tier = "file" if path is not None else "memory"
-    if tier not in TIERS:
-        raise ValueError(f"unknown tier {tier!r}; expected one of {TIERS}")
-    if page_bytes is not None:
-        check_page_bytes(page_bytes)
-    if num_shards is not None and num_shards < 1:
-        raise ValueError(f"num_shards must be >= 1, got {num_shards}")
-    if pages_in_flight < 2:
-        raise ValueError(f"pages_in_flight must be >= 2, got {pages_in_flight}")
-    if in_place and tier != "memory":
-        raise ValueError(f"in_place=True is for the memory tier; the {tier} tier keeps two version slots so "
-                         "that a crash leaves a whole committed version")
-    if tier == "memory":
-        if path is not None or shard_paths:
-            raise ValueError("the memory tier keeps its state in RAM: pass no path or shard_paths")
-        return StateStore(None, tier, num_shards or 1, page_bytes or PAGE_BYTES_DEFAULT, [], pages_in_flight,
-                          checksum, in_place)
-    if path is None:
-        raise ValueError(f"the {tier} tier needs a directory path")
-    root = Path(path).absolute()
-    if root.exists() and not root.is_dir():
-        raise StoreError(f"store path {root} exists and is not a directory")
-    parent = root.parent
-    if not parent.exists():
-        raise StoreError(f"cannot create store {root}: directory {parent} does not exist")
-    try:
-        root.mkdir(exist_ok=True)
-    except OSError as e:
-        raise StoreError(f"cannot create store directory {root}: {e.strerror}") from None
-    if not os.access(root, os.W_OK):
-        raise StoreError(f"store directory {root} is not writable")
-    meta_path = root / METADATA
-    if meta_path.exists():
-        return _open_existing(root, asked_tier, num_shards, page_bytes, shard_paths, pages_in_flight)
-    num_shards = num_shards or 1
-    page_bytes = page_bytes or PAGE_BYTES_DEFAULT
-    if shard_paths is not None:
-        if len(shard_paths) != num_shards:
-            raise ValueError(f"got {len(shard_paths)} shard_paths for {num_shards} shards")
-        shards = [Path(p).absolute() for p in shard_paths]
-        if len(set(shards)) != len(shards):
-            raise ValueError(f"shard_paths names one directory twice: {[str(p) for p in shards]}")
-    else:
-        shards = [root / "shards" / f"{i:05d}" for i in range(num_shards)]
-    store = StateStore(root, tier, num_shards, page_bytes, shards, pages_in_flight, checksum)
-    for i, shard in enumerate(shards):
-        _claim_shard(store, i, shard)
-    try:
-        store._acquire_locks()
-        for i, shard in enumerate(shards):
-            _atomic_write_json(shard / SHARD_ID, {"store": store.store_id, "shard": i, "root": str(root)})
-    except BaseException:
-        store._life.release()
-        raise
-    _say_external(store)
-    return store
-
-
-def _inside(path: Path, root: Path) -> bool:
-    return path == root or root in path.parents
-
-
-def _recorded_path(shard: Path, root: Path) -> str:
-    """How nsp_store.json records a shard: relative to the root when it lives under it (so a copied or moved store
-    opens its own shards), absolute otherwise (a directory the user placed on purpose)."""
-    return str(shard.relative_to(root)) if _inside(shard, root) else str(shard)
-
-
-def _say_external(store: StateStore) -> None:
-    if store.external_shards:
-        warnings.warn(f"store {store.root} keeps shards outside its directory: "
-                      f"{[str(p) for p in store.external_shards]}; a copy of {store.root} does not include them "
-                      "(nsp store copy does)", ExternalShardsWarning, stacklevel=3)
-
-
-class ExternalShardsWarning(UserWarning):
-    """A store keeps some shards outside its directory (said at open, since a copy of the directory lacks them)."""
-
-
-def _claim_shard(store: StateStore, index: int, shard: Path) -> None:
-    """A new store's shard directory: created, or empty, or a leftover of an unfinished creation of this same
-    store directory. A shard of another store is refused before anything is written into it."""
-    try:
-        shard.mkdir(parents=True, exist_ok=True)
-    except OSError as e:
-        raise StoreError(f"cannot create shard directory {shard}: {e.strerror}") from None
-    ident = shard / SHARD_ID
-    if ident.exists():
-        owner = _read_json(ident, "shard identity")
-        if not (isinstance(owner, dict) and owner.get("root") == str(store.root)):
-            raise StoreError(f"cannot create store {store.root}: shard directory {shard} belongs to the store at "
-                             f"{owner.get('root') if isinstance(owner, dict) else '?'} (id "
-                             f"{owner.get('store') if isinstance(owner, dict) else '?'}); pick another directory")
-    elif any(p.name != LOCK for p in shard.iterdir()):
-        raise StoreError(f"cannot create store {store.root}: shard directory {shard} is not empty")
-
-
-def _open_existing(root: Path, tier, num_shards, page_bytes, shard_paths, pages_in_flight) -> StateStore:
-    # Everything read from disk is checked before anything is opened for writing.
-    meta = check_metadata(_read_json(root / METADATA, "store metadata"), str(root / METADATA))
-    layout = meta["layout"]
-    tier = meta["tier"] if tier is None else tier
-    num_shards = layout.num_shards if num_shards is None else num_shards
-    page_bytes = meta["page_bytes"] if page_bytes is None else page_bytes
-    for name, asked, held in (("tier", tier, meta["tier"]), ("num_shards", num_shards, layout.num_shards),
-                              ("page_bytes", page_bytes, meta["page_bytes"])):
-        if asked != held:
-            raise StoreError(f"store {root} was created with {name}={held!r}, opened with {name}={asked!r}")
-    try:
-        optimizer = OptimizerSpec(**meta["optimizer"])
-    except (TypeError, ValueError) as e:
-        raise StoreError(f"{root / METADATA}: field 'optimizer' is invalid: {e}") from None
-    shards = [root / p for p in meta["shard_paths"]]  # an absolute path stays as it is
-    if shard_paths is not None and [Path(p).absolute() for p in shard_paths] != shards:
-        raise StoreError(f"store {root} keeps its shards at {[str(s) for s in shards]}")
-    store_id = meta["store_id"]
-    for i, shard in enumerate(shards):
-        ident = shard / SHARD_ID
-        if not ident.is_file():
-            raise StoreError(f"{root / METADATA}: field 'shard_paths' names {shard} as shard {i}, but it holds no "
-                             f"shard ({ident} is missing)")
-        check_shard_id(_read_json(ident, "shard identity"), str(ident), store_id, i, root,
-                       external=not _inside(shard, root))
-    store = StateStore(root, tier, num_shards, page_bytes, shards, pages_in_flight, meta["checksum"],
-                       store_id=store_id)
-    try:
-        store._acquire_locks()
-        store.layout, store.optimizer = layout, optimizer
-        version, checksums = _recover_version(store)
-        _check_pages_present(store, version)
-        _check_checksums_recorded(store, version, checksums)
-        store._make_engines(create=False, version=version, checksums=checksums)
-    except BaseException:
-        store._life.release()
-        raise
-    _say_external(store)
-    return store
-
-
-def _check_pages_present(store: StateStore, version: int) -> None:
-    """Every page of the committed version must exist (a version is committed only once all its pages are
-    durable): a manifest naming a version whose slot lacks pages is a damaged store, said at open."""
-    pages = store.layout.pages_per_shard
-    for shard in store.shard_paths:
-        for state, used in zip(STATES, store.optimizer.states_used()):
-            if not used:
-                continue
-            chunks = shard / f"slot{version % 2}" / state / "c"
-            present = sum(1 for p in chunks.iterdir() if p.name.isdigit()) if chunks.is_dir() else 0
-            if present < pages:
-                raise StoreError(f"store {store.root}: its manifest names version {version}, but "
-                                 f"{chunks} holds {present} of its {pages} pages: the store is damaged")
-
-
-def _check_checksums_recorded(store: StateStore, version: int, checksums: list[dict]) -> None:
-    """Each manifest records the checksum of every page of the committed version, for the version its slot
-    holds (a manifest naming a version its slot does not hold is damage)."""
-    used = store.optimizer.states_used()
-    for shard, tables in zip(store.shard_paths, checksums):
-        recorded = tables.get(version % 2, {})
-        missing = [s for s, u in zip(STATES, used) if u and s not in recorded]
-        if store.checksum and missing:
-            raise StoreError(f"{shard / MANIFEST} records no page checksums of {missing} for version {version}: "
-                             "the store is damaged")
-        if recorded and recorded["version"] != version:
-            raise StoreError(f"{shard / MANIFEST}: field 'version' names version {version}, but the slot it lives "
-                             f"in holds version {recorded['version']}: the store is damaged")
-
-
-def _recover_version(store: StateStore) -> tuple[int, list[dict]]:
-    """The committed version, and each shard's page checksums. Every shard commits on its own, so a crash
-    between shard commits leaves some one version ahead. Those never started another update (the next one needs
-    every shard's commit first), so their other slot still holds the older version whole: they roll back to it."""
-    used = store.optimizer.states_used()
-    manifests = []
-    for i, shard in enumerate(store.shard_paths):
-        path = shard / MANIFEST
-        manifests.append(check_manifest(_read_json(path, "shard manifest"), str(path), store.store_id, i,
-                                        store.layout.pages_per_shard, used))
-    versions = [m["version"] for m in manifests]
-    low, high = min(versions), max(versions)
-    if high - low > 1:
-        raise StoreError(f"shard versions {versions} differ by more than one step: the store is inconsistent")
-    for shard, m in zip(store.shard_paths, manifests):
-        if m["version"] != low:
-            tables = {str(slot): states for slot, states in m["checksums"].items()}
-            _atomic_write_json(shard / MANIFEST, {"store": store.store_id, "shard": store.shard_paths.index(shard),
-                                                  "version": low, "checksums": tables})
-    return low, [m["checksums"] for m in manifests]

@@ -1,0 +1,242 @@
+"""Opening a store directory: creating a new store there, or checking and recovering an existing one.
+
+Everything read from disk is checked (``metadata.py``) before anything is opened for writing: the metadata, each
+shard's identity (a shard of another store is refused), each manifest. Shards commit one by one, so a crash
+between their commits leaves some a version ahead: they are rolled back here, and the store's engines attach to
+the committed version (``StateStore.attach``). Only the store's public API is used.
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+from pathlib import Path
+
+from nsp.storage.format import (LOCK, MANIFEST, METADATA, SHARD_ID, STATES, TIERS, StoreError, array_dir, inside,
+                                read_json, shard_dir, write_manifest, write_shard_id)
+from nsp.storage.layout import PAGE_BYTES_DEFAULT, PAGES_IN_FLIGHT_DEFAULT, Layout, check_page_bytes
+from nsp.storage.metadata import check_manifest, check_metadata, check_shard_id
+from nsp.storage.store import OptimizerSpec, StateStore
+
+
+def open(  # noqa: A001  (mirrors tensorstore.open / builtins.open on purpose)
+    path: str | os.PathLike | None = None,
+    *,
+    tier: str | None = None,
+    num_shards: int | None = None,
+    page_bytes: int | None = None,
+    shard_paths: list[str | os.PathLike] | None = None,
+    pages_in_flight: int = PAGES_IN_FLIGHT_DEFAULT,
+    checksum: bool = True,
+    in_place: bool = False,
+) -> StateStore:
+    """Opens the store at ``path``, or creates an empty one there.
+
+    Args:
+      path: the store's directory (``file``/``csd`` tiers); ``None`` for the ``memory`` tier.
+      tier: ``"memory"`` (host RAM), ``"file"`` (NVMe/SSD) or ``"csd"`` (for now the file tier with one
+        engine worker per shard, like one computational-storage device per shard). Default: ``"file"`` with a
+        path, ``"memory"`` without.
+      num_shards: equal shards the flattened state is cut into (one per mesh device / storage device);
+        default 1 for a new store.
+      page_bytes: page (and zarr chunk) size; 4 MiB by default for a new store.
+      For an existing store, ``None`` accepts what it was created with; a value must match it.
+      shard_paths: one directory per shard (each on its own disk, say); default ``path/shards/NNNNN``.
+      pages_in_flight: buffers the file tier streams through per shard (peak extra memory is
+        ``pages_in_flight x 3 x page_bytes`` per shard; 8 by default).
+      checksum: CRC-32C per page (zarr v3 ``crc32c`` codec), verified on every read.
+      in_place: ``memory`` tier only. ``False`` (default) keeps two version slots: an update reads version
+        ``t`` and writes ``t+1`` beside it, so the step can be replayed from ``t``. ``True`` keeps one copy of
+        the state and updates it in place: half the RAM (12 instead of 24 B/param for Adam) and the kernel's
+        speed (no second copy to write), but a step cannot be replayed; updating from the version before the
+        committed one is then an error like any stale version.
+
+    Returns:
+      A ``StateStore``. An existing store is checked against the arguments; a new one holds no state until
+      ``initialize``.
+
+    Example::
+
+      store = nsp.storage.open("/nvme/run1/store", tier="file", num_shards=2)
+      store.initialize(params, nsp.storage.OptimizerSpec("adamw", weight_decay=0.1))
+    """
+    asked_tier = tier
+    if tier is None:
+        tier = "file" if path is not None else "memory"
+    if tier not in TIERS:
+        raise ValueError(f"unknown tier {tier!r}; expected one of {TIERS}")
+    if page_bytes is not None:
+        check_page_bytes(page_bytes)
+    if num_shards is not None and num_shards < 1:
+        raise ValueError(f"num_shards must be >= 1, got {num_shards}")
+    if pages_in_flight < 2:
+        raise ValueError(f"pages_in_flight must be >= 2, got {pages_in_flight}")
+    if in_place and tier != "memory":
+        raise ValueError(f"in_place=True is for the memory tier; the {tier} tier keeps two version slots so "
+                         "that a crash leaves a whole committed version")
+    if tier == "memory":
+        if path is not None or shard_paths:
+            raise ValueError("the memory tier keeps its state in RAM: pass no path or shard_paths")
+        return StateStore(None, tier, num_shards or 1, page_bytes or PAGE_BYTES_DEFAULT, [], pages_in_flight,
+                          checksum, in_place)
+    if path is None:
+        raise ValueError(f"the {tier} tier needs a directory path")
+    root = Path(path).absolute()
+    if root.exists() and not root.is_dir():
+        raise StoreError(f"store path {root} exists and is not a directory")
+    parent = root.parent
+    if not parent.exists():
+        raise StoreError(f"cannot create store {root}: directory {parent} does not exist")
+    try:
+        root.mkdir(exist_ok=True)
+    except OSError as e:
+        raise StoreError(f"cannot create store directory {root}: {e.strerror}") from None
+    if not os.access(root, os.W_OK):
+        raise StoreError(f"store directory {root} is not writable")
+    meta_path = root / METADATA
+    if meta_path.exists():
+        return _open_existing(root, asked_tier, num_shards, page_bytes, shard_paths, pages_in_flight)
+    num_shards = num_shards or 1
+    page_bytes = page_bytes or PAGE_BYTES_DEFAULT
+    if shard_paths is not None:
+        if len(shard_paths) != num_shards:
+            raise ValueError(f"got {len(shard_paths)} shard_paths for {num_shards} shards")
+        shards = [Path(p).absolute() for p in shard_paths]
+        if len(set(shards)) != len(shards):
+            raise ValueError(f"shard_paths names one directory twice: {[str(p) for p in shards]}")
+    else:
+        shards = [shard_dir(root, i) for i in range(num_shards)]
+    store = StateStore(root, tier, num_shards, page_bytes, shards, pages_in_flight, checksum)
+    for i, shard in enumerate(shards):
+        _claim_shard(store, i, shard)
+    try:
+        store.acquire_locks()
+        for i, shard in enumerate(shards):
+            write_shard_id(shard, store.store_id, i, root)
+    except BaseException:
+        store.close()
+        raise
+    _say_external(store)
+    return store
+
+
+def _say_external(store: StateStore) -> None:
+    if store.external_shards:
+        warnings.warn(f"store {store.root} keeps shards outside its directory: "
+                      f"{[str(p) for p in store.external_shards]}; a copy of {store.root} does not include them "
+                      "(nsp store copy does)", ExternalShardsWarning, stacklevel=3)
+
+
+class ExternalShardsWarning(UserWarning):
+    """A store keeps some shards outside its directory (said at open, since a copy of the directory lacks them)."""
+
+
+def _claim_shard(store: StateStore, index: int, shard: Path) -> None:
+    """A new store's shard directory: created, or empty, or a leftover of an unfinished creation of this same
+    store directory. A shard of another store is refused before anything is written into it."""
+    try:
+        shard.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise StoreError(f"cannot create shard directory {shard}: {e.strerror}") from None
+    ident = shard / SHARD_ID
+    if ident.exists():
+        owner = read_json(ident, "shard identity")
+        if not (isinstance(owner, dict) and owner.get("root") == str(store.root)):
+            raise StoreError(f"cannot create store {store.root}: shard directory {shard} belongs to the store at "
+                             f"{owner.get('root') if isinstance(owner, dict) else '?'} (id "
+                             f"{owner.get('store') if isinstance(owner, dict) else '?'}); pick another directory")
+    elif any(p.name != LOCK for p in shard.iterdir()):
+        raise StoreError(f"cannot create store {store.root}: shard directory {shard} is not empty")
+
+
+def _open_existing(root: Path, tier, num_shards, page_bytes, shard_paths, pages_in_flight) -> StateStore:
+    # Everything read from disk is checked before anything is opened for writing.
+    meta = check_metadata(read_json(root / METADATA, "store metadata"), str(root / METADATA))
+    layout = meta["layout"]
+    tier = meta["tier"] if tier is None else tier
+    num_shards = layout.num_shards if num_shards is None else num_shards
+    page_bytes = meta["page_bytes"] if page_bytes is None else page_bytes
+    for name, asked, held in (("tier", tier, meta["tier"]), ("num_shards", num_shards, layout.num_shards),
+                              ("page_bytes", page_bytes, meta["page_bytes"])):
+        if asked != held:
+            raise StoreError(f"store {root} was created with {name}={held!r}, opened with {name}={asked!r}")
+    try:
+        optimizer = OptimizerSpec(**meta["optimizer"])
+    except (TypeError, ValueError) as e:
+        raise StoreError(f"{root / METADATA}: field 'optimizer' is invalid: {e}") from None
+    shards = [root / p for p in meta["shard_paths"]]  # an absolute path stays as it is
+    if shard_paths is not None and [Path(p).absolute() for p in shard_paths] != shards:
+        raise StoreError(f"store {root} keeps its shards at {[str(s) for s in shards]}")
+    store_id = meta["store_id"]
+    for i, shard in enumerate(shards):
+        ident = shard / SHARD_ID
+        if not ident.is_file():
+            raise StoreError(f"{root / METADATA}: field 'shard_paths' names {shard} as shard {i}, but it holds no "
+                             f"shard ({ident} is missing)")
+        check_shard_id(read_json(ident, "shard identity"), str(ident), store_id, i, root,
+                       external=not inside(shard, root))
+    store = StateStore(root, tier, num_shards, page_bytes, shards, pages_in_flight, meta["checksum"],
+                       store_id=store_id)
+    try:
+        store.acquire_locks()
+        version, checksums = _recover_version(store, layout, optimizer)
+        _check_pages_present(store, layout, optimizer, version)
+        _check_checksums_recorded(store, optimizer, version, checksums)
+        store.attach(layout, optimizer, version, checksums)
+    except BaseException:
+        store.close()
+        raise
+    _say_external(store)
+    return store
+
+
+def _check_pages_present(store: StateStore, layout: Layout, optimizer: OptimizerSpec, version: int) -> None:
+    """Every page of the committed version must exist (a version is committed only once all its pages are
+    durable): a manifest naming a version whose slot lacks pages is a damaged store, said at open."""
+    pages = layout.pages_per_shard
+    for shard in store.shard_paths:
+        for state, used in zip(STATES, optimizer.states_used()):
+            if not used:
+                continue
+            chunks = array_dir(shard, version % 2, state) / "c"
+            present = sum(1 for p in chunks.iterdir() if p.name.isdigit()) if chunks.is_dir() else 0
+            if present < pages:
+                raise StoreError(f"store {store.root}: its manifest names version {version}, but "
+                                 f"{chunks} holds {present} of its {pages} pages: the store is damaged")
+
+
+def _check_checksums_recorded(store: StateStore, optimizer: OptimizerSpec, version: int,
+                              checksums: list[dict]) -> None:
+    """Each manifest records the checksum of every page of the committed version, for the version its slot
+    holds (a manifest naming a version its slot does not hold is damage)."""
+    used = optimizer.states_used()
+    for shard, tables in zip(store.shard_paths, checksums):
+        recorded = tables.get(version % 2, {})
+        missing = [s for s, u in zip(STATES, used) if u and s not in recorded]
+        if store.checksum and missing:
+            raise StoreError(f"{shard / MANIFEST} records no page checksums of {missing} for version {version}: "
+                             "the store is damaged")
+        if recorded and recorded["version"] != version:
+            raise StoreError(f"{shard / MANIFEST}: field 'version' names version {version}, but the slot it lives "
+                             f"in holds version {recorded['version']}: the store is damaged")
+
+
+def _recover_version(store: StateStore, layout: Layout, optimizer: OptimizerSpec) -> tuple[int, list[dict]]:
+    """The committed version, and each shard's page checksums. Every shard commits on its own, so a crash
+    between shard commits leaves some one version ahead. Those never started another update (the next one needs
+    every shard's commit first), so their other slot still holds the older version whole: they roll back to it."""
+    used = optimizer.states_used()
+    manifests = []
+    for i, shard in enumerate(store.shard_paths):
+        path = shard / MANIFEST
+        manifests.append(check_manifest(read_json(path, "shard manifest"), str(path), store.store_id, i,
+                                        layout.pages_per_shard, used))
+    versions = [m["version"] for m in manifests]
+    low, high = min(versions), max(versions)
+    if high - low > 1:
+        raise StoreError(f"shard versions {versions} differ by more than one step: the store is inconsistent")
+    for shard, m in zip(store.shard_paths, manifests):
+        if m["version"] != low:
+            tables = {str(slot): states for slot, states in m["checksums"].items()}
+            write_manifest(shard, store.store_id, store.shard_paths.index(shard), low, tables)
+    return low, [m["checksums"] for m in manifests]

@@ -1,0 +1,163 @@
+"""orbax glue: a store as one item of an ``ocp.CheckpointManager`` step, beside a train state and JSON metadata.
+
+``StoreCheckpointHandler`` with ``StoreSave`` / ``StoreRestore`` args saves the ``store`` item by snapshot
+(``snapshot.py``: hard links into the step directory) and restores it by ``restore.py``. Keep-N deletes old step
+directories, i.e. only their links; the live store's files are untouched. ``make_checkpoint_manager``,
+``save_checkpoint`` and ``restore_checkpoint`` put the three items together.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from pathlib import Path
+from typing import Any
+
+import orbax.checkpoint as ocp
+
+from nsp.storage.format import StoreError
+from nsp.storage.layout import PAGES_IN_FLIGHT_DEFAULT
+from nsp.storage.restore import restore_store
+from nsp.storage.snapshot import SNAPSHOT, load_snapshot_info, snapshot_store
+from nsp.storage.store import StateStore
+
+ITEM_NAMES = ("store", "train_state", "meta")
+
+
+class StoreCheckpointHandler(ocp.CheckpointHandler):
+    """orbax handler for a ``StateStore`` item: ``save`` snapshots the store into the item directory (hard
+    links), ``restore`` rebuilds a store from it. Saving is synchronous: when ``CheckpointManager.save`` returns,
+    the snapshot is complete and the store may be updated again."""
+
+    def __init__(self):
+        self.last_info: dict | None = None
+
+    @classmethod
+    def typestr(cls) -> str:
+        # orbax records this name for the item in each step's metadata: the module the handler lived in before the
+        # checkpoint code was split, so that checkpoints are written as before and older ones resolve by name.
+        return "nsp.storage.checkpoint.StoreCheckpointHandler"
+
+    def save(self, directory, args: StoreSave) -> None:
+        self.last_info = snapshot_store(args.store, Path(str(directory)), mode=args.mode)
+
+    def restore(self, directory, args: StoreRestore | None = None) -> StateStore:
+        if args is None:
+            raise StoreError("restoring a store item needs StoreRestore(store_path=...): where to rebuild it")
+        return restore_store(Path(str(directory)), args.store_path, tier=args.tier, shard_paths=args.shard_paths,
+                             overwrite=args.overwrite, mode=args.mode, pages_in_flight=args.pages_in_flight)
+
+    def metadata(self, directory) -> dict | None:
+        try:
+            info = load_snapshot_info(Path(str(directory)), check_files=False)
+        except StoreError:
+            return None
+        info.pop("files", None)
+        return info
+
+
+@ocp.args.register_with_handler(StoreCheckpointHandler, for_save=True)
+@dataclasses.dataclass
+class StoreSave(ocp.args.CheckpointArgs):
+    """Save args of a store item: the open store, and ``mode`` (see ``snapshot_store``)."""
+
+    store: StateStore
+    mode: str = "auto"
+
+
+@ocp.args.register_with_handler(StoreCheckpointHandler, for_restore=True)
+@dataclasses.dataclass
+class StoreRestore(ocp.args.CheckpointArgs):
+    """Restore args of a store item (see ``restore_store``)."""
+
+    store_path: str | os.PathLike | None
+    tier: str = "file"
+    shard_paths: list[str | os.PathLike] | None = None
+    overwrite: bool = False
+    mode: str = "auto"
+    pages_in_flight: int = PAGES_IN_FLIGHT_DEFAULT
+def make_checkpoint_manager(directory: str | os.PathLike, max_to_keep: int | None = 3, *,
+                            enable_async_checkpointing: bool = True, **options: Any) -> ocp.CheckpointManager:
+    """An ``ocp.CheckpointManager`` with items ``store`` (tier snapshot), ``train_state`` (pytree), ``meta``
+    (JSON). Put ``directory`` on the store's file system, or pages get copied instead of linked. Extra keyword
+    arguments go to ``ocp.CheckpointManagerOptions``."""
+    directory = Path(directory).absolute()
+    opts = ocp.CheckpointManagerOptions(max_to_keep=max_to_keep, create=True,
+                                        enable_async_checkpointing=enable_async_checkpointing, **options)
+    return ocp.CheckpointManager(directory, options=opts, item_names=ITEM_NAMES)
+
+
+def save_checkpoint(manager: ocp.CheckpointManager, step: int, store: StateStore, train_state: Any = None,
+                    meta: dict | None = None, *, wait: bool = True) -> dict:
+    """Saves a checkpoint of ``store`` (its committed version), ``train_state`` and ``meta`` at ``step``.
+
+    The store snapshot is complete when this returns, whatever ``wait``; the train state is written
+    asynchronously by orbax and ``wait=True`` (default) waits for it and for the step's finalisation. With
+    ``wait=False`` call ``manager.wait_until_finished()`` before reading the checkpoint back.
+
+    Returns ``{"step", "saved", "version", "snapshot": info}`` (``info`` as from ``snapshot_store``, with the
+    ``method`` used: links unless the manager's directory is on another file system).
+    """
+    items = {"store": StoreSave(store)}
+    if train_state is not None:
+        items["train_state"] = ocp.args.StandardSave(train_state)
+    if meta is not None:
+        items["meta"] = ocp.args.JsonSave(meta)
+    version = store.version
+    saved = manager.save(step, args=ocp.args.Composite(**items))
+    if wait:
+        manager.wait_until_finished()
+    out = {"step": step, "saved": bool(saved), "version": version, "snapshot": None}
+    if saved:
+        snap = Path(str(manager.directory)) / str(step) / "store"
+        if (snap / SNAPSHOT).exists():
+            info = load_snapshot_info(snap, check_files=False)
+            info.pop("files", None)
+            out["snapshot"] = info
+    return out
+
+
+def restore_checkpoint(manager: ocp.CheckpointManager, step: int | None, store_path: str | os.PathLike | None,
+                       train_state_template: Any = None, *, tier: str = "file",
+                       shard_paths: list[str | os.PathLike] | None = None, overwrite: bool = False,
+                       mode: str = "auto",
+                       pages_in_flight: int = PAGES_IN_FLIGHT_DEFAULT) -> tuple[StateStore, Any, dict | None]:
+    """Restores ``(store, train_state, meta)`` of ``step`` (``None``: the latest). The store is rebuilt at
+    ``store_path`` (see ``restore_store``); ``train_state`` follows ``train_state_template`` (arrays or
+    ``jax.ShapeDtypeStruct`` leaves; ``None`` restores what was saved as is). Missing items come back as None."""
+    if step is None:
+        step = manager.latest_step()
+        if step is None:
+            raise StoreError(f"no checkpoint in {manager.directory}")
+    if step not in manager.all_steps():
+        raise StoreError(f"no checkpoint for step {step} in {manager.directory} (steps: {manager.all_steps()})")
+    step_dir = Path(str(manager.directory)) / str(step)
+    # The small items first: if the template does not match, nothing has been written at store_path yet.
+    items = {}
+    if (step_dir / "train_state").exists():
+        items["train_state"] = ocp.args.StandardRestore(train_state_template)
+    if (step_dir / "meta").exists():
+        items["meta"] = ocp.args.JsonRestore()
+    small = manager.restore(step, args=ocp.args.Composite(**items)) if items else {}
+    store_args = StoreRestore(store_path, tier=tier, shard_paths=shard_paths, overwrite=overwrite, mode=mode,
+                              pages_in_flight=pages_in_flight)
+    store = manager.restore(step, args=ocp.args.Composite(store=store_args))["store"]
+    return store, small.get("train_state"), small.get("meta")
+
+
+def load_train_state(step_dir: str | os.PathLike) -> Any:
+    """The train state saved with a checkpoint step, as plain nested dicts of arrays on this process's first
+    device — whatever mesh it was saved from (for sampling, export or inspection on another machine)."""
+    import jax
+
+    path = Path(step_dir).absolute() / "train_state"  # orbax takes absolute paths only
+    if not path.is_dir():
+        raise StoreError(f"{step_dir} holds no train state")
+    # The item's own metadata (the step directory, not the item's, holds the checkpoint-level metadata file).
+    metadata = ocp.StandardCheckpointHandler().metadata(path)
+    tree = getattr(metadata, "item_metadata", metadata)
+    checkpointer = ocp.StandardCheckpointer()
+    device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    target = jax.tree_util.tree_map(lambda m: jax.ShapeDtypeStruct(m.shape, m.dtype, sharding=device), tree)
+    return checkpointer.restore(path, target)
+
