@@ -4,10 +4,11 @@
     python bench/fault_campaign.py --trials 4 --steps 8 # a quick one
 
 Each trial runs `nsp train` (tiny GPT, file tier; Top-K on in odd trials) as a subprocess and kills it with
-SIGKILL: after a random delay, or at a targeted point through a debug hook that is off in normal runs —
-inside an update (after N page writes: NSP_DEBUG_KILL_AFTER_WRITES), just before a commit renames a shard's
-manifest (NSP_DEBUG_KILL_AT_COMMIT), or just before a checkpoint's snapshot becomes valid
-(NSP_DEBUG_KILL_AT_SNAPSHOT). Then it checks every page of the store's committed version (`nsp store verify`),
+SIGKILL: after a random delay, or at a targeted point its variable names — inside an update (after N page
+writes: NSP_DEBUG_KILL_AFTER_WRITES), just before a commit renames a shard's manifest (NSP_DEBUG_KILL_AT_COMMIT),
+or just before a checkpoint's snapshot becomes valid (NSP_DEBUG_KILL_AT_SNAPSHOT). The first two are read once,
+as each shard's engine is made, and wrap its file backend in a fault-injecting one (ffi/fault_backend.cc); a
+normal run has none. Then it checks every page of the store's committed version (`nsp store verify`),
 resumes with `--resume`, and compares the final params with an uninterrupted run of the same seed, bit for bit.
 Lost steps = steps the killed run had finished minus the step it resumed from. The last line reads
 `bit-identical: K/N, corrupt: C`.

@@ -86,6 +86,10 @@ class Backend {
   // Whether writing one slot leaves the other's version whole (false when both slots are one memory: an
   // in-place store, which cannot replay a step).
   virtual bool KeepsPrevious() const { return true; }
+  // Called by the engine as it commits `version`, before it writes anything of the shard's manifest (only for a
+  // shard that has one): the last moment the version before is still the committed one. Real backends have
+  // nothing to do here; the fault-injecting one may kill the process, as a crash at that moment would.
+  virtual void BeforeCommit(int64_t /*version*/) {}
 
   // Runs the update kernel on one page, near the state. The default runs the host CPU kernel.
   virtual void Compute(const UpdateHyperParams& hp, const StateSpan& span, const PageGrad& grad);
@@ -102,5 +106,25 @@ std::unique_ptr<Backend> MakeMemoryBackend(int64_t size, int64_t page_elems, std
 // File tier: each page is a zarr v3 chunk file <root>/slot<k>/<state>/c/<page> (raw little-endian fp32, plus a
 // CRC-32C trailer when `checksum`), exactly as tensorstore reads and writes it. A missing page is an error.
 std::unique_ptr<Backend> MakeFileBackend(std::string root, int64_t size, int64_t page_elems, bool checksum);
+
+// Faults for tests and the fault campaign (bench/fault_campaign.py) to put a store through; -1 is off.
+struct FaultPlan {
+  int64_t fail_writes_after = -1;  // page writes after the first N fail with ENOSPC, as on a full disk
+  int64_t kill_after_writes = -1;  // SIGKILL at the page write after the first N: a crash mid-update
+  // SIGKILL just before the Nth commit of the process (counted over every backend that has this set), and
+  // before each later one: a crash between a version's last page write and its manifest.
+  int64_t kill_at_commit = -1;
+  bool any() const { return fail_writes_after >= 0 || kill_after_writes >= 0 || kill_at_commit >= 0; }
+};
+
+// The plan the environment asks for, read where a backend is made (never in an update): NSP_DEBUG_FAIL_WRITES_AFTER,
+// NSP_DEBUG_KILL_AFTER_WRITES and NSP_DEBUG_KILL_AT_COMMIT, each N as above. Tests and the campaign run real
+// processes, so variables are how they reach an engine; nothing is injected when none is set.
+FaultPlan FaultPlanFromEnv();
+
+// `inner` with `plan`'s faults injected: every call goes to `inner`, the plan's page writes fail or kill the
+// process instead, and the plan's commit kills it. Counts are the wrapper's own (page writes) or the process's
+// (commits), as a crash at "the Nth page write of a shard" or "the Nth commit" would be.
+std::unique_ptr<Backend> MakeFaultInjectingBackend(std::unique_ptr<Backend> inner, FaultPlan plan);
 
 }  // namespace nsp

@@ -87,7 +87,13 @@ std::unique_ptr<nsp::Backend> MakeBackend(const std::string& tier, const std::st
   if (tier == "memory") {
     return nsp::MakeMemoryBackend(size, page_elems, std::vector<bool>(used.begin(), used.end()), in_place);
   }
-  if (tier == "file") return nsp::MakeFileBackend(root, size, page_elems, checksum);
+  if (tier == "file") {
+    // Fault injection (tests, bench/fault_campaign.py) wraps the file tier, whose page writes and commits are
+    // the ones a full disk or a crash interrupts; its variables are read here, once per engine.
+    std::unique_ptr<nsp::Backend> backend = nsp::MakeFileBackend(root, size, page_elems, checksum);
+    const nsp::FaultPlan faults = nsp::FaultPlanFromEnv();
+    return faults.any() ? nsp::MakeFaultInjectingBackend(std::move(backend), faults) : std::move(backend);
+  }
   throw nb::value_error(("unknown backend tier '" + tier + "' (expected 'memory' or 'file')").c_str());
 }
 

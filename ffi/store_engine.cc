@@ -1,7 +1,6 @@
 #include "store_engine.h"
 
 #include <fcntl.h>
-#include <signal.h>
 #include <sched.h>
 #include <sys/resource.h>
 #include <sys/syscall.h>
@@ -554,15 +553,8 @@ std::string ShardEngine::ManifestText(int64_t version) const {
 }
 
 std::string ShardEngine::Commit(int64_t version) {
-  // Debug hook for the fault campaign (NSP_DEBUG_KILL_AT_COMMIT=N): die just before the Nth commit of the
-  // process renames its manifest, as a crash would.
-  static std::atomic<int64_t> commits{0};
-  static const int64_t kill_at = [] {
-    const char* env = std::getenv("NSP_DEBUG_KILL_AT_COMMIT");
-    return env ? std::atoll(env) : int64_t{-1};
-  }();
-  if (kill_at >= 0 && ++commits >= kill_at && !manifest_.empty()) ::raise(SIGKILL);
   if (!manifest_.empty()) {
+    backend_->BeforeCommit(version);
     // Write-to-temp, fsync, rename, fsync the directory: the old or the new manifest, never a mix.
     const std::string tmp = manifest_ + ".tmp";
     const std::string text = ManifestText(version);

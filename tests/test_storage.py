@@ -348,7 +348,7 @@ def _mount_tmpfs(path, options):
 
 def test_full_disk_fails_cleanly_and_keeps_the_committed_version(tmp_path):
     """A write that runs out of space: a clear error, version 0 intact and readable. Uses a tiny tmpfs when
-    this machine lets us mount one, else the engine's injected ENOSPC (NSP_DEBUG_FAIL_WRITES_AFTER)."""
+    this machine lets us mount one, else the fault-injecting backend's ENOSPC (NSP_DEBUG_FAIL_WRITES_AFTER)."""
     params = {"w": jnp.asarray(np.random.default_rng(0).standard_normal(200_000), jnp.float32)}
     mnt = tmp_path / "tiny"
     mounted = _mount_tmpfs(mnt, "size=5m")  # version 0 (3.2 MB of p/m/v pages) fits, version 1 does not
@@ -533,6 +533,24 @@ def test_kill_during_updates_leaves_a_whole_committed_version(tmp_path):
         _assert_states_equal(store, {state: uninterrupted.read(state) for state in ("param", "mu", "nu")},
                              "resumed vs uninterrupted run")
         _assert_states_equal(store, {"param": ref.p, "mu": ref.m, "nu": ref.v}, "resumed vs in-RAM steps")
+
+
+@pytest.mark.parametrize("variable", ["NSP_DEBUG_KILL_AT_COMMIT", "NSP_DEBUG_KILL_AFTER_WRITES"])
+def test_injected_kill_lands_where_its_variable_says(tmp_path, variable):
+    """The fault-injecting backend bench/fault_campaign.py aims with kills where asked: just before the
+    process's Nth commit (two shards: two commits per update), or at a shard's page write after its first N
+    (three per page of the shard and update). Aimed into the second update of a run, it leaves version 1, whole."""
+    path = str(tmp_path / "store")
+    subprocess.run([sys.executable, "-c", _WRITER, path, "0"], check=True, capture_output=True)  # version 0 only
+    layout, ref = _kill_reference()
+    n = 3 if variable == "NSP_DEBUG_KILL_AT_COMMIT" else 3 * layout.pages_per_shard + 1
+    proc = _writer(path, 3, stderr=subprocess.PIPE, env={**os.environ, variable: str(n)})
+    printed, err = proc.communicate()
+    assert proc.returncode == -signal.SIGKILL and printed.split() == ["1"], (proc.returncode, printed, err[-3000:])
+    with storage.open(path, tier="file", num_shards=2, page_bytes=64 * 1024) as store:
+        assert store.version == 1
+        _reference_step(ref, layout, 1)
+        _assert_states_equal(store, {"param": ref.p, "mu": ref.m, "nu": ref.v}, f"killed by {variable}={n}")
 
 
 def test_a_shard_committed_ahead_rolls_back(tmp_path):

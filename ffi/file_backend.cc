@@ -1,6 +1,5 @@
-// The cpu backends: host memory and files (NVMe/SSD).
+// The file backend: each page a zarr chunk file on a local file system (NVMe/SSD).
 #include <fcntl.h>
-#include <signal.h>
 #include <sys/stat.h>
 #include <sys/uio.h>
 #include <unistd.h>
@@ -14,7 +13,6 @@
 #include <map>
 #include <memory>
 #include <mutex>
-#include <new>
 #include <vector>
 
 #include "backend.h"
@@ -22,65 +20,7 @@
 
 namespace nsp {
 
-const char* StateName(int state) {
-  static const char* const kNames[kNumStates] = {"param", "mu", "nu"};
-  return state >= 0 && state < kNumStates ? kNames[state] : "?";
-}
-
-void Backend::Compute(const UpdateHyperParams& hp, const StateSpan& span, const PageGrad& grad) {
-  if (grad.dense != nullptr) {
-    UpdateDense(hp, span, grad.dense, grad.type);
-  } else {
-    UpdateSparse(hp, span, grad.indices, grad.values, grad.type, grad.count, grad.index_base);
-  }
-}
-
-bool Backend::ComputeIfFinite(const UpdateHyperParams& hp, const StateSpan& span, const void* grad, GradType type) {
-  return UpdateDenseIfFinite(hp, span, grad, type);
-}
-
 namespace {
-
-class MemoryBackend final : public Backend {
- public:
-  MemoryBackend(int64_t size, int64_t page_elems, std::vector<bool> states_used, bool in_place)
-      : page_elems_(page_elems), in_place_(in_place) {
-    for (int slot = 0; slot < (in_place ? 1 : 2); ++slot) {
-      for (int s = 0; s < kNumStates; ++s) {
-        if (!states_used[s]) continue;
-        // 64-byte aligned, so the kernel may stream its out-of-place writes into the other slot.
-        void* p = nullptr;
-        if (::posix_memalign(&p, 64, sizeof(float) * static_cast<size_t>(size)) != 0) throw std::bad_alloc();
-        std::memset(p, 0, sizeof(float) * static_cast<size_t>(size));
-        data_[slot][s].reset(static_cast<float*>(p));
-      }
-    }
-  }
-  std::string name() const override { return "memory"; }
-  bool KeepsPrevious() const override { return !in_place_; }
-  float* PageAddress(int slot, int state, int64_t page) override {
-    float* base = data_[in_place_ ? 0 : slot][state].get();
-    return base == nullptr ? nullptr : base + page * page_elems_;
-  }
-  std::string ReadPage(int slot, int state, int64_t page, float* dst, int64_t n, bool) override {
-    std::memcpy(dst, PageAddress(slot, state, page), sizeof(float) * n);
-    return {};
-  }
-  std::string WritePage(int slot, int state, int64_t page, float* src, int64_t n, bool) override {
-    float* dst = PageAddress(slot, state, page);
-    if (dst != src) std::memcpy(dst, src, sizeof(float) * n);
-    return {};
-  }
-  std::string Sync(int) override { return {}; }
-
- private:
-  struct Free {
-    void operator()(float* p) const { std::free(p); }
-  };
-  int64_t page_elems_;
-  bool in_place_;
-  std::unique_ptr<float, Free> data_[2][kNumStates];  // [slot][state]; slot 1 unused in place
-};
 
 std::string ErrnoMessage(const std::string& what, const std::string& path) {
   return what + " " + path + ": " + std::strerror(errno);
@@ -138,8 +78,6 @@ class FileBackend final : public Backend {
       : root_(std::move(root)), size_(size), page_elems_(page_elems), checksum_(checksum) {
     chunk_bytes_ = static_cast<size_t>(page_elems_) * sizeof(float);
     file_bytes_ = chunk_bytes_ + (checksum_ ? 4 : 0);
-    if (const char* env = std::getenv("NSP_DEBUG_FAIL_WRITES_AFTER")) fail_writes_after_ = std::atoll(env);
-    if (const char* env = std::getenv("NSP_DEBUG_KILL_AFTER_WRITES")) kill_after_writes_ = std::atoll(env);
     // Only a shard's last page is partial; its padding needs these (allocated once, never in the update).
     const size_t last = static_cast<size_t>(size_ % page_elems_ == 0 ? page_elems_ : size_ % page_elems_);
     zeros_.assign(chunk_bytes_ - last * sizeof(float), 0);
@@ -287,12 +225,6 @@ class FileBackend final : public Backend {
   std::string WritePageOnce(int slot, int state, int64_t page, float* src, int64_t n, bool scratch) {
     const std::string path = PagePath(slot, state, page);
     const std::string tmp = path + ".nsp-tmp";
-    if (fail_writes_after_ >= 0 && writes_done_.fetch_add(1) >= fail_writes_after_) {
-      errno = ENOSPC;  // debug fault injection (NSP_DEBUG_FAIL_WRITES_AFTER), off unless that variable is set
-      return ErrnoMessage("cannot write", tmp);
-    }
-    // Debug hook for the fault campaign (NSP_DEBUG_KILL_AFTER_WRITES): die mid-update, as a crash would.
-    if (kill_after_writes_ >= 0 && kill_writes_.fetch_add(1) >= kill_after_writes_) ::raise(SIGKILL);
     // Direct writes skip the page-cache copy (CPU the foreground's step can use) and, rewriting a page's blocks
     // in place, measured 1.2-1.3x faster per update here than buffered writes (NSP_BUFFERED_WRITES=1).
     if (scratch && direct_writes_ && direct_.load()) {
@@ -599,10 +531,6 @@ class FileBackend final : public Backend {
   int64_t page_elems_;
   bool checksum_;
   size_t chunk_bytes_ = 0, file_bytes_ = 0;
-  int64_t fail_writes_after_ = -1;  // debug fault injection, off (-1) unless its variable is set
-  std::atomic<int64_t> writes_done_{0};
-  int64_t kill_after_writes_ = -1;  // likewise
-  std::atomic<int64_t> kill_writes_{0};
   std::vector<char> zeros_;     // written as the last page's padding
   std::vector<char> read_pad_;  // the last page's padding on buffered reads into a caller's array (read_mu_)
   std::mutex read_mu_;
@@ -634,11 +562,6 @@ class FileBackend final : public Backend {
 };
 
 }  // namespace
-
-std::unique_ptr<Backend> MakeMemoryBackend(int64_t size, int64_t page_elems, std::vector<bool> states_used,
-                                           bool in_place) {
-  return std::make_unique<MemoryBackend>(size, page_elems, std::move(states_used), in_place);
-}
 
 std::unique_ptr<Backend> MakeFileBackend(std::string root, int64_t size, int64_t page_elems, bool checksum) {
   return std::make_unique<FileBackend>(std::move(root), size, page_elems, checksum);
