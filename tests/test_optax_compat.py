@@ -1,7 +1,8 @@
 """nsp optimizers inside the optax wrappers users reach for, with optax's own optimizer as the oracle.
 
 Each test builds the same wrapper around ``optax.adam`` and around ``nsp.optim.adam`` (its state in a store on
-the memory or the file tier), runs 20 jitted steps, and compares the params.
+the memory or the file tier), runs 20 jitted steps, and compares the params. What cannot hold -- a transform after
+the nsp optimizer that changes its updates, params edited between steps -- must fail the step, clearly.
 """
 
 from __future__ import annotations
@@ -39,22 +40,23 @@ def open_store(tier, tmp_path):
         else storage.open(tier="memory")
 
 
-def run(tx, params, steps=STEPS, grad_hook=None, value=False):
+def run(tx, params, steps=STEPS, grad_hook=None, value=False, jit=True):
+    """``steps`` steps of ``tx``; ``value``: pass the loss as ``value=`` (True), or ``value(loss, t)``."""
     state = tx.init(params)
 
-    @jax.jit
     def step(p, s, t):
         loss, g = jax.value_and_grad(loss_fn)(p, t)
         if grad_hook is not None:
             g = grad_hook(g, t)
-        extra = {"value": loss} if value else {}
+        extra = {"value": value(loss, t) if callable(value) else loss} if value else {}
         u, s = tx.update(g, s, p, **extra)
         return optax.apply_updates(p, u), s
 
+    step = jax.jit(step) if jit else step
     p = params
     for t in range(steps):
-        p, state = step(p, state, t)
-    return p, state
+        p, state = step(p, state, jnp.asarray(t, jnp.float32))
+    return jax.block_until_ready((p, state))
 
 
 def assert_close(a, b, rtol=1e-5):
@@ -76,14 +78,16 @@ def test_multi_steps(tier, tmp_path):
     # optax.MultiSteps runs the inner update at every micro-step and keeps every 4th: right params, but the
     # store updates each time (the discarded ones are replayed from the version the state still names).
     store = open_store(tier, tmp_path)
-    got, _ = run(optax.MultiSteps(nsp.optim.adam(LR, store=store), every_k_schedule=4), make_params())
-    assert_close(got, ref)
+    every, _ = run(optax.MultiSteps(nsp.optim.adam(LR, store=store), every_k_schedule=4), make_params())
+    assert_close(every, ref)
     assert store.stats()["updates"] == STEPS
     store.close()
-    # nsp.optim.multi_steps: the same params, one store update per 4 micro-steps.
+    # nsp.optim.multi_steps: the same params (bit for bit), one store update per 4 micro-steps.
     store = open_store(tier, tmp_path)
     got, _ = run(nsp.optim.multi_steps(nsp.optim.adam(LR, store=store), every_k=4), make_params())
     assert_close(got, ref)
+    for a, b in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(every)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     assert store.stats()["updates"] == STEPS // 4
     store.close()
     ours, _ = run(nsp.optim.multi_steps(optax.adam(LR), every_k=4), make_params())
@@ -136,21 +140,112 @@ def test_masked_and_partition(tier, tmp_path):
     store.close()
 
 
+def rising(loss, t):
+    """A watched value that never improves after the first step: the plateau scale halves every 4 steps."""
+    return loss * 0 + t
+
+
+PLATEAU = dict(factor=0.5, patience=4)
+
+
 @pytest.mark.parametrize("tier", TIERS)
 def test_reduce_on_plateau_in_a_chain(tier, tmp_path):
-    """``value=`` reaches reduce_on_plateau through the chain; while its scale stays 1 the params match optax's.
+    """The plain chain ``optax.chain(nsp_opt, reduce_on_plateau)`` holds while the scale stays 1 and fails the
+    step, clearly, once it drops (the store applied the full step; the chain scaled it after); the wrapper
+    ``nsp.optim.reduce_on_plateau`` puts the scale into the store's learning rate and matches optax."""
+    plateau = functools.partial(optax.contrib.reduce_on_plateau, **PLATEAU)
+    ref, ref_state = run(optax.chain(optax.adam(LR), plateau()), make_params(), value=rising)
+    assert float(ref_state[1].scale) == 0.5 ** 4  # dropped at steps 5, 9, 13 and 17
 
-    A plateau scale below 1 scales the updates after the store applied them: the params and the store's master
-    would part. Reduce the learning rate instead (README, optax section); this test pins the part that holds.
-    """
+    # The wrapper: the same params on both tiers, the same plateau state.
     store = open_store(tier, tmp_path)
-    plateau = functools.partial(optax.contrib.reduce_on_plateau, patience=1000, factor=0.5)
-    ref, ref_state = run(optax.chain(optax.adam(LR), plateau()), make_params(), value=True)
-    got, state = run(optax.chain(nsp.optim.adam(LR, store=store), plateau()), make_params(), value=True)
+    got, state = run(nsp.optim.reduce_on_plateau(nsp.optim.adam(LR, store=store), **PLATEAU), make_params(),
+                     value=rising)
+    assert_close(got, ref)
+    assert float(state.plateau_state.scale) == float(ref_state[1].scale)
+    assert int(state.plateau_state.plateau_count) == int(ref_state[1].plateau_count)
+    assert store.stats()["updates"] == STEPS
+    store.close()
+    # Around an optimizer with no store, it scales the updates (the chain's arithmetic).
+    got, _ = run(nsp.optim.reduce_on_plateau(optax.adam(LR), **PLATEAU), make_params(), value=rising)
+    assert_close(got, ref, rtol=1e-6)
+
+    # The plain chain: the 5th step's updates are scaled after the store applied them, so the 6th step's params
+    # are not the ones the store built on: that step fails, under jit and eagerly, and leaves the store as it was.
+    for jit in (True, False):
+        store = open_store(tier, tmp_path)
+        tx = optax.chain(nsp.optim.adam(LR, store=store), plateau())
+        error = jax.errors.JaxRuntimeError if jit else nsp.optim.ParamsMismatchError
+        with pytest.raises(error, match=r"(?s)params changed outside nsp's update.*nsp\.optim\.reduce_on_plateau"):
+            run(tx, make_params(), value=rising, jit=jit)
+        assert store.version == 5
+        store.close()
+
+    # While the scale stays 1 the chain holds, and value= reaches reduce_on_plateau through it.
+    store = open_store(tier, tmp_path)
+    flat = functools.partial(optax.contrib.reduce_on_plateau, patience=1000, factor=0.5)
+    ref, ref_state = run(optax.chain(optax.adam(LR), flat()), make_params(), value=True)
+    got, state = run(optax.chain(nsp.optim.adam(LR, store=store), flat()), make_params(), value=True)
     assert_close(got, ref)
     assert float(state[1].scale) == float(ref_state[1].scale) == 1.0
-    # It saw the losses (the best one of each run, which differ by float rounding).
     assert float(state[1].best_value) == pytest.approx(float(ref_state[1].best_value), rel=1e-5)
+    store.close()
+
+
+@pytest.mark.parametrize("tier", TIERS)
+def test_params_changed_outside_update_fail_the_step(tier, tmp_path):
+    """Anything that changes the params between two updates -- a transform after the nsp optimizer, an edit --
+    fails the next step with a message naming the leaves; the store is untouched, and taking its master as the
+    params and calling init again goes on from it."""
+    store = open_store(tier, tmp_path)
+    tx = optax.chain(nsp.optim.adam(LR, store=store), optax.scale(0.5))
+    with pytest.raises(jax.errors.JaxRuntimeError, match=r"2 of 2 leaves differ.*put transforms that change"):
+        run(tx, make_params(), steps=2)
+    assert store.version == 1
+    store.close()
+
+    store = open_store(tier, tmp_path)
+    tx = nsp.optim.adam(LR, store=store)
+    params = make_params()
+    state = tx.init(params)
+    step = jax.jit(lambda p, s: (lambda u, s: (optax.apply_updates(p, u), s))(
+        *tx.update(jax.grad(loss_fn)(p, 0.0), s, p)))
+    params, state = step(params, state)
+    edited = {**params, "b": params["b"].at[3].add(1e-6)}  # one element of one leaf
+    with pytest.raises(jax.errors.JaxRuntimeError, match=r"1 of 2 leaves differ: \['b'\]"):
+        jax.block_until_ready(step(edited, state))
+    with pytest.raises(nsp.optim.ParamsMismatchError, match=r"1 of 2 leaves differ: \['b'\]"):
+        tx.update(jax.grad(loss_fn)(edited, 0.0), state, edited)  # eagerly: the error itself
+    assert store.version == 1
+    params, state = step(params, state)  # the unedited params still go on
+    # Going on from the store: its master as the params, a fresh init (it checks the layout and writes nothing).
+    master = store.layout.unflatten(jnp.asarray(store.read("param")), params, dtype=jnp.float32)
+    state = tx.init(master)
+    assert int(state.version) == store.version == 2
+    params, state = step(master, state)
+    assert store.version == 3
+    store.close()
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16, jnp.float32])
+def test_params_cast_after_init_and_applied_outside_the_jit_pass_the_check(dtype):
+    """The params cast to another float dtype after init (fp32 master in the store, bf16 on the accelerator),
+    and updates applied eagerly outside the jitted update: the fingerprint sees exactly optax's arithmetic."""
+    store = storage.open(tier="memory")
+    tx = nsp.optim.adam(LR, store=store)
+    params = make_params()
+    state = tx.init(params)
+    params = jax.tree_util.tree_map(lambda x: x.astype(dtype), params)
+    update = jax.jit(tx.update)
+    for t in range(5):
+        g = jax.grad(loss_fn)(params, float(t))
+        updates, state = update(g, state, params)
+        params = optax.apply_updates(params, updates)
+    assert store.version == 5
+    # Params scaled between steps are an edit like any other.
+    params = jax.tree_util.tree_map(lambda x: x * 1.25, params)
+    with pytest.raises(jax.errors.JaxRuntimeError, match="leaves differ"):
+        jax.block_until_ready(update(jax.grad(loss_fn)(params, 0.0), state, params))
     store.close()
 
 

@@ -3,7 +3,9 @@
 from nsp.optim.accumulate import MultiStepsState, multi_steps
 from nsp.optim.alias import adagrad, adam, adamw, sgd
 from nsp.optim.compress import TOPK_ADAM_BETAS, Compressed, TopK, TopKState, topk_compress
+from nsp.optim.plateau import ReduceOnPlateauState, reduce_on_plateau
 from nsp.optim.storage import (
+    ParamsMismatchError,
     StorageState,
     scale_by_storage,
     scale_by_storage_adagrad,
@@ -15,6 +17,8 @@ from nsp.optim.storage import (
 __all__ = [
     "Compressed",
     "MultiStepsState",
+    "ParamsMismatchError",
+    "ReduceOnPlateauState",
     "StorageState",
     "TOPK_ADAM_BETAS",
     "TopK",
@@ -23,6 +27,7 @@ __all__ = [
     "adam",
     "adamw",
     "multi_steps",
+    "reduce_on_plateau",
     "scale_by_storage",
     "scale_by_storage_adagrad",
     "scale_by_storage_adam",
