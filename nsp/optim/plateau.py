@@ -49,7 +49,9 @@ def reduce_on_plateau(
     wrapper holding one). Its ``update`` needs ``value=`` (the loss or metric watched), like optax's. The
     storage transforms inside ``opt`` multiply their learning rate (schedules and injected ones included) by the
     scale, so the store applies the scaled step. Around an ``opt`` that holds no nsp storage transform (a plain
-    ``optax.adam``), the updates are multiplied by the scale instead, exactly as the optax chain does.
+    ``optax.adam``), the updates are multiplied by the scale instead, exactly as the optax chain does. An ``opt``
+    that mixes both on different leaves (``optax.partition``) gets only its storage transforms scaled: there,
+    chain ``optax.contrib.reduce_on_plateau`` after the optax part inside the partition instead.
 
     Args:
       opt: the optimizer whose learning rate is reduced.
