@@ -1,10 +1,14 @@
-// Pieces shared by the XLA FFI handlers: errors named after the op, gradient dtypes, the hyperparameter
-// attributes every update takes, and their decoding.
+// Pieces shared by the XLA FFI handlers: errors named after the op, gradient dtypes, and the hyperparameter
+// dictionary every update takes (one attribute, `hyper`) with its decoding.
 #pragma once
 
+#include <cstdint>
 #include <string>
+#include <string_view>
+#include <type_traits>
 #include <utility>
 
+#include "hyper_params.h"
 #include "update_kernel.h"
 #include "xla/ffi/api/ffi.h"
 
@@ -24,41 +28,55 @@ inline ffi::ErrorOr<GradType> GradTypeOf(const char* op, const ffi::AnyBuffer& b
   }
 }
 
-// The hyperparameters of one update from its scalar operands (lr, step: traced) and attributes (static).
+// What an attribute holds, for error messages: the first of a few types it decodes as.
+inline std::string AttrTypeName(const ffi::Dictionary& dict, const char* key) {
+  if (dict.contains<bool>(key)) return "bool";
+  if (dict.contains<int32_t>(key)) return "int32";
+  if (dict.contains<int64_t>(key)) return "int64";
+  if (dict.contains<float>(key)) return "float32";
+  if (dict.contains<double>(key)) return "float64";
+  if (dict.contains<std::string_view>(key)) return "a string";
+  return "another type";
+}
+
+// The type HyperParams reads a key as, for error messages.
+template <typename T>
+constexpr const char* AttrTypeName() {
+  if constexpr (std::is_same_v<T, bool>) return "a bool";
+  else if constexpr (std::is_same_v<T, int32_t>) return "an int32";
+  else return "a float64";
+}
+
+// The hyperparameters of one update from its scalar operands (lr, step: traced) and its attribute `hyper`
+// (static: one dictionary, hyper_params.h's keys), decoded and validated once.
 inline ffi::ErrorOr<UpdateHyperParams> HyperParams(const char* op, ffi::Buffer<ffi::F32> lr,
-                                                   ffi::Buffer<ffi::S32> step, int32_t kind, double b1, double b2,
-                                                   double eps, double weight_decay, double momentum,
-                                                   bool nesterov, bool lazy) {
+                                                   ffi::Buffer<ffi::S32> step, const ffi::Dictionary& attrs) {
   if (lr.element_count() != 1 || step.element_count() != 1) {
     return ffi::Unexpected(Invalid(op, "lr and step must be scalars"));
   }
+  for (auto it = attrs.begin(); it != attrs.end(); ++it) {
+    if (!hyper::IsKey(*it)) return ffi::Unexpected(Invalid(op, hyper::UnknownKey(*it)));
+  }
   UpdateHyperParams hp;
-  hp.kind = static_cast<OptimizerKind>(kind);
   hp.lr = lr.typed_data()[0];
   hp.step = step.typed_data()[0];
-  hp.b1 = b1;
-  hp.b2 = b2;
-  hp.eps = eps;
-  hp.weight_decay = weight_decay;
-  hp.momentum = momentum;
-  hp.nesterov = nesterov;
-  hp.lazy = lazy;
-  if (std::string err = ValidateHyperParams(hp); !err.empty()) return ffi::Unexpected(Invalid(op, err));
+  auto read = [&attrs](const char* key, auto* out) -> std::string {
+    using T = std::remove_pointer_t<decltype(out)>;
+    if (!attrs.contains(key)) return hyper::MissingKey(key);
+    if (!attrs.contains<T>(key)) return hyper::WrongType(key, AttrTypeName<T>(), AttrTypeName(attrs, key));
+    ffi::ErrorOr<T> value = attrs.get<T>(key);
+    if (value.has_error()) return std::string("hyperparameter '") + key + "': " + value.error().message();
+    *out = *value;
+    return "";
+  };
+  if (std::string err = hyper::DecodeHyperParams(read, hp); !err.empty()) return ffi::Unexpected(Invalid(op, err));
   return hp;
 }
 
-// Adds the hyperparameter attributes, in the order the handlers' signatures list them.
+// Binds the hyperparameter dictionary: the one attribute `hyper` HyperParams decodes.
 template <typename Binding>
-auto WithHyperParamAttrs(Binding binding) {
-  return std::move(binding)
-      .template Attr<int32_t>("kind")
-      .template Attr<double>("b1")
-      .template Attr<double>("b2")
-      .template Attr<double>("eps")
-      .template Attr<double>("weight_decay")
-      .template Attr<double>("momentum")
-      .template Attr<bool>("nesterov")
-      .template Attr<bool>("lazy");
+auto WithHyperParamAttr(Binding binding) {
+  return std::move(binding).template Attr<ffi::Dictionary>("hyper");
 }
 
 }  // namespace nsp::ffi_common

@@ -3,7 +3,8 @@
 //
 // Operands: lr f32[], step s32[], param f32[n], grad (f32|bf16)[n] or values (f32|bf16)[k] + indices s32[k],
 // mu f32[n|0], nu f32[n|0]. Results: param, mu, nu (aliased to the operands when the caller donates them) and,
-// optionally, a bf16[n] copy of the new param. Hyperparameters other than lr and step are attributes.
+// optionally, a bf16[n] copy of the new param. Hyperparameters other than lr and step are one attribute, the
+// dictionary `hyper` (keys in hyper_params.h).
 #include <string>
 #include <utility>
 
@@ -30,13 +31,12 @@ struct Prepared {
 ffi::ErrorOr<Prepared> Prepare(ffi::Buffer<ffi::F32> lr, ffi::Buffer<ffi::S32> step, ffi::Buffer<ffi::F32> param,
                                ffi::Buffer<ffi::F32> mu, ffi::Buffer<ffi::F32> nu,
                                ffi::ResultBuffer<ffi::F32> param_out, ffi::ResultBuffer<ffi::F32> mu_out,
-                               ffi::ResultBuffer<ffi::F32> nu_out, ffi::RemainingRets extra, int32_t kind, double b1,
-                               double b2, double eps, double weight_decay, double momentum, bool nesterov,
-                               bool lazy) {
-  auto hyper = ffi_common::HyperParams(kOp, lr, step, kind, b1, b2, eps, weight_decay, momentum, nesterov, lazy);
-  if (hyper.has_error()) return ffi::Unexpected(hyper.error());
+                               ffi::ResultBuffer<ffi::F32> nu_out, ffi::RemainingRets extra,
+                               ffi::Dictionary hyper) {
+  auto decoded = ffi_common::HyperParams(kOp, lr, step, hyper);
+  if (decoded.has_error()) return ffi::Unexpected(decoded.error());
   Prepared out;
-  out.hp = *hyper;
+  out.hp = *decoded;
   const UpdateHyperParams& hp = out.hp;
 
   const int64_t n = static_cast<int64_t>(param.element_count());
@@ -76,10 +76,8 @@ ffi::ErrorOr<Prepared> Prepare(ffi::Buffer<ffi::F32> lr, ffi::Buffer<ffi::S32> s
 ffi::Error DenseImpl(ffi::Buffer<ffi::F32> lr, ffi::Buffer<ffi::S32> step, ffi::Buffer<ffi::F32> param,
                      ffi::AnyBuffer grad, ffi::Buffer<ffi::F32> mu, ffi::Buffer<ffi::F32> nu,
                      ffi::ResultBuffer<ffi::F32> param_out, ffi::ResultBuffer<ffi::F32> mu_out,
-                     ffi::ResultBuffer<ffi::F32> nu_out, ffi::RemainingRets extra, int32_t kind, double b1, double b2,
-                     double eps, double weight_decay, double momentum, bool nesterov, bool lazy) {
-  auto prepared = Prepare(lr, step, param, mu, nu, param_out, mu_out, nu_out, extra, kind, b1, b2, eps,
-                          weight_decay, momentum, nesterov, lazy);
+                     ffi::ResultBuffer<ffi::F32> nu_out, ffi::RemainingRets extra, ffi::Dictionary hyper) {
+  auto prepared = Prepare(lr, step, param, mu, nu, param_out, mu_out, nu_out, extra, hyper);
   if (prepared.has_error()) return prepared.error();
   auto grad_type = ffi_common::GradTypeOf(kOp, grad);
   if (grad_type.has_error()) return grad_type.error();
@@ -95,10 +93,8 @@ ffi::Error SparseImpl(ffi::Buffer<ffi::F32> lr, ffi::Buffer<ffi::S32> step, ffi:
                       ffi::AnyBuffer values, ffi::Buffer<ffi::S32> indices, ffi::Buffer<ffi::F32> mu,
                       ffi::Buffer<ffi::F32> nu, ffi::ResultBuffer<ffi::F32> param_out,
                       ffi::ResultBuffer<ffi::F32> mu_out, ffi::ResultBuffer<ffi::F32> nu_out,
-                      ffi::RemainingRets extra, int32_t kind, double b1, double b2, double eps,
-                      double weight_decay, double momentum, bool nesterov, bool lazy) {
-  auto prepared = Prepare(lr, step, param, mu, nu, param_out, mu_out, nu_out, extra, kind, b1, b2, eps,
-                          weight_decay, momentum, nesterov, lazy);
+                      ffi::RemainingRets extra, ffi::Dictionary hyper) {
+  auto prepared = Prepare(lr, step, param, mu, nu, param_out, mu_out, nu_out, extra, hyper);
   if (prepared.has_error()) return prepared.error();
   auto value_type = ffi_common::GradTypeOf(kOp, values);
   if (value_type.has_error()) return value_type.error();
@@ -119,28 +115,28 @@ ffi::Error SparseImpl(ffi::Buffer<ffi::F32> lr, ffi::Buffer<ffi::S32> step, ffi:
 }  // namespace nsp
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(NspFusedUpdateDense, nsp::DenseImpl,
-                              nsp::ffi_common::WithHyperParamAttrs(xla::ffi::Ffi::Bind()
-                                                 .Arg<xla::ffi::Buffer<xla::ffi::F32>>()  // lr
-                                                 .Arg<xla::ffi::Buffer<xla::ffi::S32>>()  // step
-                                                 .Arg<xla::ffi::Buffer<xla::ffi::F32>>()  // param
-                                                 .Arg<xla::ffi::AnyBuffer>()              // grad
-                                                 .Arg<xla::ffi::Buffer<xla::ffi::F32>>()  // mu
-                                                 .Arg<xla::ffi::Buffer<xla::ffi::F32>>()  // nu
-                                                 .Ret<xla::ffi::Buffer<xla::ffi::F32>>()  // param
-                                                 .Ret<xla::ffi::Buffer<xla::ffi::F32>>()  // mu
-                                                 .Ret<xla::ffi::Buffer<xla::ffi::F32>>()  // nu
-                                                 .RemainingRets()));                      // [param_bf16]
+                              nsp::ffi_common::WithHyperParamAttr(xla::ffi::Ffi::Bind()
+                                                .Arg<xla::ffi::Buffer<xla::ffi::F32>>()  // lr
+                                                .Arg<xla::ffi::Buffer<xla::ffi::S32>>()  // step
+                                                .Arg<xla::ffi::Buffer<xla::ffi::F32>>()  // param
+                                                .Arg<xla::ffi::AnyBuffer>()              // grad
+                                                .Arg<xla::ffi::Buffer<xla::ffi::F32>>()  // mu
+                                                .Arg<xla::ffi::Buffer<xla::ffi::F32>>()  // nu
+                                                .Ret<xla::ffi::Buffer<xla::ffi::F32>>()  // param
+                                                .Ret<xla::ffi::Buffer<xla::ffi::F32>>()  // mu
+                                                .Ret<xla::ffi::Buffer<xla::ffi::F32>>()  // nu
+                                                .RemainingRets()));                      // [param_bf16]
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(NspFusedUpdateSparse, nsp::SparseImpl,
-                              nsp::ffi_common::WithHyperParamAttrs(xla::ffi::Ffi::Bind()
-                                                 .Arg<xla::ffi::Buffer<xla::ffi::F32>>()  // lr
-                                                 .Arg<xla::ffi::Buffer<xla::ffi::S32>>()  // step
-                                                 .Arg<xla::ffi::Buffer<xla::ffi::F32>>()  // param
-                                                 .Arg<xla::ffi::AnyBuffer>()              // values
-                                                 .Arg<xla::ffi::Buffer<xla::ffi::S32>>()  // indices
-                                                 .Arg<xla::ffi::Buffer<xla::ffi::F32>>()  // mu
-                                                 .Arg<xla::ffi::Buffer<xla::ffi::F32>>()  // nu
-                                                 .Ret<xla::ffi::Buffer<xla::ffi::F32>>()  // param
-                                                 .Ret<xla::ffi::Buffer<xla::ffi::F32>>()  // mu
-                                                 .Ret<xla::ffi::Buffer<xla::ffi::F32>>()  // nu
-                                                 .RemainingRets()));                      // [param_bf16]
+                              nsp::ffi_common::WithHyperParamAttr(xla::ffi::Ffi::Bind()
+                                                .Arg<xla::ffi::Buffer<xla::ffi::F32>>()  // lr
+                                                .Arg<xla::ffi::Buffer<xla::ffi::S32>>()  // step
+                                                .Arg<xla::ffi::Buffer<xla::ffi::F32>>()  // param
+                                                .Arg<xla::ffi::AnyBuffer>()              // values
+                                                .Arg<xla::ffi::Buffer<xla::ffi::S32>>()  // indices
+                                                .Arg<xla::ffi::Buffer<xla::ffi::F32>>()  // mu
+                                                .Arg<xla::ffi::Buffer<xla::ffi::F32>>()  // nu
+                                                .Ret<xla::ffi::Buffer<xla::ffi::F32>>()  // param
+                                                .Ret<xla::ffi::Buffer<xla::ffi::F32>>()  // mu
+                                                .Ret<xla::ffi::Buffer<xla::ffi::F32>>()  // nu
+                                                .RemainingRets()));                      // [param_bf16]

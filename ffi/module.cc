@@ -18,6 +18,7 @@
 #include "crc32c.h"
 #include "engine_cpus.h"
 #include "engine_registry.h"
+#include "hyper_params.h"
 #include "store_engine.h"
 #include "thread_pool.h"
 #include "update_kernel.h"
@@ -97,26 +98,50 @@ std::unique_ptr<nsp::Backend> MakeBackend(const std::string& tier, const std::st
   throw nb::value_error(("unknown backend tier '" + tier + "' (expected 'memory' or 'file')").c_str());
 }
 
+// The hyperparameters of one engine update: lr and step, and the rest from one Python dict with
+// hyper_params.h's keys (nsp.primitives.fused_update.hyper_attrs builds it), decoded and validated once. A
+// missing, unknown or wrong-typed key raises ValueError naming the key and `op`.
+nsp::UpdateHyperParams HyperParamsFromDict(const char* op, const nb::dict& hyper, float lr, int64_t step) {
+  auto fail = [op](const std::string& err) { throw nb::value_error((std::string(op) + ": " + err).c_str()); };
+  for (auto [key, value] : hyper) {
+    if (!nb::isinstance<nb::str>(key) || !nsp::hyper::IsKey(nb::cast<std::string>(key))) {
+      fail(nsp::hyper::UnknownKey(nb::repr(key).c_str()));
+    }
+  }
+  auto read = [&hyper](const char* key, auto* out) -> std::string {
+    using T = std::remove_pointer_t<decltype(out)>;
+    if (!hyper.contains(key)) return nsp::hyper::MissingKey(key);
+    nb::handle v = hyper[key];
+    auto got = [v] { return std::string(nb::inst_name(v).c_str()); };
+    if constexpr (std::is_same_v<T, bool>) {
+      if (!nb::try_cast<bool>(v, *out)) return nsp::hyper::WrongType(key, "a bool", got());
+    } else if constexpr (std::is_same_v<T, int32_t>) {
+      int64_t i = 0;
+      if (PyBool_Check(v.ptr()) || !PyIndex_Check(v.ptr()) || !nb::try_cast<int64_t>(v, i) || i != int32_t(i)) {
+        return nsp::hyper::WrongType(key, "an int32", got());
+      }
+      *out = static_cast<int32_t>(i);
+    } else {
+      if (PyBool_Check(v.ptr()) || !nb::try_cast<double>(v, *out)) return nsp::hyper::WrongType(key, "a float", got());
+    }
+    return "";
+  };
+  nsp::UpdateHyperParams hp;
+  hp.lr = lr;
+  hp.step = step;
+  if (std::string err = nsp::hyper::DecodeHyperParams(read, hp); !err.empty()) fail(err);
+  return hp;
+}
+
 // Builds one update from Python arguments: a dense gradient (fp32, or bf16 as uint16) or compressed
 // (indices, values), and where the new params go.
-nsp::ShardUpdate MakeUpdate(const nsp::ShardEngine& e, int kind, float lr, int64_t step, double b1, double b2,
-                            double eps, double weight_decay, double momentum, bool nesterov, bool lazy,
+nsp::ShardUpdate MakeUpdate(const nsp::ShardEngine& e, const nsp::UpdateHyperParams& hp,
                             const std::optional<F32In>& grad, const std::optional<U16In>& grad_bf16,
                             const std::optional<I32In>& indices, const std::optional<F32In>& values,
                             const std::optional<U16In>& values_bf16, std::optional<F32Array>& params_out,
                             std::optional<U16Array>& params_bf16_out) {
   nsp::ShardUpdate u;
-  u.hp.kind = static_cast<nsp::OptimizerKind>(kind);
-  u.hp.lr = lr;
-  u.hp.step = step;
-  u.hp.b1 = b1;
-  u.hp.b2 = b2;
-  u.hp.eps = eps;
-  u.hp.weight_decay = weight_decay;
-  u.hp.momentum = momentum;
-  u.hp.nesterov = nesterov;
-  u.hp.lazy = lazy;
-  Check(nsp::ValidateHyperParams(u.hp));
+  u.hp = hp;
   const int64_t n = e.size();
   if (grad) {
     CheckLength("grad", *grad, n);
@@ -215,8 +240,21 @@ NB_MODULE(_nsp_ffi, m) {
              std::optional<U16In> values_bf16, std::optional<F32Array> params_out,
              std::optional<U16Array> params_bf16_out) {
              nsp::ShardEngine& e = ref.get();
-            nsp::ShardUpdate u = MakeUpdate(e, kind, lr, step, b1, b2, eps, weight_decay, momentum, nesterov, lazy,
-                                            grad, grad_bf16, indices, values, values_bf16, params_out, params_bf16_out);
+            // Positional hyperparameters (bench/store_update.py's diagnostics call it so), checked like step's.
+            nsp::UpdateHyperParams hp;
+            hp.kind = static_cast<nsp::OptimizerKind>(kind);
+            hp.lr = lr;
+            hp.step = step;
+            hp.b1 = b1;
+            hp.b2 = b2;
+            hp.eps = eps;
+            hp.weight_decay = weight_decay;
+            hp.momentum = momentum;
+            hp.nesterov = nesterov;
+            hp.lazy = lazy;
+            Check(nsp::ValidateHyperParams(hp));
+            nsp::ShardUpdate u = MakeUpdate(e, hp, grad, grad_bf16, indices, values, values_bf16, params_out,
+                                            params_bf16_out);
             u.src_slot = src_slot;
             u.dst_slot = dst_slot;
             std::string err;
@@ -295,15 +333,13 @@ NB_MODULE(_nsp_ffi, m) {
              return d;
            })
       .def("step",
-           [](EngineRef& ref, int64_t version, int kind, float lr, int64_t step, double b1, double b2,
-              double eps, double weight_decay, double momentum, bool nesterov, bool lazy, std::optional<F32In> grad,
-              std::optional<U16In> grad_bf16, std::optional<I32In> indices, std::optional<F32In> values,
-              std::optional<U16In> values_bf16, std::optional<F32Array> params_out,
+           [](EngineRef& ref, int64_t version, float lr, int64_t step, const nb::dict& hyper,
+              std::optional<F32In> grad, std::optional<U16In> grad_bf16, std::optional<I32In> indices,
+              std::optional<F32In> values, std::optional<U16In> values_bf16, std::optional<F32Array> params_out,
               std::optional<U16Array> params_bf16_out) {
              nsp::ShardEngine& e = ref.get();
-             nsp::ShardUpdate u = MakeUpdate(e, kind, lr, step, b1, b2, eps, weight_decay, momentum, nesterov, lazy,
-                                             grad, grad_bf16, indices, values, values_bf16, params_out,
-                                             params_bf16_out);
+             nsp::ShardUpdate u = MakeUpdate(e, HyperParamsFromDict("ShardEngine.step", hyper, lr, step), grad,
+                                             grad_bf16, indices, values, values_bf16, params_out, params_bf16_out);
              std::string err;
              {
                nb::gil_scoped_release release;
@@ -311,14 +347,13 @@ NB_MODULE(_nsp_ffi, m) {
              }
              Check(err);
            },
-           nb::arg("version"), nb::arg("kind"), nb::arg("lr"), nb::arg("step"), nb::arg("b1"), nb::arg("b2"),
-           nb::arg("eps"), nb::arg("weight_decay"), nb::arg("momentum"), nb::arg("nesterov"),
-          nb::arg("lazy"),
+           nb::arg("version"), nb::arg("lr"), nb::arg("step"), nb::arg("hyper"),
            nb::arg("grad").none() = nb::none(), nb::arg("grad_bf16").none() = nb::none(),
            nb::arg("indices").none() = nb::none(), nb::arg("values").none() = nb::none(),
            nb::arg("values_bf16").none() = nb::none(), nb::arg("params_out").none() = nb::none(),
            nb::arg("params_bf16_out").none() = nb::none(),
-           "Reads `version`, writes, syncs and commits version + 1 (a replay of the one before is allowed).")
+           "Reads `version`, writes, syncs and commits version + 1 (a replay of the one before is allowed).\n"
+           "`hyper`: the hyperparameters other than lr and step, one dict (nsp.primitives.hyper_attrs).")
       .def("wait",
            [](EngineRef& ref) {
              nsp::ShardEngine& e = ref.get();

@@ -9,7 +9,8 @@
 // Operands: lr f32[], step s32[], version s32[], shard s32[], apply s32[] (0: the gradient is not finite, skip
 // the step and hand back the committed params), then grad (f32|bf16)[n] (dense target) or
 // values (f32|bf16)[k] + indices s32[k] (sparse target; shard positions, sorted).
-// Results: params f32[n], version s32[], [params_bf16 bf16[n]].
+// Results: params f32[n], version s32[], [params_bf16 bf16[n]]. Attributes: handles (one engine handle per
+// shard), staleness, and hyper, the hyperparameters other than lr and step as one dictionary (hyper_params.h).
 //
 // A third target (single-shard stores) takes the gradient as the params tree's leaves instead of one flat
 // vector: operands lr, step, version, shard, apply, then one (f32|bf16) buffer per leaf in the layout's order;
@@ -47,8 +48,7 @@ struct Call {
 // The engine of store shard `shard` and the update's hyperparameters: what every target starts from.
 ffi::ErrorOr<Call> StartCall(ffi::Buffer<ffi::F32> lr, ffi::Buffer<ffi::S32> step, ffi::Buffer<ffi::S32> version,
                              ffi::Buffer<ffi::S32> shard, ffi::Buffer<ffi::S32> apply, ffi::Span<const int64_t> handles,
-                             int32_t kind, double b1, double b2, double eps, double weight_decay, double momentum,
-                             bool nesterov, bool lazy) {
+                             ffi::Dictionary hyper) {
   const int32_t s = shard.typed_data()[0];
   if (s < 0 || static_cast<size_t>(s) >= handles.size()) {
     return ffi::Unexpected(Invalid("shard " + std::to_string(s) + " is not one of the store's " +
@@ -57,10 +57,10 @@ ffi::ErrorOr<Call> StartCall(ffi::Buffer<ffi::F32> lr, ffi::Buffer<ffi::S32> ste
   std::string why;
   std::shared_ptr<ShardEngine> engine = FindEngine(handles[s], &why);
   if (engine == nullptr) return ffi::Unexpected(Invalid(why));
-  auto hyper = ffi_common::HyperParams(kOp, lr, step, kind, b1, b2, eps, weight_decay, momentum, nesterov, lazy);
-  if (hyper.has_error()) return ffi::Unexpected(hyper.error());
+  auto hp = ffi_common::HyperParams(kOp, lr, step, hyper);
+  if (hp.has_error()) return ffi::Unexpected(hp.error());
   Call call{std::move(engine), {}, version.typed_data()[0], apply.typed_data()[0] != 0, apply.typed_data()[0] < 0};
-  call.update.hp = *hyper;
+  call.update.hp = *hp;
   return call;
 }
 
@@ -76,10 +76,8 @@ ffi::ErrorOr<int32_t> RunStep(Call& call, int32_t staleness) {
 
 ffi::ErrorOr<Call> Prepare(ffi::Buffer<ffi::F32> lr, ffi::Buffer<ffi::S32> step, ffi::Buffer<ffi::S32> version,
                            ffi::Buffer<ffi::S32> shard, ffi::Buffer<ffi::S32> apply, ffi::ResultBuffer<ffi::F32> params,
-                           ffi::RemainingRets extra, ffi::Span<const int64_t> handles, int32_t kind, double b1,
-                           double b2, double eps, double weight_decay, double momentum, bool nesterov, bool lazy) {
-  auto started = StartCall(lr, step, version, shard, apply, handles, kind, b1, b2, eps, weight_decay, momentum,
-                           nesterov, lazy);
+                           ffi::RemainingRets extra, ffi::Span<const int64_t> handles, ffi::Dictionary hyper) {
+  auto started = StartCall(lr, step, version, shard, apply, handles, hyper);
   if (started.has_error()) return started;
   Call call = *started;
   ShardEngine* engine = call.engine.get();
@@ -112,10 +110,9 @@ ffi::Error Finish(Call& call, ffi::RemainingRets extra, int32_t staleness) {
 
 ffi::Error DenseImpl(ffi::Buffer<ffi::F32> lr, ffi::Buffer<ffi::S32> step, ffi::Buffer<ffi::S32> version,
                      ffi::Buffer<ffi::S32> shard, ffi::Buffer<ffi::S32> apply, ffi::AnyBuffer grad, ffi::ResultBuffer<ffi::F32> params,
-                     ffi::RemainingRets extra, ffi::Span<const int64_t> handles, int32_t staleness, int32_t kind,
-                     double b1, double b2, double eps, double weight_decay, double momentum, bool nesterov, bool lazy) {
-  auto call = Prepare(lr, step, version, shard, apply, params, extra, handles, kind, b1, b2, eps, weight_decay, momentum,
-                      nesterov, lazy);
+                     ffi::RemainingRets extra, ffi::Span<const int64_t> handles, int32_t staleness,
+                     ffi::Dictionary hyper) {
+  auto call = Prepare(lr, step, version, shard, apply, params, extra, handles, hyper);
   if (call.has_error()) return call.error();
   auto type = ffi_common::GradTypeOf(kOp, grad);
   if (type.has_error()) return type.error();
@@ -131,10 +128,8 @@ ffi::Error DenseImpl(ffi::Buffer<ffi::F32> lr, ffi::Buffer<ffi::S32> step, ffi::
 ffi::Error SparseImpl(ffi::Buffer<ffi::F32> lr, ffi::Buffer<ffi::S32> step, ffi::Buffer<ffi::S32> version,
                       ffi::Buffer<ffi::S32> shard, ffi::Buffer<ffi::S32> apply, ffi::AnyBuffer values, ffi::Buffer<ffi::S32> indices,
                       ffi::ResultBuffer<ffi::F32> params, ffi::RemainingRets extra, ffi::Span<const int64_t> handles,
-                      int32_t staleness, int32_t kind, double b1, double b2, double eps, double weight_decay,
-                      double momentum, bool nesterov, bool lazy) {
-  auto call = Prepare(lr, step, version, shard, apply, params, extra, handles, kind, b1, b2, eps, weight_decay, momentum,
-                      nesterov, lazy);
+                      int32_t staleness, ffi::Dictionary hyper) {
+  auto call = Prepare(lr, step, version, shard, apply, params, extra, handles, hyper);
   if (call.has_error()) return call.error();
   auto type = ffi_common::GradTypeOf(kOp, values);
   if (type.has_error()) return type.error();
@@ -149,10 +144,8 @@ ffi::Error SparseImpl(ffi::Buffer<ffi::F32> lr, ffi::Buffer<ffi::S32> step, ffi:
 ffi::Error PiecesImpl(ffi::Buffer<ffi::F32> lr, ffi::Buffer<ffi::S32> step, ffi::Buffer<ffi::S32> version,
                       ffi::Buffer<ffi::S32> shard, ffi::Buffer<ffi::S32> apply, ffi::RemainingArgs grads,
                       ffi::Result<ffi::Buffer<ffi::S32>> version_out, ffi::RemainingRets params,
-                      ffi::Span<const int64_t> handles, int32_t staleness, int32_t kind, double b1, double b2,
-                      double eps, double weight_decay, double momentum, bool nesterov, bool lazy) {
-  auto call = StartCall(lr, step, version, shard, apply, handles, kind, b1, b2, eps, weight_decay, momentum,
-                        nesterov, lazy);
+                      ffi::Span<const int64_t> handles, int32_t staleness, ffi::Dictionary hyper) {
+  auto call = StartCall(lr, step, version, shard, apply, handles, hyper);
   if (call.has_error()) return call.error();
   if (grads.size() == 0 || grads.size() != params.size()) {
     return Invalid("one gradient leaf per params leaf is needed, got " + std::to_string(grads.size()) + " and " +
@@ -209,9 +202,9 @@ auto ScalarArgs(Binding binding) {
 
 template <typename Binding>
 auto WithAttrs(Binding binding) {
-  return ffi_common::WithHyperParamAttrs(std::move(binding)
-                                             .template Attr<ffi::Span<const int64_t>>("handles")
-                                             .template Attr<int32_t>("staleness"));
+  return ffi_common::WithHyperParamAttr(std::move(binding)
+                                            .template Attr<ffi::Span<const int64_t>>("handles")
+                                            .template Attr<int32_t>("staleness"));
 }
 
 }  // namespace

@@ -44,6 +44,16 @@ class FusedUpdateResult(NamedTuple):
     param_bf16: jax.Array | None
 
 
+def hyper_attrs(kind: str, b1: float, b2: float, eps: float, weight_decay: float, momentum: float,
+                nesterov: bool, lazy: bool) -> dict:
+    """The hyperparameters of an update other than lr and step, as the one dictionary the C++ side decodes
+    (ffi/hyper_params.h names the keys): the ``hyper`` attribute of the FFI update calls, and the ``hyper``
+    argument of the storage engine's ``step``. ``kind`` is one of ``KINDS``' names."""
+    return dict(kind=np.int32(KINDS[kind]), b1=np.float64(b1), b2=np.float64(b2), eps=np.float64(eps),
+                weight_decay=np.float64(weight_decay), momentum=np.float64(momentum), nesterov=bool(nesterov),
+                lazy=bool(lazy))
+
+
 def uses_mu(kind: str, momentum: float = 0.0) -> bool:
     """Whether optimizer ``kind`` keeps a first-moment (momentum) state."""
     return kind in ("adam", "adamw") or (kind == "sgd" and momentum != 0.0)
@@ -162,9 +172,7 @@ def fused_update(
             _check_indices(np.asarray(indices), n)
         target, operands = "nsp_fused_update_sparse", [grad, indices]
 
-    attrs = dict(kind=np.int32(KINDS[kind]), b1=np.float64(b1), b2=np.float64(b2), eps=np.float64(eps),
-                 weight_decay=np.float64(weight_decay), momentum=np.float64(momentum), nesterov=bool(nesterov),
-                 lazy=bool(lazy))
+    hyper = hyper_attrs(kind, b1, b2, eps, weight_decay, momentum, nesterov, lazy)
     operands = [param, *operands, mu_state, nu_state, lr, step]
     # Called eagerly, the update still runs as one compiled call (cached per shape and hyperparameters): op by
     # op, every reshape and the kernel's non-donated in/out aliasing would each copy the state again.
@@ -172,7 +180,7 @@ def fused_update(
     # caller's arrays cannot be donated, and aliasing them would copy each state before the kernel's pass.
     eager = not any(isinstance(x, jax.core.Tracer) for x in operands)
     alias = not (eager and indices is None and not lazy)
-    static = (target, bf16_out, tuple(sorted(attrs.items())), alias)
+    static = (target, bf16_out, tuple(sorted(hyper.items())), alias)  # hashable: a jit static argument
     if not eager:
         outs = _kernel(*static, *operands)
     else:
@@ -190,9 +198,10 @@ def fused_update(
 
 
 def _kernel(target: str, bf16_out: bool, attrs: tuple, alias: bool, param, *rest):
-    """The FFI call on flat operands, reshaped back: param, grad (or values, indices), mu, nu, lr, step. With
-    ``alias`` the outputs are the param and state operands, updated in place (donated, under jit); without, the
-    kernel reads them and writes every element of new outputs (dense, non-lazy updates only)."""
+    """The FFI call on flat operands, reshaped back: param, grad (or values, indices), mu, nu, lr, step; ``attrs``
+    holds ``hyper_attrs``'s dict as sorted items. With ``alias`` the outputs are the param and state operands,
+    updated in place (donated, under jit); without, the kernel reads them and writes every element of new outputs
+    (dense, non-lazy updates only)."""
     *operands, mu, nu, lr, step = rest
     shape, n = param.shape, param.size
     mu_flat, nu_flat = mu.reshape(-1), nu.reshape(-1)
@@ -209,7 +218,7 @@ def _kernel(target: str, bf16_out: bool, attrs: tuple, alias: bool, param, *rest
     mu_pos = len(args) - 2
     call = jax.ffi.ffi_call(target, out_types, vmap_method="sequential",
                             input_output_aliases={2: 0, mu_pos: 1, mu_pos + 1: 2} if alias else None)
-    outs = call(*args, **dict(attrs))
+    outs = call(*args, hyper=dict(attrs))
     return (outs[0].reshape(shape), outs[1].reshape(mu.shape), outs[2].reshape(nu.shape),
             outs[3].reshape(shape) if bf16_out else None)
 

@@ -17,7 +17,7 @@ import numpy as np
 from jax.sharding import Mesh, PartitionSpec as P
 
 from nsp.primitives import _ffi  # noqa: F401  (registers the FFI targets)
-from nsp.primitives.fused_update import KINDS
+from nsp.primitives.fused_update import hyper_attrs
 
 
 class StoreUpdateResult(NamedTuple):
@@ -38,9 +38,8 @@ def _attrs(store, staleness: int) -> dict:
     spec = store.optimizer
     return dict(
         handles=np.asarray(store.ffi_handles(), np.int64), staleness=np.int32(staleness),
-        kind=np.int32(KINDS[spec.kind]), b1=np.float64(spec.b1), b2=np.float64(spec.b2), eps=np.float64(spec.eps),
-        weight_decay=np.float64(spec.weight_decay), momentum=np.float64(spec.momentum),
-        nesterov=bool(spec.nesterov), lazy=bool(spec.lazy),
+        hyper=hyper_attrs(spec.kind, spec.b1, spec.b2, spec.eps, spec.weight_decay, spec.momentum, spec.nesterov,
+                          spec.lazy),
     )
 
 

@@ -28,7 +28,7 @@ import numpy as np
 import tensorstore as ts
 
 from nsp import _nsp_ffi
-from nsp.primitives.fused_update import KINDS
+from nsp.primitives.fused_update import hyper_attrs
 from nsp.storage.format import (MANIFEST, METADATA, STATES, StoreError, array_dir, atomic_write_json, inside,
                                 lock_store, recorded_path, store_metadata, zarr_spec)
 from nsp.storage.layout import Layout
@@ -338,14 +338,13 @@ class StateStore:
             return out
         params16 = np.empty(n * shard_size, np.uint16) if bf16_out else None
         o = self.optimizer
-        hyper = (KINDS[o.kind], float(lr), int(step), o.b1, o.b2, o.eps, o.weight_decay, o.momentum, o.nesterov,
-                 o.lazy)
+        hyper = hyper_attrs(o.kind, o.b1, o.b2, o.eps, o.weight_decay, o.momentum, o.nesterov, o.lazy)
 
         def run(i):
             # Each shard reads `version`, writes the other slot, syncs and commits version + 1 on its own.
             sl = slice(i * shard_size, (i + 1) * shard_size)
             self._engines[i].step(
-                version, *hyper, **kw_shards[i],
+                version, float(lr), int(step), hyper, **kw_shards[i],
                 params_out=None if params is None else params[sl],
                 params_bf16_out=None if params16 is None else params16[sl],
             )
