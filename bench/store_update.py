@@ -87,7 +87,6 @@ from nsp.primitives import (fused_update, get_num_threads, kernel_isa, set_num_t
 
 LR = 1e-3
 B1, B2, EPS = 0.9, 0.999, 1e-8
-ADAM = 0  # nsp.primitives.fused_update.KINDS["adam"]
 STATE_BYTES_PER_PARAM = 12  # fp32 p, m, v
 
 TARGET_FILE_PCT = 85.0
@@ -619,8 +618,7 @@ def run(args, work: Workdir, n: int, page_bytes: int, page_elems: int, repeats: 
 
     def diag_update(params_out) -> None:
         v = diag_state["version"]
-        diag.update(v % 2, (v + 1) % 2, ADAM, LR, v + 1, B1, B2, EPS, 0.0, 0.0, False, False, grad=grad,
-                    params_out=params_out)
+        diag.update(v % 2, (v + 1) % 2, LR, v + 1, spec.hyper_attrs(), grad=grad, params_out=params_out)
         diag_state["version"] = v + 1
 
     methods = {f"raw disk {'write' if m.write else 'read'}: {m.label}": m

@@ -2,7 +2,7 @@
 //
 // Every update names its static hyperparameters in one dictionary: the XLA FFI handlers get it as the attribute
 // `hyper` (an ffi::Dictionary, ffi_common.h), the storage engine's Python bindings as one Python dict
-// (module.cc); nsp.primitives.fused_update.hyper_attrs builds both. Each side only says how to read one key of
+// (module.cc); nsp.spec.hyper_attrs builds both. Each side only says how to read one key of
 // one type from its dictionary; DecodeHyperParams reads every key, in one place, and validates the result.
 // Plain C++: no XLA or nanobind types.
 #pragma once

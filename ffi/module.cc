@@ -99,14 +99,13 @@ std::unique_ptr<nsp::Backend> MakeBackend(const std::string& tier, const std::st
 }
 
 // The hyperparameters of one engine update: lr and step, and the rest from one Python dict with
-// hyper_params.h's keys (nsp.primitives.fused_update.hyper_attrs builds it), decoded and validated once. A
+// hyper_params.h's keys (nsp.spec.hyper_attrs builds it), decoded and validated once. A
 // missing, unknown or wrong-typed key raises ValueError naming the key and `op`.
 nsp::UpdateHyperParams HyperParamsFromDict(const char* op, const nb::dict& hyper, float lr, int64_t step) {
   auto fail = [op](const std::string& err) { throw nb::value_error((std::string(op) + ": " + err).c_str()); };
   for (auto [key, value] : hyper) {
-    if (!nb::isinstance<nb::str>(key) || !nsp::hyper::IsKey(nb::cast<std::string>(key))) {
-      fail(nsp::hyper::UnknownKey(nb::repr(key).c_str()));
-    }
+    if (!nb::isinstance<nb::str>(key)) fail(nsp::hyper::UnknownKey(nb::repr(key).c_str()));
+    if (!nsp::hyper::IsKey(nb::cast<std::string>(key))) fail(nsp::hyper::UnknownKey(nb::cast<std::string>(key)));
   }
   auto read = [&hyper](const char* key, auto* out) -> std::string {
     using T = std::remove_pointer_t<decltype(out)>;
@@ -234,27 +233,14 @@ NB_MODULE(_nsp_ffi, m) {
            nb::arg("states_used"), nb::arg("checksum"), nb::arg("in_place") = false)
       .def(
           "update",
-          [](EngineRef& ref, int src_slot, int dst_slot, int kind, float lr, int64_t step, double b1, double b2,
-             double eps, double weight_decay, double momentum, bool nesterov, bool lazy, std::optional<F32In> grad,
-             std::optional<U16In> grad_bf16, std::optional<I32In> indices, std::optional<F32In> values,
-             std::optional<U16In> values_bf16, std::optional<F32Array> params_out,
+          [](EngineRef& ref, int src_slot, int dst_slot, float lr, int64_t step, const nb::dict& hyper,
+             std::optional<F32In> grad, std::optional<U16In> grad_bf16, std::optional<I32In> indices,
+             std::optional<F32In> values, std::optional<U16In> values_bf16, std::optional<F32Array> params_out,
              std::optional<U16Array> params_bf16_out) {
-             nsp::ShardEngine& e = ref.get();
-            // Positional hyperparameters (bench/store_update.py's diagnostics call it so), checked like step's.
-            nsp::UpdateHyperParams hp;
-            hp.kind = static_cast<nsp::OptimizerKind>(kind);
-            hp.lr = lr;
-            hp.step = step;
-            hp.b1 = b1;
-            hp.b2 = b2;
-            hp.eps = eps;
-            hp.weight_decay = weight_decay;
-            hp.momentum = momentum;
-            hp.nesterov = nesterov;
-            hp.lazy = lazy;
-            Check(nsp::ValidateHyperParams(hp));
-            nsp::ShardUpdate u = MakeUpdate(e, hp, grad, grad_bf16, indices, values, values_bf16, params_out,
-                                            params_bf16_out);
+            nsp::ShardEngine& e = ref.get();
+            // One update between two given slots, uncommitted (the benchmarks' diagnostics drive the engine so).
+            nsp::ShardUpdate u = MakeUpdate(e, HyperParamsFromDict("ShardEngine.update", hyper, lr, step), grad,
+                                            grad_bf16, indices, values, values_bf16, params_out, params_bf16_out);
             u.src_slot = src_slot;
             u.dst_slot = dst_slot;
             std::string err;
@@ -264,9 +250,7 @@ NB_MODULE(_nsp_ffi, m) {
             }
             Check(err);
           },
-          nb::arg("src_slot"), nb::arg("dst_slot"), nb::arg("kind"), nb::arg("lr"), nb::arg("step"), nb::arg("b1"),
-          nb::arg("b2"), nb::arg("eps"), nb::arg("weight_decay"), nb::arg("momentum"), nb::arg("nesterov"),
-          nb::arg("lazy"),
+          nb::arg("src_slot"), nb::arg("dst_slot"), nb::arg("lr"), nb::arg("step"), nb::arg("hyper"),
           nb::arg("grad").none() = nb::none(), nb::arg("grad_bf16").none() = nb::none(),
           nb::arg("indices").none() = nb::none(), nb::arg("values").none() = nb::none(),
           nb::arg("values_bf16").none() = nb::none(), nb::arg("params_out").none() = nb::none(),

@@ -468,3 +468,22 @@ def test_eager_loop_reuses_dropped_outputs_and_never_touches_held_arrays():
         assert buffers[t] <= earlier[t], t
     assert len(buffers[3] & earlier[3]) == 2
     release_eager_buffers()
+
+
+@pytest.mark.parametrize("change, message", [
+    (lambda h: h.pop("b2"), "hyperparameter 'b2' is missing"),
+    (lambda h: h.update(kind=np.float64(0.0)), "'kind' must be an int32"),
+    (lambda h: h.update(beta=np.float64(0.5)), "unknown hyperparameter 'beta'"),
+])
+def test_the_hyperparameter_dictionary_names_a_bad_key(change, message):
+    """The C++ side decodes the one hyperparameter dictionary (nsp.spec.hyper_attrs) in one place, and a missing,
+    wrong-typed or unknown key is an error naming the key."""
+    from nsp import _nsp_ffi
+    from nsp.spec import OptimizerSpec
+
+    engine = _nsp_ffi.ShardEngine("memory", "", 1024, 1024, 2, [True, True, True], False)
+    hyper = OptimizerSpec("adam").hyper_attrs()
+    engine.update(0, 1, 1e-3, 1, hyper, grad=np.ones(1024, np.float32))  # the dictionary as given works
+    change(hyper)
+    with pytest.raises(ValueError, match=message):
+        engine.update(0, 1, 1e-3, 1, hyper, grad=np.ones(1024, np.float32))

@@ -31,7 +31,12 @@ def _lazy(compression: TopK | None) -> bool:
     return bool(compression.lazy)
 
 
-def _with_compression(tx, store, compression: TopK | None, mesh, axis_name):
+def _compose(scale_by_storage_kind, store: StateStore, compression: TopK | None, mesh, axis_name, staleness,
+             *hyper) -> optax.GradientTransformationExtraArgs:
+    """``scale_by_storage_kind(store, *hyper, ...)``, lazy as ``compression`` says, after Top-K compression when
+    there is any: the one body of the four aliases, composed as optax composes its aliases."""
+    tx = scale_by_storage_kind(store, *hyper, mesh=mesh, axis_name=axis_name, staleness=staleness,
+                               lazy=_lazy(compression))
     if compression is None:
         return tx
     compress = topk_compress(compression.ratio, error_feedback=compression.error_feedback,
@@ -51,9 +56,8 @@ def adam(learning_rate: optax.ScalarOrSchedule, b1: float = 0.9, b2: float = 0.9
       store = nsp.storage.open("/nvme/run/store", tier="file")
       tx = nsp.optim.adam(1e-3, store=store, compression=nsp.optim.TopK(0.01))
     """
-    tx = scale_by_storage_adam(store, learning_rate, b1, b2, eps, weight_decay, mesh=mesh, axis_name=axis_name,
-                               staleness=staleness, lazy=_lazy(compression))
-    return _with_compression(tx, store, compression, mesh, axis_name)
+    return _compose(scale_by_storage_adam, store, compression, mesh, axis_name, staleness,
+                    learning_rate, b1, b2, eps, weight_decay)
 
 
 def adamw(learning_rate: optax.ScalarOrSchedule, b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8,
@@ -61,25 +65,22 @@ def adamw(learning_rate: optax.ScalarOrSchedule, b1: float = 0.9, b2: float = 0.
           mesh: Mesh | None = None, axis_name: str | None = None,
           staleness: int = 0) -> optax.GradientTransformationExtraArgs:
     """AdamW with its state in ``store`` (see ``optax.adamw``)."""
-    tx = scale_by_storage_adamw(store, learning_rate, b1, b2, eps, weight_decay, mesh=mesh, axis_name=axis_name,
-                              staleness=staleness, lazy=_lazy(compression))
-    return _with_compression(tx, store, compression, mesh, axis_name)
+    return _compose(scale_by_storage_adamw, store, compression, mesh, axis_name, staleness,
+                    learning_rate, b1, b2, eps, weight_decay)
 
 
 def sgd(learning_rate: optax.ScalarOrSchedule, momentum: float | None = None, nesterov: bool = False, *,
         store: StateStore, compression: TopK | None = None, weight_decay: float = 0.0,
         mesh: Mesh | None = None, axis_name: str | None = None,
-         staleness: int = 0) -> optax.GradientTransformationExtraArgs:
+        staleness: int = 0) -> optax.GradientTransformationExtraArgs:
     """SGD (optionally with momentum) with its state in ``store`` (see ``optax.sgd``)."""
-    tx = scale_by_storage_sgd(store, learning_rate, momentum, nesterov, weight_decay, mesh=mesh,
-                              axis_name=axis_name, staleness=staleness, lazy=_lazy(compression))
-    return _with_compression(tx, store, compression, mesh, axis_name)
+    return _compose(scale_by_storage_sgd, store, compression, mesh, axis_name, staleness,
+                    learning_rate, momentum, nesterov, weight_decay)
 
 
 def adagrad(learning_rate: optax.ScalarOrSchedule, initial_accumulator_value: float = 0.1, eps: float = 1e-7, *,
             store: StateStore, compression: TopK | None = None, mesh: Mesh | None = None,
             axis_name: str | None = None, staleness: int = 0) -> optax.GradientTransformationExtraArgs:
     """AdaGrad with its state in ``store`` (see ``optax.adagrad``)."""
-    tx = scale_by_storage_adagrad(store, learning_rate, initial_accumulator_value, eps, mesh=mesh,
-                                  axis_name=axis_name, staleness=staleness, lazy=_lazy(compression))
-    return _with_compression(tx, store, compression, mesh, axis_name)
+    return _compose(scale_by_storage_adagrad, store, compression, mesh, axis_name, staleness,
+                    learning_rate, initial_accumulator_value, eps)

@@ -255,12 +255,6 @@ def _static(name: str, value: Any) -> float | None:
     return float(np.asarray(value))
 
 
-def _spec(kind: str, lazy: bool, **hyper) -> OptimizerSpec | None:
-    if any(v is None for v in hyper.values()):
-        return None
-    return OptimizerSpec(kind, lazy=lazy, **hyper)
-
-
 def scale_by_storage(
     store: StateStore,
     optimizer: OptimizerSpec | None,
@@ -399,18 +393,21 @@ def _check_lr(learning_rate):
         raise TypeError(f"learning_rate must be a number or a schedule, got {learning_rate!r}")
 
 
+def _by_kind(kind: str, store: StateStore, learning_rate, hyper: dict, *, nesterov: bool = False, lazy: bool,
+             mesh, axis_name, staleness) -> optax.GradientTransformationExtraArgs:
+    """The one body of the factories below: ``kind`` with its static hyperparameters (``hyper``: OptimizerSpec
+    field -> the value given) as the store's spec, then ``scale_by_storage``."""
+    _check_lr(learning_rate)
+    static = {name: _static(name, value) for name, value in hyper.items()}
+    spec = (None if any(v is None for v in static.values())
+            else OptimizerSpec(kind, nesterov=bool(nesterov), lazy=bool(lazy), **static))
+    return scale_by_storage(store, spec, learning_rate, mesh=mesh, axis_name=axis_name, staleness=staleness)
+
+
 def scale_by_storage_adam(
-    store: StateStore,
-    learning_rate: optax.ScalarOrSchedule,
-    b1: float = 0.9,
-    b2: float = 0.999,
-    eps: float = 1e-8,
-    weight_decay: float = 0.0,
-    *,
-    mesh: Mesh | None = None,
-    axis_name: str | None = None,
-    staleness: int = 0,
-    lazy: bool = False,
+    store: StateStore, learning_rate: optax.ScalarOrSchedule, b1: float = 0.9, b2: float = 0.999,
+    eps: float = 1e-8, weight_decay: float = 0.0, *, mesh: Mesh | None = None, axis_name: str | None = None,
+    staleness: int = 0, lazy: bool = False,
 ) -> optax.GradientTransformationExtraArgs:
     """Adam on state kept in ``store`` (``weight_decay`` as L2 on the gradient, like
     ``optax.chain(optax.add_decayed_weights(wd), optax.adam(...))``).
@@ -428,64 +425,36 @@ def scale_by_storage_adam(
       updates, state = tx.update(grads, state, params)
       params = optax.apply_updates(params, updates)
     """
-    _check_lr(learning_rate)
-    spec = _spec("adam", b1=_static("b1", b1), b2=_static("b2", b2), eps=_static("eps", eps),
-                 weight_decay=_static("weight_decay", weight_decay), lazy=bool(lazy))
-    return scale_by_storage(store, spec, learning_rate, mesh=mesh, axis_name=axis_name, staleness=staleness)
+    return _by_kind("adam", store, learning_rate, dict(b1=b1, b2=b2, eps=eps, weight_decay=weight_decay),
+                    lazy=lazy, mesh=mesh, axis_name=axis_name, staleness=staleness)
 
 
 def scale_by_storage_adamw(
-    store: StateStore,
-    learning_rate: optax.ScalarOrSchedule,
-    b1: float = 0.9,
-    b2: float = 0.999,
-    eps: float = 1e-8,
-    weight_decay: float = 1e-4,
-    *,
-    mesh: Mesh | None = None,
-    axis_name: str | None = None,
-    staleness: int = 0,
-    lazy: bool = False,
+    store: StateStore, learning_rate: optax.ScalarOrSchedule, b1: float = 0.9, b2: float = 0.999,
+    eps: float = 1e-8, weight_decay: float = 1e-4, *, mesh: Mesh | None = None, axis_name: str | None = None,
+    staleness: int = 0, lazy: bool = False,
 ) -> optax.GradientTransformationExtraArgs:
     """AdamW (decoupled weight decay, optax's default 1e-4) on state kept in ``store``."""
-    _check_lr(learning_rate)
-    spec = _spec("adamw", b1=_static("b1", b1), b2=_static("b2", b2), eps=_static("eps", eps),
-                 weight_decay=_static("weight_decay", weight_decay), lazy=bool(lazy))
-    return scale_by_storage(store, spec, learning_rate, mesh=mesh, axis_name=axis_name, staleness=staleness)
+    return _by_kind("adamw", store, learning_rate, dict(b1=b1, b2=b2, eps=eps, weight_decay=weight_decay),
+                    lazy=lazy, mesh=mesh, axis_name=axis_name, staleness=staleness)
 
 
 def scale_by_storage_sgd(
-    store: StateStore,
-    learning_rate: optax.ScalarOrSchedule,
-    momentum: float | None = None,
-    nesterov: bool = False,
-    weight_decay: float = 0.0,
-    *,
-    mesh: Mesh | None = None,
-    axis_name: str | None = None,
-    staleness: int = 0,
-    lazy: bool = False,
+    store: StateStore, learning_rate: optax.ScalarOrSchedule, momentum: float | None = None,
+    nesterov: bool = False, weight_decay: float = 0.0, *, mesh: Mesh | None = None, axis_name: str | None = None,
+    staleness: int = 0, lazy: bool = False,
 ) -> optax.GradientTransformationExtraArgs:
     """SGD, optionally with (Nesterov) momentum, on state kept in ``store`` (like ``optax.sgd``)."""
-    _check_lr(learning_rate)
-    spec = _spec("sgd", momentum=_static("momentum", 0.0 if momentum is None else momentum),
-                 nesterov=bool(nesterov), weight_decay=_static("weight_decay", weight_decay), lazy=bool(lazy))
-    return scale_by_storage(store, spec, learning_rate, mesh=mesh, axis_name=axis_name, staleness=staleness)
+    hyper = dict(momentum=0.0 if momentum is None else momentum, weight_decay=weight_decay)
+    return _by_kind("sgd", store, learning_rate, hyper, nesterov=nesterov, lazy=lazy, mesh=mesh,
+                    axis_name=axis_name, staleness=staleness)
 
 
 def scale_by_storage_adagrad(
-    store: StateStore,
-    learning_rate: optax.ScalarOrSchedule,
-    initial_accumulator_value: float = 0.1,
-    eps: float = 1e-7,
-    *,
-    mesh: Mesh | None = None,
-    axis_name: str | None = None,
-    staleness: int = 0,
+    store: StateStore, learning_rate: optax.ScalarOrSchedule, initial_accumulator_value: float = 0.1,
+    eps: float = 1e-7, *, mesh: Mesh | None = None, axis_name: str | None = None, staleness: int = 0,
     lazy: bool = False,
 ) -> optax.GradientTransformationExtraArgs:
     """AdaGrad on state kept in ``store`` (like ``optax.adagrad``)."""
-    _check_lr(learning_rate)
-    spec = _spec("adagrad", eps=_static("eps", eps),
-                 initial_nu=_static("initial_accumulator_value", initial_accumulator_value), lazy=bool(lazy))
-    return scale_by_storage(store, spec, learning_rate, mesh=mesh, axis_name=axis_name, staleness=staleness)
+    return _by_kind("adagrad", store, learning_rate, dict(eps=eps, initial_nu=initial_accumulator_value),
+                    lazy=lazy, mesh=mesh, axis_name=axis_name, staleness=staleness)

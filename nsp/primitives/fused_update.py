@@ -21,10 +21,7 @@ import numpy as np
 
 from nsp.primitives import _eager_buffers
 from nsp.primitives import _ffi  # noqa: F401  (registers the FFI targets)
-
-KINDS: dict[str, int] = {"adam": 0, "adamw": 1, "sgd": 2, "adagrad": 3}
-# optax's defaults for eps: 1e-8 for Adam/AdamW, 1e-7 for AdaGrad.
-_DEFAULT_EPS = {"adam": 1e-8, "adamw": 1e-8, "sgd": 0.0, "adagrad": 1e-7}
+from nsp.spec import DEFAULT_EPS, check_kind, hyper_attrs, uses_mu, uses_nu
 
 
 class FusedUpdateResult(NamedTuple):
@@ -42,26 +39,6 @@ class FusedUpdateResult(NamedTuple):
     mu: jax.Array | None
     nu: jax.Array | None
     param_bf16: jax.Array | None
-
-
-def hyper_attrs(kind: str, b1: float, b2: float, eps: float, weight_decay: float, momentum: float,
-                nesterov: bool, lazy: bool) -> dict:
-    """The hyperparameters of an update other than lr and step, as the one dictionary the C++ side decodes
-    (ffi/hyper_params.h names the keys): the ``hyper`` attribute of the FFI update calls, and the ``hyper``
-    argument of the storage engine's ``step``. ``kind`` is one of ``KINDS``' names."""
-    return dict(kind=np.int32(KINDS[kind]), b1=np.float64(b1), b2=np.float64(b2), eps=np.float64(eps),
-                weight_decay=np.float64(weight_decay), momentum=np.float64(momentum), nesterov=bool(nesterov),
-                lazy=bool(lazy))
-
-
-def uses_mu(kind: str, momentum: float = 0.0) -> bool:
-    """Whether optimizer ``kind`` keeps a first-moment (momentum) state."""
-    return kind in ("adam", "adamw") or (kind == "sgd" and momentum != 0.0)
-
-
-def uses_nu(kind: str) -> bool:
-    """Whether optimizer ``kind`` keeps a second-moment (accumulator) state."""
-    return kind in ("adam", "adamw", "adagrad")
 
 
 def fused_update(
@@ -132,9 +109,8 @@ def fused_update(
     ``p, m, v = fused_update(p, g, m, v, ...)[:3]``); ``nsp.primitives.release_eager_buffers()`` frees those it
     keeps for that.
     """
-    if kind not in KINDS:
-        raise ValueError(f"unknown optimizer kind {kind!r}; expected one of {sorted(KINDS)}")
-    eps = _DEFAULT_EPS[kind] if eps is None else float(eps)
+    check_kind(kind)
+    eps = DEFAULT_EPS[kind] if eps is None else float(eps)
     _check_hyperparams(b1=b1, b2=b2, eps=eps, weight_decay=weight_decay, momentum=momentum)
     param = jnp.asarray(param)
     if param.dtype != jnp.float32:

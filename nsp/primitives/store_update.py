@@ -17,7 +17,6 @@ import numpy as np
 from jax.sharding import Mesh, PartitionSpec as P
 
 from nsp.primitives import _ffi  # noqa: F401  (registers the FFI targets)
-from nsp.primitives.fused_update import hyper_attrs
 
 
 class StoreUpdateResult(NamedTuple):
@@ -35,12 +34,8 @@ class StoreUpdateResult(NamedTuple):
 
 
 def _attrs(store, staleness: int) -> dict:
-    spec = store.optimizer
-    return dict(
-        handles=np.asarray(store.ffi_handles(), np.int64), staleness=np.int32(staleness),
-        hyper=hyper_attrs(spec.kind, spec.b1, spec.b2, spec.eps, spec.weight_decay, spec.momentum, spec.nesterov,
-                          spec.lazy),
-    )
+    return dict(handles=np.asarray(store.ffi_handles(), np.int64), staleness=np.int32(staleness),
+                hyper=store.optimizer.hyper_attrs())
 
 
 def store_update(

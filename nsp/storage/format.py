@@ -25,12 +25,13 @@ import os
 from pathlib import Path
 from typing import Any
 
+from nsp.spec import STATES
+
 FORMAT_VERSION = 2
 METADATA = "nsp_store.json"
 MANIFEST = "MANIFEST.json"
 SHARD_ID = "SHARD.json"
 LOCK = "LOCK"
-STATES = ("param", "mu", "nu")
 TIERS = ("memory", "file", "csd")
 
 

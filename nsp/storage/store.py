@@ -28,7 +28,6 @@ import numpy as np
 import tensorstore as ts
 
 from nsp import _nsp_ffi
-from nsp.primitives.fused_update import hyper_attrs
 from nsp.storage.format import (MANIFEST, METADATA, STATES, StoreError, array_dir, atomic_write_json, inside,
                                 lock_store, recorded_path, store_metadata, zarr_spec)
 from nsp.storage.layout import Layout
@@ -337,8 +336,7 @@ class StateStore:
                 out["params_bf16"] = self.read("param").astype(ml_dtypes.bfloat16)
             return out
         params16 = np.empty(n * shard_size, np.uint16) if bf16_out else None
-        o = self.optimizer
-        hyper = hyper_attrs(o.kind, o.b1, o.b2, o.eps, o.weight_decay, o.momentum, o.nesterov, o.lazy)
+        hyper = self.optimizer.hyper_attrs()
 
         def run(i):
             # Each shard reads `version`, writes the other slot, syncs and commits version + 1 on its own.

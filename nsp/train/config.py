@@ -6,6 +6,8 @@ import dataclasses
 import json
 from pathlib import Path
 
+from nsp.spec import KINDS
+
 DEFAULT_SEQ = 128  # tokens per sequence when --seq is not given (and the model allows it)
 
 
@@ -89,8 +91,7 @@ class TrainConfig:
             (self.keep_checkpoints >= 1, "keep_checkpoints must be >= 1"),
             (self.stop_after >= 0, "stop_after must be >= 0"),
             (self.staleness in (0, 1), "staleness must be 0 or 1"),
-            (self.optimizer in ("adamw", "adam", "sgd", "adagrad"),
-             f"unknown optimizer {self.optimizer!r} (adamw, adam, sgd, adagrad)"),
+            (self.optimizer in KINDS, f"unknown optimizer {self.optimizer!r} ({', '.join(sorted(KINDS))})"),
             (self.tier in ("file", "memory", "csd"), f"unknown tier {self.tier!r} (file, memory, csd)"),
         ]
         for ok, message in checks:
