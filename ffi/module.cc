@@ -314,6 +314,7 @@ NB_MODULE(_nsp_ffi, m) {
              d["update_ns"] = s.update_ns;
              d["skipped"] = s.skipped;
              d["wait_ns"] = s.wait_ns;
+             d["params_adopted"] = s.params_adopted;
              return d;
            })
       .def("step",

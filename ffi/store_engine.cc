@@ -173,39 +173,71 @@ std::string ShardPieces::Finalize(int64_t shard_size) {
   return {};
 }
 
-void ShardPieces::GatherGrad(int64_t begin, int64_t n, char* dst) const {
-  const int64_t bytes = GradBytes(type);
-  const int64_t end = begin + n;
-  // The first piece that ends after `begin`.
-  size_t i = std::upper_bound(starts.begin(), starts.end(), begin) - starts.begin();
-  i = i == 0 ? 0 : i - 1;
-  int64_t at = begin;
-  for (; i < sizes.size() && at < end; ++i) {
-    const int64_t lo = std::max(at, starts[i]);
-    const int64_t hi = std::min(end, starts[i] + sizes[i]);
-    if (hi <= lo) continue;
-    std::memcpy(dst + (lo - begin) * bytes, static_cast<const char*>(grad[i]) + (lo - starts[i]) * bytes,
-                static_cast<size_t>((hi - lo) * bytes));
-    at = hi;
-  }
-  if (at < end) std::memset(dst + (at - begin) * bytes, 0, static_cast<size_t>((end - at) * bytes));  // padding
-}
+namespace {
 
-void ShardPieces::ScatterParams(int64_t begin, int64_t n, const float* src) const {
-  const int64_t end = begin + n;
+// Calls fn(i, lo, hi) for each piece i that overlaps elements [begin, end), with [lo, hi) the overlap (in the
+// same positions as `starts`), in order.
+template <typename Fn>
+void ForEachOverlap(const std::vector<int64_t>& starts, const std::vector<int64_t>& sizes, int64_t begin, int64_t end,
+                    Fn fn) {
+  // The first piece that ends after `begin`.
   size_t i = std::upper_bound(starts.begin(), starts.end(), begin) - starts.begin();
   i = i == 0 ? 0 : i - 1;
   for (; i < sizes.size() && starts[i] < end; ++i) {
     const int64_t lo = std::max(begin, starts[i]);
     const int64_t hi = std::min(end, starts[i] + sizes[i]);
-    if (hi <= lo) continue;
+    if (hi > lo) fn(i, lo, hi);
+  }
+}
+
+}  // namespace
+
+void ShardPieces::GatherGrad(int64_t begin, int64_t n, char* dst) const {
+  const int64_t bytes = GradBytes(type);
+  std::memset(dst, 0, static_cast<size_t>(n * bytes));  // padding past the last piece stays zero
+  ForEachOverlap(starts, sizes, begin, begin + n, [&](size_t i, int64_t lo, int64_t hi) {
+    std::memcpy(dst + (lo - begin) * bytes, static_cast<const char*>(grad[i]) + (lo - starts[i]) * bytes,
+                static_cast<size_t>((hi - lo) * bytes));
+  });
+}
+
+void ShardPieces::ScatterParams(int64_t begin, int64_t n, const float* src) const {
+  ForEachOverlap(starts, sizes, begin, begin + n, [&](size_t i, int64_t lo, int64_t hi) {
     if (type == GradType::kF32) {
       std::memcpy(static_cast<float*>(out[i]) + (lo - starts[i]), src + (lo - begin),
                   sizeof(float) * static_cast<size_t>(hi - lo));
     } else {
       internal::RoundToBf16(src + (lo - begin), static_cast<uint16_t*>(out[i]) + (lo - starts[i]), hi - lo);
     }
+  });
+}
+
+std::string ParamsIn::Finalize() {
+  if (leaves.size() != sizes.size()) return "params: leaves and sizes differ in count";
+  starts.resize(sizes.size());
+  int64_t at = -offset;
+  for (size_t i = 0; i < sizes.size(); ++i) {
+    if (sizes[i] < 0) return "params: negative size";
+    starts[i] = at;
+    at += sizes[i];
   }
+  return {};
+}
+
+void ParamsIn::Gather(int64_t begin, int64_t n, float* dst) const {
+  std::fill(dst, dst + n, 0.0f);  // padding
+  ForEachOverlap(starts, sizes, begin, begin + n, [&](size_t i, int64_t lo, int64_t hi) {
+    if (type == GradType::kF32) {
+      std::memcpy(dst + (lo - begin), static_cast<const float*>(leaves[i]) + (lo - starts[i]),
+                  sizeof(float) * static_cast<size_t>(hi - lo));
+    } else {
+      const uint16_t* src = static_cast<const uint16_t*>(leaves[i]) + (lo - starts[i]);
+      for (int64_t k = 0; k < hi - lo; ++k) {
+        const uint32_t bits = static_cast<uint32_t>(src[k]) << 16;
+        std::memcpy(dst + (lo - begin) + k, &bits, sizeof(bits));
+      }
+    }
+  });
 }
 
 ShardEngine::ShardEngine(std::unique_ptr<Backend> backend, int64_t size, int64_t page_elems, int pages_in_flight,
@@ -247,25 +279,33 @@ int64_t ShardEngine::buffer_bytes() const {
 
 // The shared link's bytes, counted where the engine consumes a gradient span (dense elements, or compressed
 // pairs) and hands out its params (fp32, bf16, or into the gradient's pieces).
-void ShardEngine::CountShared(const PageGrad& g, int64_t elems, const StateSpan& span, bool pieces) {
+// The caller's params, when the step starts from them, count as coming down the link too.
+void ShardEngine::CountShared(const ShardUpdate& u, const PageGrad& g, int64_t elems, const StateSpan& span) {
   const int64_t gbytes = GradBytes(g.type);
   stats_.shared_in_bytes += g.dense != nullptr ? elems * gbytes : g.count * (gbytes + 4);
-  if (pieces) stats_.shared_out_bytes += elems * gbytes;
+  if (u.params_in != nullptr) stats_.shared_in_bytes += elems * GradBytes(u.params_in->type);
+  if (u.pieces != nullptr) stats_.shared_out_bytes += elems * gbytes;
   if (span.param_copy_out != nullptr) stats_.shared_out_bytes += span.size * 4;
   if (span.param_bf16_out != nullptr) stats_.shared_out_bytes += span.size * 2;
 }
 
 // The internal link's bytes when the state is addressable: what the kernel pass read and wrote in place.
-void ShardEngine::CountInPlace(int64_t elems) {
+void ShardEngine::CountInPlace(int64_t elems, bool param_read) {
   int states = 0;
   for (int s = 0; s < kNumStates; ++s) states += used_[s] ? 1 : 0;
-  stats_.internal_read_bytes += states * elems * 4;
+  stats_.internal_read_bytes += (states - (param_read ? 0 : 1)) * elems * 4;
   stats_.internal_write_bytes += states * elems * 4;
 }
 
 char* ShardEngine::GradStage() {
   if (grad_stage_.data == nullptr) grad_stage_ = AlignedBuffer(sizeof(float) * static_cast<size_t>(page_elems_));
   return reinterpret_cast<char*>(grad_stage_.data);
+}
+
+const float* ShardEngine::CallerParams(const ShardUpdate& u, int64_t begin, int64_t n) {
+  if (params_stage_.data == nullptr) params_stage_ = AlignedBuffer(sizeof(float) * static_cast<size_t>(page_elems_));
+  u.params_in->Gather(begin, n, params_stage_.data);
+  return params_stage_.data;
 }
 
 PageGrad ShardEngine::GradForPage(const ShardUpdate& u, int64_t page) {
@@ -301,11 +341,13 @@ std::string ShardEngine::Update(const ShardUpdate& u) {
   if (u.grad == nullptr && u.pieces == nullptr) {
     if (std::string err = ValidateSparseIndices(u.indices, u.count, size_); !err.empty()) return err;
   }
-  if (u.check_finite && (u.pieces == nullptr || u.skipped == nullptr || !ChecksFiniteInPass())) {
+  if (u.check_finite && (u.pieces == nullptr || u.skipped == nullptr || !ChecksFiniteInPass() || u.params_in)) {
     return "internal error: an in-pass finiteness check needs pieces, a skipped flag and a two-slot addressable store";
   }
   const IoCounts before = backend_->Io();
-  std::string err = Addressable() ? UpdateAddressable(u) : UpdateStreamed(u);
+  std::string err = !Addressable()            ? UpdateStreamed(u)
+                    : u.params_in != nullptr ? UpdateAddressableFromCaller(u)
+                                             : UpdateAddressable(u);
   // What the backend's I/O moved during the update (each call's return value), failed or not.
   const IoCounts after = backend_->Io();
   stats_.internal_read_bytes += after.read_bytes - before.read_bytes;
@@ -355,8 +397,8 @@ std::string ShardEngine::UpdateAddressable(const ShardUpdate& u) {
       PageGrad g;
       g.type = pieces.type;
       g.dense = pieces.grad[i];
-      CountShared(g, pieces.sizes[i], StateSpan{}, /*pieces=*/true);
-      CountInPlace(pieces.sizes[i]);
+      CountShared(u, g, pieces.sizes[i], StateSpan{});
+      CountInPlace(pieces.sizes[i], true);
       if (u.check_finite) {
         if (!backend_->ComputeIfFinite(u.hp, span, pieces.grad[i], pieces.type)) {
           *u.skipped = true;  // slot dst is half written and stays uncommitted: Step skips the step
@@ -375,7 +417,7 @@ std::string ShardEngine::UpdateAddressable(const ShardUpdate& u) {
       char* stage = GradStage();
       std::memset(stage, 0, static_cast<size_t>(n * GradBytes(pieces.type)));
       g.dense = stage;
-      CountInPlace(n);
+      CountInPlace(n, true);
       backend_->Compute(u.hp, SlotSpan(u, begin, n), g);
     }
     return {};
@@ -389,9 +431,27 @@ std::string ShardEngine::UpdateAddressable(const ShardUpdate& u) {
   g.indices = u.indices;
   g.values = u.values;
   g.count = u.count;
-  CountShared(g, size_, span, /*pieces=*/false);
-  CountInPlace(size_);
+  CountShared(u, g, size_, span);
+  CountInPlace(size_, true);
   backend_->Compute(u.hp, span, g);
+  return {};
+}
+
+std::string ShardEngine::UpdateAddressableFromCaller(const ShardUpdate& u) {
+  const int64_t pieces_end =
+      u.pieces == nullptr || u.pieces->sizes.empty() ? size_ : u.pieces->starts.back() + u.pieces->sizes.back();
+  for (int64_t begin = 0; begin < size_; begin += page_elems_) {
+    const int64_t n = std::min(page_elems_, size_ - begin);
+    StateSpan span = SlotSpan(u, begin, n);
+    span.param_in = CallerParams(u, begin, n);
+    if (u.params_out != nullptr) span.param_copy_out = u.params_out + begin;
+    if (u.params_bf16_out != nullptr) span.param_bf16_out = u.params_bf16_out + begin;
+    const PageGrad g = GradForPage(u, begin / page_elems_);
+    CountShared(u, g, std::max<int64_t>(0, std::min(n, pieces_end - begin)), span);
+    CountInPlace(n, false);
+    backend_->Compute(u.hp, span, g);
+    if (u.pieces != nullptr) u.pieces->ScatterParams(begin, n, span.param_out);
+  }
   return {};
 }
 
@@ -417,14 +477,21 @@ std::string ShardEngine::UpdateStreamed(const ShardUpdate& u) {
   // loop. Pages therefore reach the compute loop in about, not exactly, their order.
   Queue reads;
   std::vector<std::atomic<int>> reads_left(static_cast<size_t>(pages_in_flight_));
-  int states_used = 0;
-  for (int s = 0; s < kNumStates; ++s) states_used += used_[s] ? 1 : 0;
+  // A step from the caller's params reads no param pages (the compute loop gathers them from the caller).
+  std::array<bool, kNumStates> to_read = used_;
+  if (u.params_in != nullptr) to_read[kParamState] = false;
+  int states_read = 0;
+  for (int s = 0; s < kNumStates; ++s) states_read += to_read[s] ? 1 : 0;
   std::thread feeder([&] {
     Work w;
     for (int64_t page = 0; page < num_pages_ && !error.failed() && free_sets.Pop(&w); ++page) {
-      reads_left[static_cast<size_t>(w.set)].store(states_used);
+      if (states_read == 0) {  // nothing to read (SGD without momentum, from the caller's params)
+        ready.Push({w.set, page});
+        continue;
+      }
+      reads_left[static_cast<size_t>(w.set)].store(states_read);
       for (int s = 0; s < kNumStates; ++s) {
-        if (used_[s]) reads.Push({w.set, page, s});
+        if (to_read[s]) reads.Push({w.set, page, s});
       }
     }
     reads.Close();
@@ -494,7 +561,8 @@ std::string ShardEngine::UpdateStreamed(const ShardUpdate& u) {
     // The new params land in the page buffer (written to storage from there) and, in the same pass, in the
     // caller's output.
     float* pbuf = buffers_[w.set][kParamState].data;
-    span.param_in = span.param_out = pbuf;
+    span.param_in = u.params_in != nullptr ? CallerParams(u, begin, span.size) : pbuf;
+    span.param_out = pbuf;
     if (u.params_out != nullptr) span.param_copy_out = u.params_out + begin;
     if (used_[kMuState]) span.mu_in = span.mu_out = buffers_[w.set][kMuState].data;
     if (used_[kNuState]) span.nu_in = span.nu_out = buffers_[w.set][kNuState].data;
@@ -503,7 +571,7 @@ std::string ShardEngine::UpdateStreamed(const ShardUpdate& u) {
     // The gradient elements this page takes from the caller (a shard's padding past its pieces comes from none).
     const int64_t from_caller = u.pieces == nullptr ? span.size
                                                     : std::max<int64_t>(0, std::min(span.size, pieces_end - begin));
-    CountShared(g, from_caller, span, u.pieces != nullptr);
+    CountShared(u, g, from_caller, span);
     backend_->Compute(u.hp, span, g);
     if (u.pieces != nullptr) u.pieces->ScatterParams(begin, span.size, pbuf);
     writes.PushParam(w);
@@ -604,6 +672,7 @@ std::string ShardEngine::Step(ShardUpdate u, int64_t version) {
   if (std::string e = Sync(u.dst_slot); !e.empty()) return e;
   if (std::string e = Commit(version + 1); !e.empty()) return e;
   previous_valid_ = backend_->KeepsPrevious();
+  if (u.params_in != nullptr) stats_.params_adopted += 1;
   return {};
 }
 
@@ -620,6 +689,16 @@ std::string ShardEngine::Skip(const ShardUpdate& u, int64_t version) {
 }
 
 std::string ShardEngine::CommittedParamsOut(const ShardUpdate& u, int64_t version) {
+  if (u.params_in != nullptr) {  // the step was to start from the caller's params: those are what it keeps
+    for (int64_t begin = 0; begin < size_; begin += page_elems_) {
+      const int64_t n = std::min(page_elems_, size_ - begin);
+      const float* page = CallerParams(u, begin, n);
+      if (u.pieces != nullptr) u.pieces->ScatterParams(begin, n, page);
+      if (u.params_out != nullptr) std::memcpy(u.params_out + begin, page, sizeof(float) * static_cast<size_t>(n));
+      if (u.params_bf16_out != nullptr) internal::RoundToBf16(page, u.params_bf16_out + begin, n);
+    }
+    return {};
+  }
   if (u.pieces != nullptr) {  // the committed params into the pieces, a page at a time
     const int slot = static_cast<int>(version % 2);
     AlignedBuffer page_buffer(backend_->PageBufferBytes(page_elems_));
@@ -650,6 +729,11 @@ std::string ShardEngine::Wait() {
 
 std::string ShardEngine::StepAsync(const ShardUpdate& update, int64_t version) {
   const AddElapsedNs timer(&stats_.wait_ns);  // the time this call holds the caller, however it returns
+  if (update.params_in != nullptr) {
+    return "the params passed to the update are not the ones the previous update led to; with staleness 1 the "
+           "store cannot start a step from them (it hands back params one step old by design): change params "
+           "only through the update, or use staleness 0";
+  }
   if (std::string e = Wait(); !e.empty()) {
     async_params_valid_ = false;
     return "the previous (background) step failed: " + e;

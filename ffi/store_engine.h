@@ -37,6 +37,7 @@ struct TrafficStats {
   int64_t update_ns = 0;  // wall time inside Step (update + sync + commit)
   int64_t skipped = 0;    // steps skipped because the gradient was not finite
   int64_t wait_ns = 0;    // wall time a staleness-1 call held its caller (the part of the update not hidden)
+  int64_t params_adopted = 0;  // steps that started from the caller's params instead of the committed ones
 };
 
 // A shard given as consecutive pieces, one per parameter leaf in the layout's order (a tree's leaves, without
@@ -56,6 +57,22 @@ struct ShardPieces {
   void ScatterParams(int64_t begin, int64_t n, const float* src) const;
 };
 
+// The caller's params, for a step that starts from them instead of from the committed version's: the caller
+// changed its params since the step that led to them (a transform after the optimizer scaled its updates, or
+// code edited them), and, as in optax, the params passed to an update are the ones it updates. Given as the
+// params tree's leaves (fp32 or bf16, every device holding all of them); this shard's elements start at
+// `offset` in their concatenation, and elements past the last leaf are padding (zero).
+struct ParamsIn {
+  GradType type = GradType::kF32;
+  std::vector<const void*> leaves;
+  std::vector<int64_t> sizes;
+  std::vector<int64_t> starts;  // filled by Finalize, from `offset`: where each leaf starts in shard positions
+  int64_t offset = 0;
+  std::string Finalize();
+  // fp32 copies of the shard's elements [begin, begin + n) into dst (zeros in the padding).
+  void Gather(int64_t begin, int64_t n, float* dst) const;
+};
+
 struct ShardUpdate {
   UpdateHyperParams hp;
   int src_slot = 0;
@@ -72,6 +89,9 @@ struct ShardUpdate {
   uint16_t* params_bf16_out = nullptr;
   // Or, instead of `grad` and the outputs above: the gradient in, and the new params out, as pieces.
   const ShardPieces* pieces = nullptr;
+  // The params to step from instead of the committed version's (null: the committed ones). The store's m and v
+  // are kept; only the params are the caller's. Not with staleness 1.
+  const ParamsIn* params_in = nullptr;
   // Pieces on a store that ChecksFiniteInPass(), stepping from its committed version: check the gradient for
   // NaN/Inf inside the update's own pass. When it is not finite, Step skips the step (the outputs get the
   // committed params back, nothing is committed) and sets *skipped.
@@ -158,6 +178,8 @@ class ShardEngine {
  private:
   bool Addressable() const;
   std::string UpdateAddressable(const ShardUpdate& u);
+  // UpdateAddressable for a step from the caller's params: page by page, each page's params gathered first.
+  std::string UpdateAddressableFromCaller(const ShardUpdate& u);
   // Elements [begin, begin + n) of every used state, read from slot src and written to slot dst, in place
   // (page-addressable backends).
   StateSpan SlotSpan(const ShardUpdate& u, int64_t begin, int64_t n) const;
@@ -166,8 +188,11 @@ class ShardEngine {
   std::string CommittedParamsOut(const ShardUpdate& u, int64_t version);
   PageGrad GradForPage(const ShardUpdate& u, int64_t page);
   char* GradStage();
-  void CountShared(const PageGrad& g, int64_t elems, const StateSpan& span, bool pieces);
-  void CountInPlace(int64_t elems);
+  // One page of the caller's params (ShardUpdate::params_in), elements [begin, begin + n), as fp32.
+  const float* CallerParams(const ShardUpdate& u, int64_t begin, int64_t n);
+  void CountShared(const ShardUpdate& u, const PageGrad& g, int64_t elems, const StateSpan& span);
+  // `param_read`: false when the step took the params from the caller (only m and v were read in place).
+  void CountInPlace(int64_t elems, bool param_read);
 
   std::unique_ptr<Backend> backend_;
   std::mutex step_mu_;
@@ -205,6 +230,8 @@ class ShardEngine {
   std::vector<std::array<AlignedBuffer, kNumStates>> buffers_;
   // One page of gradient gathered from pieces (allocated on the first update given pieces).
   AlignedBuffer grad_stage_;
+  // One page of the caller's params (allocated on the first update that starts from them).
+  AlignedBuffer params_stage_;
   TrafficStats stats_;
 };
 

@@ -7,13 +7,16 @@
 // changes), so JAX must mark it side-effecting.
 //
 // Operands: lr f32[], step s32[], version s32[], shard s32[], apply s32[] (0: the gradient is not finite, skip
-// the step and hand back the committed params), then grad (f32|bf16)[n] (dense target) or
-// values (f32|bf16)[k] + indices s32[k] (sparse target; shard positions, sorted).
+// the step and hand back the committed params), adopt s32[] (1: start the step from the caller's params, given
+// last, instead of from the committed version's), then grad (f32|bf16)[n] (dense target) or
+// values (f32|bf16)[k] + indices s32[k] (sparse target; shard positions, sorted), then none or all of the
+// params tree's leaves (f32|bf16, the whole tree on every device; read only when adopt is 1).
 // Results: params f32[n], version s32[], [params_bf16 bf16[n]]. Attributes: handles (one engine handle per
 // shard), staleness, and hyper, the hyperparameters other than lr and step as one dictionary (hyper_params.h).
 //
 // A third target (single-shard stores) takes the gradient as the params tree's leaves instead of one flat
-// vector: operands lr, step, version, shard, apply, then one (f32|bf16) buffer per leaf in the layout's order;
+// vector: operands lr, step, version, shard, apply, adopt, then one (f32|bf16) buffer per leaf in the layout's
+// order, then none or all of the params leaves;
 // results version s32[], then the leaves' new params in the same dtypes. Python aliases each result to its
 // gradient operand, so the update neither concatenates the gradient nor allocates the params it returns.
 // Its apply operand may be -1: the handler then checks the leaves for NaN/Inf itself: inside the update's own
@@ -40,15 +43,21 @@ ffi::Error Invalid(const std::string& message) { return ffi_common::Invalid(kOp,
 struct Call {
   std::shared_ptr<ShardEngine> engine;  // held while the call runs: a store closed meanwhile cannot free it
   ShardUpdate update;
+  ParamsIn params_in;  // the caller's params, pointed to by update.params_in when the step adopts them
   int64_t version;
   bool apply;         // false: the gradient is not finite, skip the step
   bool check_finite;  // the apply operand was -1: the handler checks the gradient itself
 };
 
+// The scalar operands every target takes first.
+struct Scalars {
+  ffi::Buffer<ffi::F32> lr;
+  ffi::Buffer<ffi::S32> step, version, shard, apply, adopt;
+};
+
 // The engine of store shard `shard` and the update's hyperparameters: what every target starts from.
-ffi::ErrorOr<Call> StartCall(ffi::Buffer<ffi::F32> lr, ffi::Buffer<ffi::S32> step, ffi::Buffer<ffi::S32> version,
-                             ffi::Buffer<ffi::S32> shard, ffi::Buffer<ffi::S32> apply, ffi::Span<const int64_t> handles,
-                             ffi::Dictionary hyper) {
+ffi::ErrorOr<Call> StartCall(const Scalars& in, ffi::Span<const int64_t> handles, ffi::Dictionary hyper) {
+  const auto& [lr, step, version, shard, apply, adopt] = in;
   const int32_t s = shard.typed_data()[0];
   if (s < 0 || static_cast<size_t>(s) >= handles.size()) {
     return ffi::Unexpected(Invalid("shard " + std::to_string(s) + " is not one of the store's " +
@@ -59,9 +68,31 @@ ffi::ErrorOr<Call> StartCall(ffi::Buffer<ffi::F32> lr, ffi::Buffer<ffi::S32> ste
   if (engine == nullptr) return ffi::Unexpected(Invalid(why));
   auto hp = ffi_common::HyperParams(kOp, lr, step, hyper);
   if (hp.has_error()) return ffi::Unexpected(hp.error());
-  Call call{std::move(engine), {}, version.typed_data()[0], apply.typed_data()[0] != 0, apply.typed_data()[0] < 0};
+  Call call{std::move(engine), {}, {}, version.typed_data()[0], apply.typed_data()[0] != 0, apply.typed_data()[0] < 0};
   call.update.hp = *hp;
   return call;
+}
+
+// Operands [first, first + leaves) of `args` are the params leaves; when `adopt` is set, the step starts from
+// them. Every device holds the whole tree: this shard's elements start at shard x shard size.
+ffi::Error TakeParams(Call& call, const Scalars& in, ffi::RemainingArgs args, size_t first, size_t leaves) {
+  if (in.adopt.typed_data()[0] == 0) return ffi::Error::Success();
+  if (leaves == 0) return Invalid("adopt is set but no params were given");
+  ParamsIn& p = call.params_in;
+  for (size_t i = first; i < first + leaves; ++i) {
+    auto leaf = args.get<ffi::AnyBuffer>(i);
+    if (leaf.has_error()) return leaf.error();
+    auto type = ffi_common::GradTypeOf(kOp, *leaf);
+    if (type.has_error()) return type.error();
+    if (i > first && *type != p.type) return Invalid("the params leaves must share one dtype (float32 or bfloat16)");
+    p.type = *type;
+    p.leaves.push_back(leaf->untyped_data());
+    p.sizes.push_back(static_cast<int64_t>(leaf->element_count()));
+  }
+  p.offset = static_cast<int64_t>(in.shard.typed_data()[0]) * call.engine->size();
+  if (std::string err = p.Finalize(); !err.empty()) return Invalid(err);
+  call.update.params_in = &p;
+  return ffi::Error::Success();
 }
 
 // Runs the call's step (or skip, or background step) and returns the version it leaves committed.
@@ -74,10 +105,9 @@ ffi::ErrorOr<int32_t> RunStep(Call& call, int32_t staleness) {
   return static_cast<int32_t>(call.version + (call.apply ? 1 : 0));
 }
 
-ffi::ErrorOr<Call> Prepare(ffi::Buffer<ffi::F32> lr, ffi::Buffer<ffi::S32> step, ffi::Buffer<ffi::S32> version,
-                           ffi::Buffer<ffi::S32> shard, ffi::Buffer<ffi::S32> apply, ffi::ResultBuffer<ffi::F32> params,
-                           ffi::RemainingRets extra, ffi::Span<const int64_t> handles, ffi::Dictionary hyper) {
-  auto started = StartCall(lr, step, version, shard, apply, handles, hyper);
+ffi::ErrorOr<Call> Prepare(const Scalars& scalars, ffi::ResultBuffer<ffi::F32> params, ffi::RemainingRets extra,
+                           ffi::Span<const int64_t> handles, ffi::Dictionary hyper) {
+  auto started = StartCall(scalars, handles, hyper);
   if (started.has_error()) return started;
   Call call = *started;
   ShardEngine* engine = call.engine.get();
@@ -109,11 +139,14 @@ ffi::Error Finish(Call& call, ffi::RemainingRets extra, int32_t staleness) {
 }
 
 ffi::Error DenseImpl(ffi::Buffer<ffi::F32> lr, ffi::Buffer<ffi::S32> step, ffi::Buffer<ffi::S32> version,
-                     ffi::Buffer<ffi::S32> shard, ffi::Buffer<ffi::S32> apply, ffi::AnyBuffer grad, ffi::ResultBuffer<ffi::F32> params,
+                     ffi::Buffer<ffi::S32> shard, ffi::Buffer<ffi::S32> apply, ffi::Buffer<ffi::S32> adopt,
+                     ffi::AnyBuffer grad, ffi::RemainingArgs params_in, ffi::ResultBuffer<ffi::F32> params,
                      ffi::RemainingRets extra, ffi::Span<const int64_t> handles, int32_t staleness,
                      ffi::Dictionary hyper) {
-  auto call = Prepare(lr, step, version, shard, apply, params, extra, handles, hyper);
+  const Scalars scalars{lr, step, version, shard, apply, adopt};
+  auto call = Prepare(scalars, params, extra, handles, hyper);
   if (call.has_error()) return call.error();
+  if (ffi::Error e = TakeParams(*call, scalars, params_in, 0, params_in.size()); e.failure()) return e;
   auto type = ffi_common::GradTypeOf(kOp, grad);
   if (type.has_error()) return type.error();
   if (static_cast<int64_t>(grad.element_count()) != call->engine->size()) {
@@ -126,11 +159,14 @@ ffi::Error DenseImpl(ffi::Buffer<ffi::F32> lr, ffi::Buffer<ffi::S32> step, ffi::
 }
 
 ffi::Error SparseImpl(ffi::Buffer<ffi::F32> lr, ffi::Buffer<ffi::S32> step, ffi::Buffer<ffi::S32> version,
-                      ffi::Buffer<ffi::S32> shard, ffi::Buffer<ffi::S32> apply, ffi::AnyBuffer values, ffi::Buffer<ffi::S32> indices,
+                      ffi::Buffer<ffi::S32> shard, ffi::Buffer<ffi::S32> apply, ffi::Buffer<ffi::S32> adopt,
+                      ffi::AnyBuffer values, ffi::Buffer<ffi::S32> indices, ffi::RemainingArgs params_in,
                       ffi::ResultBuffer<ffi::F32> params, ffi::RemainingRets extra, ffi::Span<const int64_t> handles,
                       int32_t staleness, ffi::Dictionary hyper) {
-  auto call = Prepare(lr, step, version, shard, apply, params, extra, handles, hyper);
+  const Scalars scalars{lr, step, version, shard, apply, adopt};
+  auto call = Prepare(scalars, params, extra, handles, hyper);
   if (call.has_error()) return call.error();
+  if (ffi::Error e = TakeParams(*call, scalars, params_in, 0, params_in.size()); e.failure()) return e;
   auto type = ffi_common::GradTypeOf(kOp, values);
   if (type.has_error()) return type.error();
   if (values.element_count() != indices.element_count()) return Invalid("values and indices differ in length");
@@ -142,17 +178,22 @@ ffi::Error SparseImpl(ffi::Buffer<ffi::F32> lr, ffi::Buffer<ffi::S32> step, ffi:
 }
 
 ffi::Error PiecesImpl(ffi::Buffer<ffi::F32> lr, ffi::Buffer<ffi::S32> step, ffi::Buffer<ffi::S32> version,
-                      ffi::Buffer<ffi::S32> shard, ffi::Buffer<ffi::S32> apply, ffi::RemainingArgs grads,
-                      ffi::Result<ffi::Buffer<ffi::S32>> version_out, ffi::RemainingRets params,
-                      ffi::Span<const int64_t> handles, int32_t staleness, ffi::Dictionary hyper) {
-  auto call = StartCall(lr, step, version, shard, apply, handles, hyper);
+                      ffi::Buffer<ffi::S32> shard, ffi::Buffer<ffi::S32> apply, ffi::Buffer<ffi::S32> adopt,
+                      ffi::RemainingArgs grads, ffi::Result<ffi::Buffer<ffi::S32>> version_out,
+                      ffi::RemainingRets params, ffi::Span<const int64_t> handles, int32_t staleness,
+                      ffi::Dictionary hyper) {
+  const Scalars scalars{lr, step, version, shard, apply, adopt};
+  auto call = StartCall(scalars, handles, hyper);
   if (call.has_error()) return call.error();
-  if (grads.size() == 0 || grads.size() != params.size()) {
-    return Invalid("one gradient leaf per params leaf is needed, got " + std::to_string(grads.size()) + " and " +
-                   std::to_string(params.size()));
+  // The gradient leaves, then (optionally) as many params leaves.
+  const size_t leaves = params.size();
+  if (leaves == 0 || (grads.size() != leaves && grads.size() != 2 * leaves)) {
+    return Invalid("one gradient leaf per params leaf is needed (and optionally the params leaves), got " +
+                   std::to_string(grads.size()) + " operands for " + std::to_string(leaves) + " leaves");
   }
+  if (ffi::Error e = TakeParams(*call, scalars, grads, leaves, grads.size() - leaves); e.failure()) return e;
   ShardPieces pieces;
-  for (size_t i = 0; i < grads.size(); ++i) {
+  for (size_t i = 0; i < leaves; ++i) {
     auto g = grads.get<ffi::AnyBuffer>(i);
     auto p = params.get<ffi::AnyBuffer>(i);
     if (g.has_error()) return g.error();
@@ -171,7 +212,8 @@ ffi::Error PiecesImpl(ffi::Buffer<ffi::F32> lr, ffi::Buffer<ffi::S32> step, ffi:
   if (std::string err = pieces.Finalize(call->engine->size()); !err.empty()) return Invalid(err);
   bool skipped_in_pass = false;
   if (call->check_finite) {
-    if (staleness == 0 && call->engine->ChecksFiniteInPass() && call->version == call->engine->version()) {
+    if (staleness == 0 && call->engine->ChecksFiniteInPass() && call->version == call->engine->version() &&
+        call->update.params_in == nullptr) {
       // Two slots in RAM: check inside the update's own pass (no pass over the gradient of its own).
       call->update.check_finite = true;
       call->update.skipped = &skipped_in_pass;
@@ -189,11 +231,13 @@ ffi::Error PiecesImpl(ffi::Buffer<ffi::F32> lr, ffi::Buffer<ffi::S32> step, ffi:
   return ffi::Error::Success();
 }
 
-// The scalar operands every target takes first: lr, step, version, shard, apply (the gradient is finite).
+// The scalar operands every target takes first: lr, step, version, shard, apply (the gradient is finite),
+// adopt (start from the caller's params).
 template <typename Binding>
 auto ScalarArgs(Binding binding) {
   return std::move(binding)
       .template Arg<ffi::Buffer<ffi::F32>>()
+      .template Arg<ffi::Buffer<ffi::S32>>()
       .template Arg<ffi::Buffer<ffi::S32>>()
       .template Arg<ffi::Buffer<ffi::S32>>()
       .template Arg<ffi::Buffer<ffi::S32>>()
@@ -213,6 +257,7 @@ auto WithAttrs(Binding binding) {
 XLA_FFI_DEFINE_HANDLER_SYMBOL(NspStoreUpdateDense, nsp::DenseImpl,
                               nsp::WithAttrs(nsp::ScalarArgs(xla::ffi::Ffi::Bind())
                                                  .Arg<xla::ffi::AnyBuffer>()              // grad
+                                                 .RemainingArgs()                         // [params leaves]
                                                  .Ret<xla::ffi::Buffer<xla::ffi::F32>>()  // params
                                                  .RemainingRets()));                      // version, [bf16]
 
@@ -220,11 +265,12 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(NspStoreUpdateSparse, nsp::SparseImpl,
                               nsp::WithAttrs(nsp::ScalarArgs(xla::ffi::Ffi::Bind())
                                                  .Arg<xla::ffi::AnyBuffer>()              // values
                                                  .Arg<xla::ffi::Buffer<xla::ffi::S32>>()  // indices
+                                                 .RemainingArgs()                         // [params leaves]
                                                  .Ret<xla::ffi::Buffer<xla::ffi::F32>>()  // params
                                                  .RemainingRets()));                      // version, [bf16]
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(NspStoreUpdatePieces, nsp::PiecesImpl,
                               nsp::WithAttrs(nsp::ScalarArgs(xla::ffi::Ffi::Bind())
-                                                 .RemainingArgs()                         // gradient leaves
+                                                 .RemainingArgs()                         // gradient, [params] leaves
                                                  .Ret<xla::ffi::Buffer<xla::ffi::S32>>()  // version
                                                  .RemainingRets()));                      // params leaves

@@ -33,6 +33,17 @@ class StoreUpdateResult(NamedTuple):
     params_bf16: jax.Array | None
 
 
+def _params_operands(params: list[jax.Array] | None, adopt) -> tuple[jax.Array, list[jax.Array]]:
+    """The ``adopt`` flag and the params leaves the FFI call takes (float32 or bfloat16, one dtype; others cast)."""
+    if params is None:
+        return jnp.int32(0), []
+    leaves = list(params)
+    dtype = leaves[0].dtype if leaves and all(x.dtype == leaves[0].dtype for x in leaves) else None
+    if dtype not in (jnp.float32, jnp.bfloat16):
+        leaves = [jnp.asarray(x, jnp.float32) for x in leaves]
+    return jnp.asarray(adopt).astype(jnp.int32), leaves
+
+
 def _attrs(store, staleness: int) -> dict:
     return dict(handles=np.asarray(store.ffi_handles(), np.int64), staleness=np.int32(staleness),
                 hyper=store.optimizer.hyper_attrs())
@@ -51,6 +62,8 @@ def store_update(
     axis_name: str | None = None,
     params_bf16: bool = False,
     staleness: int = 0,
+    params: list[jax.Array] | None = None,
+    adopt: jax.typing.ArrayLike = False,
 ) -> StoreUpdateResult:
     """Runs one optimizer step of ``store`` on a (sharded) gradient, inside or outside ``jax.jit``.
 
@@ -68,6 +81,11 @@ def store_update(
       staleness: 0 (exact: the call returns the params this step produced) or 1 (bounded staleness: the call
         returns at once with the params of the previous step and this step streams in the background, so the
         next forward/backward overlaps it; its version is committed by the next call or ``store.barrier()``).
+      params: the params tree's leaves in the layout's order (whole, not sharded: every device reads its shard's
+        part), for ``adopt``.
+      adopt: a (traced) bool: start this step from ``params`` instead of from the committed version's params
+        (the caller changed its params since the step that led to them; m and v stay the store's). Costs the
+        params' bytes down the shared link; read only when set. Not with ``staleness=1``.
 
     Returns:
       ``StoreUpdateResult(params, version, params_bf16)``. A gradient with NaN or Inf skips the step: the store
@@ -114,27 +132,29 @@ def store_update(
         "nsp_store_update_dense" if dense else "nsp_store_update_sparse", out_types, has_side_effect=True
     )
     attrs = _attrs(store, staleness)
+    adopt, params_in = _params_operands(params, adopt)
     scalars = [jnp.asarray(lr, jnp.float32), jnp.asarray(step, jnp.int32), jnp.asarray(version, jnp.int32)]
 
     # A step whose gradient holds NaN or Inf (an overflowed loss scale, a diverged batch) is skipped by every
     # shard alike: the store stays as it is and the params come back unchanged.
     scalars.append(jnp.all(jnp.isfinite(operands[0])).astype(jnp.int32))
+    scalars.append(adopt)
 
-    def local(lr_, step_, version_, apply_, *ops):
+    def local(lr_, step_, version_, apply_, adopt_, *ops):
         shard = jnp.int32(0) if mesh is None else jax.lax.axis_index(axis_name).astype(jnp.int32)
-        outs = call(lr_, step_, version_, shard, apply_, *ops, **attrs)
+        outs = call(lr_, step_, version_, shard, apply_, adopt_, *ops, **attrs)
         return tuple(outs[:1]) + (outs[1][None],) + tuple(outs[2:])
 
     if mesh is None:
-        outs = local(*scalars, *operands)
+        outs = local(*scalars, *operands, *params_in)
     else:
         n_out = len(out_types)
         outs = jax.shard_map(
             local, mesh=mesh,
-            in_specs=(P(), P(), P(), P()) + (P(axis_name),) * len(operands),
+            in_specs=(P(),) * len(scalars) + (P(axis_name),) * len(operands) + (P(),) * len(params_in),
             out_specs=(P(axis_name),) * n_out,
             check_vma=False,
-        )(*scalars, *operands)
+        )(*scalars, *operands, *params_in)
     # Every shard commits on its own; the store's version is the lowest they report.
     return StoreUpdateResult(outs[0], jnp.min(outs[1]), outs[2] if params_bf16 else None)
 
@@ -147,6 +167,8 @@ def store_update_leaves(
     lr: jax.typing.ArrayLike,
     step: jax.typing.ArrayLike,
     staleness: int = 0,
+    params: list[jax.Array] | None = None,
+    adopt: jax.typing.ArrayLike = False,
 ) -> tuple[list[jax.Array], jax.Array]:
     """``store_update`` for a single-shard store, taking the gradient as the params tree's leaves.
 
@@ -158,7 +180,7 @@ def store_update_leaves(
     Args:
       store: an initialized single-shard ``nsp.storage.StateStore``.
       grads: the gradient's leaves in the store layout's order, all float32 or all bfloat16.
-      version, lr, step, staleness: as for ``store_update``.
+      version, lr, step, staleness, params, adopt: as for ``store_update``.
 
     Returns:
       ``(params, version)``: the new params leaves in the gradient's dtype, and the version the store committed.
@@ -186,11 +208,12 @@ def store_update_leaves(
 
     # apply = -1: the handler checks the leaves for NaN/Inf itself (inside the update pass on a two-slot memory
     # store, else a vectorised C++ pass first: both faster than XLA's reduction), and skips the step if any is found.
+    adopt, params_in = _params_operands(params, adopt)
     scalars = [jnp.asarray(lr, jnp.float32), jnp.asarray(step, jnp.int32), jnp.asarray(version, jnp.int32),
-               jnp.int32(0), jnp.int32(-1)]
+               jnp.int32(0), jnp.int32(-1), adopt]
     out_types = [jax.ShapeDtypeStruct((), jnp.int32)] + [jax.ShapeDtypeStruct(g.shape, g.dtype) for g in grads]
     first = len(scalars)
     call = jax.ffi.ffi_call("nsp_store_update_pieces", out_types, has_side_effect=True,
                             input_output_aliases={first + i: 1 + i for i in range(len(grads))})
-    outs = call(*scalars, *grads, **_attrs(store, staleness))
+    outs = call(*scalars, *grads, *params_in, **_attrs(store, staleness))
     return list(outs[1:]), outs[0]
