@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 from nsp.train import data as D
+from nsp.train import token_cache
 from nsp.train.data import Batcher, ByteTokenizer, DataError, load_tokens, split
 
 
@@ -84,7 +85,7 @@ def test_default_corpus_second_load_hits_cache(stdlib_cache, monkeypatch):
     def no_rebuild(*args, **kwargs):
         raise AssertionError("cache was rebuilt")
 
-    monkeypatch.setattr(D, "_build_cache", no_rebuild)
+    monkeypatch.setattr(token_cache, "_build_cache", no_rebuild)
     second = load_tokens(None, cache_dir=cache)
     assert second.info["cache_hit"] is True
     assert second.num_tokens == first.num_tokens
@@ -315,7 +316,7 @@ def _corpus_dir(tmp_path, n=3):
 
 
 def _failing_reader(monkeypatch, fail_on_call, exc=RuntimeError("disk on fire")):
-    real, calls = D._read_bytes, []
+    real, calls = token_cache._read_bytes, []
 
     def reader(path):
         calls.append(path)
@@ -323,7 +324,7 @@ def _failing_reader(monkeypatch, fail_on_call, exc=RuntimeError("disk on fire"))
             raise exc
         return real(path)
 
-    monkeypatch.setattr(D, "_read_bytes", reader)
+    monkeypatch.setattr(token_cache, "_read_bytes", reader)
     return calls
 
 
@@ -358,14 +359,14 @@ def test_killed_build_never_leaves_a_torn_cache(tmp_path):
     root, cache = _corpus_dir(tmp_path, n=4), tmp_path / "cache"
     script = textwrap.dedent(f"""
         import os, signal
-        from nsp.train import data as D
-        real, calls = D._read_bytes, []
+        from nsp.train import data as D, token_cache
+        real, calls = token_cache._read_bytes, []
         def reader(path):
             calls.append(path)
             if len(calls) == 3:
                 os.kill(os.getpid(), signal.SIGKILL)
             return real(path)
-        D._read_bytes = reader
+        token_cache._read_bytes = reader
         D.load_tokens({str(root)!r}, cache_dir={str(cache)!r})
     """)
     proc = subprocess.run([sys.executable, "-c", script], capture_output=True, timeout=60)
