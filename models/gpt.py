@@ -146,31 +146,31 @@ def _divisors_near(n: int, k: int) -> list[int]:
     return sorted(divisors, key=lambda d: (abs(d - k), d))[:2]
 
 
-_GPT2 = dict(vocab_size=50257, block_size=1024, bias=True)
-_GPT3 = dict(vocab_size=50257, block_size=2048, bias=True)
+def _family(sizes: dict[str, tuple[int, int, int]], **shared: Any) -> dict[str, GPTConfig]:
+    """Configs of one model family: ``sizes`` maps a name to its ``(n_layer, n_head, n_embd)``, and every
+    member takes the fields in ``shared`` (vocabulary, context length, bias)."""
+    return {name: GPTConfig(n_layer=n_layer, n_head=n_head, n_embd=n_embd, **shared)
+            for name, (n_layer, n_head, n_embd) in sizes.items()}
+
 
 CONFIGS: dict[str, GPTConfig] = {
     # Byte-level toy sizes. tiny: for tests (~0.12M params, a step takes milliseconds on a CPU).
     "tiny": GPTConfig(vocab_size=256, block_size=64, n_layer=2, n_head=2, n_embd=64),
     # small: the default for a CPU demo training run (~3.3M params).
     "small": GPTConfig(vocab_size=256, block_size=256, n_layer=4, n_head=4, n_embd=256),
-    # GPT-2 (Radford et al. 2019), with the sizes of the released checkpoints.
-    "gpt2-124m": GPTConfig(n_layer=12, n_head=12, n_embd=768, **_GPT2),
-    "gpt2-355m": GPTConfig(n_layer=24, n_head=16, n_embd=1024, **_GPT2),
-    "gpt2-774m": GPTConfig(n_layer=36, n_head=20, n_embd=1280, **_GPT2),
-    "gpt2-1.5b": GPTConfig(n_layer=48, n_head=25, n_embd=1600, **_GPT2),
+    # GPT-2 (Radford et al. 2019), with the sizes of the released checkpoints: (n_layer, n_head, n_embd).
+    **_family({"gpt2-124m": (12, 12, 768), "gpt2-355m": (24, 16, 1024),
+               "gpt2-774m": (36, 20, 1280), "gpt2-1.5b": (48, 25, 1600)},
+              vocab_size=50257, block_size=1024, bias=True),
     # GPT-3 (Brown et al. 2020, Table 2.1), dense attention throughout (the paper alternates dense and locally
     # banded sparse layers; that changes no parameter count). Two rows of the table are inconsistent and are read
     # as d_model = n_head * d_head with the listed d_head = 128: GPT-3 XL lists 24 heads with d_model 2048 (we use
     # 16 heads), GPT-3 13B lists d_model 5140 (we use 5120 = 40 * 128).
-    "gpt3-125m": GPTConfig(n_layer=12, n_head=12, n_embd=768, **_GPT3),
-    "gpt3-350m": GPTConfig(n_layer=24, n_head=16, n_embd=1024, **_GPT3),
-    "gpt3-760m": GPTConfig(n_layer=24, n_head=16, n_embd=1536, **_GPT3),
-    "gpt3-1.3b": GPTConfig(n_layer=24, n_head=16, n_embd=2048, **_GPT3),
-    "gpt3-2.7b": GPTConfig(n_layer=32, n_head=32, n_embd=2560, **_GPT3),
-    "gpt3-6.7b": GPTConfig(n_layer=32, n_head=32, n_embd=4096, **_GPT3),
-    "gpt3-13b": GPTConfig(n_layer=40, n_head=40, n_embd=5120, **_GPT3),
-    "gpt3-175b": GPTConfig(n_layer=96, n_head=96, n_embd=12288, **_GPT3),
+    **_family({"gpt3-125m": (12, 12, 768), "gpt3-350m": (24, 16, 1024),
+               "gpt3-760m": (24, 16, 1536), "gpt3-1.3b": (24, 16, 2048),
+               "gpt3-2.7b": (32, 32, 2560), "gpt3-6.7b": (32, 32, 4096),
+               "gpt3-13b": (40, 40, 5120), "gpt3-175b": (96, 96, 12288)},
+              vocab_size=50257, block_size=2048, bias=True),
 }
 
 
