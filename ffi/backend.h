@@ -9,6 +9,7 @@
 #include <string>
 #include <vector>
 
+#include "read_mode.h"
 #include "update_kernel.h"
 
 namespace nsp {
@@ -103,9 +104,20 @@ class Backend {
 std::unique_ptr<Backend> MakeMemoryBackend(int64_t size, int64_t page_elems, std::vector<bool> states_used,
                                            bool in_place);
 
+// How the file tier moves its pages, as the environment asks (read where a backend is made, never in an update).
+struct FileIoSettings {
+  bool direct_io = true;                 // NSP_NO_DIRECT_IO unset: direct I/O where the file system takes it
+  ReadMode read_mode = ReadMode::kAuto;  // NSP_READ_MODE (read_mode.h)
+  bool direct_writes = true;             // NSP_BUFFERED_WRITES unset: page writes from engine buffers go direct
+  bool rewrite_in_place = true;          // NSP_REPLACE_PAGES unset: a page nothing else shares is rewritten in place
+};
+// Returns "" or an error naming a variable whose value is not one it takes.
+std::string FileIoSettingsFromEnv(FileIoSettings* settings);
+
 // File tier: each page is a zarr v3 chunk file <root>/slot<k>/<state>/c/<page> (raw little-endian fp32, plus a
 // CRC-32C trailer when `checksum`), exactly as tensorstore reads and writes it. A missing page is an error.
-std::unique_ptr<Backend> MakeFileBackend(std::string root, int64_t size, int64_t page_elems, bool checksum);
+std::unique_ptr<Backend> MakeFileBackend(std::string root, int64_t size, int64_t page_elems, bool checksum,
+                                         const FileIoSettings& io);
 
 // Faults for tests and the fault campaign (bench/fault_campaign.py) to put a store through; -1 is off.
 struct FaultPlan {

@@ -1,81 +1,44 @@
-// The file backend: each page a zarr chunk file on a local file system (NVMe/SSD).
+// The file backend: each page a zarr chunk file on a local file system (NVMe/SSD), read and written straight
+// between the engine's page buffers and the disk where the file system allows (O_DIRECT), rewritten in place
+// when nothing else shares it, and checked against the checksum recorded for its place. The page-file
+// primitives it builds on are page_file.h's; which way it reads is read_mode.h's choice.
 #include <fcntl.h>
 #include <sys/stat.h>
 #include <sys/uio.h>
 #include <unistd.h>
 
 #include <atomic>
-#include <chrono>
 #include <cerrno>
-#include <cstdlib>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
-#include <map>
 #include <memory>
 #include <mutex>
 #include <vector>
 
 #include "backend.h"
 #include "crc32c.h"
+#include "page_file.h"
+#include "read_mode.h"
 
 namespace nsp {
 
 namespace {
 
-std::string ErrnoMessage(const std::string& what, const std::string& path) {
-  return what + " " + path + ": " + std::strerror(errno);
-}
-
-std::string MissingPage(const std::string& path) {
-  return "page file " + path + " is missing: the store is damaged (every version holds all its pages)";
-}
-
-// Group commit of syncfs: shards on one file system that commit together (one step, several shards) share a
-// flush instead of each paying for one. A caller takes a ticket once its writes are done; a syncfs that starts
-// after that covers it, so a caller whose ticket an earlier flush already covered returns at once.
-std::string GroupSync(const std::string& dir) {
-  struct Device {
-    std::mutex mu;
-    uint64_t requested = 0;  // tickets handed out
-    uint64_t synced = 0;     // every ticket up to this one is durable
-  };
-  static std::mutex devices_mu;
-  static auto* devices = new std::map<dev_t, std::unique_ptr<Device>>();  // leaked: outlives every shard
-  struct stat st;
-  if (::stat(dir.c_str(), &st) != 0) return ErrnoMessage("cannot stat", dir);
-  Device* device;
-  uint64_t ticket;
-  {
-    std::lock_guard<std::mutex> lock(devices_mu);
-    auto& slot = (*devices)[st.st_dev];
-    if (!slot) slot = std::make_unique<Device>();
-    device = slot.get();
-    ticket = ++device->requested;
-  }
-  std::lock_guard<std::mutex> lock(device->mu);
-  if (device->synced >= ticket) return {};
-  uint64_t covered;
-  {
-    std::lock_guard<std::mutex> count_lock(devices_mu);
-    covered = device->requested;  // every ticket taken so far had its writes done before taking it
-  }
-  const int dirfd = ::open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
-  if (dirfd < 0) return ErrnoMessage("cannot open", dir);
-  const int rc = ::syncfs(dirfd);
-  const int sync_errno = errno;
-  ::close(dirfd);
-  if (rc != 0) {
-    errno = sync_errno;
-    return ErrnoMessage("cannot sync", dir);
-  }
-  device->synced = covered;
-  return {};
-}
+using page_file::kAlign;
+using page_file::RoundUp;
 
 class FileBackend final : public Backend {
  public:
-  FileBackend(std::string root, int64_t size, int64_t page_elems, bool checksum)
-      : root_(std::move(root)), size_(size), page_elems_(page_elems), checksum_(checksum) {
+  FileBackend(std::string root, int64_t size, int64_t page_elems, bool checksum, const FileIoSettings& io)
+      : root_(std::move(root)),
+        size_(size),
+        page_elems_(page_elems),
+        checksum_(checksum),
+        direct_(io.direct_io),
+        read_mode_(io.read_mode),
+        direct_writes_(io.direct_writes),
+        rewrite_in_place_(io.rewrite_in_place) {
     chunk_bytes_ = static_cast<size_t>(page_elems_) * sizeof(float);
     file_bytes_ = chunk_bytes_ + (checksum_ ? 4 : 0);
     // Only a shard's last page is partial; its padding needs these (allocated once, never in the update).
@@ -130,49 +93,17 @@ class FileBackend final : public Backend {
 
   IoCounts Io() const override { return io_.Get(); }
 
-  // Page reads go direct (O_DIRECT: no page-cache copy) or buffered (the kernel's readahead), whichever this
-  // disk does faster: which one wins depends on the device and its driver (a virtual disk served from its host's
-  // cache measured buffered reads up to 2x faster one day and 2x slower another). NSP_READ_MODE=auto (the
-  // default) measures it inside updates: the second and third update (the first is cold) and every kRetry-th
-  // after them read alternate page files each way and time every read, so both ways meet the same disk at the
-  // same moment; the other updates read the way that was faster. NSP_READ_MODE=direct or buffered fixes it.
-  void StreamStarted() override {
-    const bool can_direct = direct_.load() && read_mode_ != kBuffered;
-    calibrating_ = can_direct && read_mode_ == kAuto && streams_ > 0 && (streams_ <= 2 || streams_ % kRetry == 0);
-    for (int m = 0; m < 2; ++m) {
-      calib_ns_[m].store(0);
-      calib_bytes_[m].store(0);
-    }
-    read_direct_.store(can_direct && !buffered_faster_);
-  }
-
-  void StreamFinished(bool ok) override {
-    if (calibrating_ && ok && calib_bytes_[kDirect].load() > 0 && calib_bytes_[kBuffered].load() > 0) {
-      // Each way's time per byte weighs this measurement half and the earlier ones the other half, so that one
-      // disturbed update does not decide alone.
-      for (int m = 0; m < 2; ++m) {
-        const double per_byte = static_cast<double>(calib_ns_[m].load()) / static_cast<double>(calib_bytes_[m].load());
-        ns_per_byte_[m] = ns_per_byte_[m] == 0 ? per_byte : 0.5 * (ns_per_byte_[m] + per_byte);
-      }
-      buffered_faster_ = ns_per_byte_[kBuffered] < ns_per_byte_[kDirect];
-    }
-    calibrating_ = false;
-    read_direct_.store(direct_.load() && read_mode_ != kBuffered && !buffered_faster_);
-    ++streams_;
-  }
+  // The read mode (read_mode.h) decides between updates; a calibrating update times its reads each way.
+  void StreamStarted() override { read_mode_.StreamStarted(direct_.load()); }
+  void StreamFinished(bool ok) override { read_mode_.StreamFinished(ok); }
 
   std::string ReadPageOnce(int slot, int state, int64_t page, float* dst, int64_t n, bool scratch) {
-    if (!calibrating_ || !scratch) return ReadPageAs(read_direct_.load() && scratch, slot, state, page, dst, n, scratch);
-    const bool direct = (page + state) % 2 == 0;
-    const auto start = std::chrono::steady_clock::now();
-    std::string err = ReadPageAs(direct, slot, state, page, dst, n, scratch);
-    const int64_t ns =
-        std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - start).count();
-    if (err.empty()) {
-      calib_ns_[direct ? kDirect : kBuffered].fetch_add(ns);
-      calib_bytes_[direct ? kDirect : kBuffered].fetch_add(static_cast<int64_t>(file_bytes_));
+    if (!read_mode_.calibrating() || !scratch) {
+      return ReadPageAs(read_mode_.PrefersDirect() && scratch, slot, state, page, dst, n, scratch);
     }
-    return err;
+    const bool direct = ReadModeChooser::CalibrationReadsDirect(page, state);
+    return read_mode_.Timed(direct, static_cast<int64_t>(file_bytes_),
+                            [&] { return ReadPageAs(direct, slot, state, page, dst, n, scratch); });
   }
 
   std::string ReadPageAs(bool direct, int slot, int state, int64_t page, float* dst, int64_t n, bool scratch) {
@@ -188,8 +119,8 @@ class FileBackend final : public Backend {
     if (fd < 0) {
       // zarr reads an absent chunk as the fill value, but every version the engine reads had all its pages
       // written: an absent page means a damaged store, never zeros.
-      if (errno == ENOENT) return MissingPage(path);
-      return ErrnoMessage("cannot open", path);
+      if (errno == ENOENT) return page_file::MissingMessage(path);
+      return page_file::ErrnoMessage("cannot open", path);
     }
     // Straight into the caller's buffer, the CRC trailer into a local. An engine page buffer (scratch) has room
     // for the last page's padding too; another buffer's padding goes to a side buffer, one reader at a time (only
@@ -206,16 +137,13 @@ class FileBackend final : public Backend {
     iovec iov[3] = {{dst, data_bytes}, {pad, pad_bytes}, {&stored_crc, checksum_ ? 4u : 0u}};
     const ssize_t got = ReadFullV(fd, iov, 3);
     const int read_errno = errno;
-    DropFromCache(fd);  // the state is bigger than RAM by design: don't cache it
+    page_file::DropFromCache(fd, file_bytes_);  // the state is bigger than RAM by design: don't cache it
     ::close(fd);
     if (got < 0) {
       errno = read_errno;
-      return ErrnoMessage("cannot read", path);
+      return page_file::ErrnoMessage("cannot read", path);
     }
-    if (static_cast<size_t>(got) != file_bytes_) {
-      return "page file " + path + " is truncated: " + std::to_string(got) + " bytes, expected " +
-             std::to_string(file_bytes_);
-    }
+    if (static_cast<size_t>(got) != file_bytes_) return page_file::TruncatedMessage(path, got, file_bytes_);
     if (checksum_ && Crc32cExtend(Crc32c(dst, data_bytes), pad, pad_bytes) != stored_crc) {
       return CorruptMessage(state, page, path);
     }
@@ -247,13 +175,13 @@ class FileBackend final : public Backend {
       return err;
     }
     const int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
-    if (fd < 0) return ErrnoMessage("cannot create", tmp);
+    if (fd < 0) return page_file::ErrnoMessage("cannot create", tmp);
     if (std::string err = WriteAndClose(fd, iov, tmp); !err.empty()) {
       ::unlink(tmp.c_str());
       return err;
     }
     if (::rename(tmp.c_str(), path.c_str()) != 0) {
-      const std::string err = ErrnoMessage("cannot rename into", path);
+      const std::string err = page_file::ErrnoMessage("cannot rename into", path);
       ::unlink(tmp.c_str());
       return err;
     }
@@ -273,7 +201,7 @@ class FileBackend final : public Backend {
     const bool closed = ::close(fd) == 0;
     if (complete && closed) return {};
     errno = !complete ? (put < 0 ? write_errno : ENOSPC) : errno;
-    return ErrnoMessage("cannot write", path);
+    return page_file::ErrnoMessage("cannot write", path);
   }
 
   // Rewrites an existing page file in place when nothing else shares it: a file of the right size with one
@@ -304,7 +232,7 @@ class FileBackend final : public Backend {
         direct_.store(false);
         return false;
       }
-      *err = errno == ENOENT ? MissingPage(path) : ErrnoMessage("cannot open", path);
+      *err = errno == ENOENT ? page_file::MissingMessage(path) : page_file::ErrnoMessage("cannot open", path);
       return true;
     }
     iovec iov{dst, RoundUp(file_bytes_)};
@@ -313,10 +241,9 @@ class FileBackend final : public Backend {
     ::close(fd);
     if (got < 0) {
       errno = read_errno;
-      *err = ErrnoMessage("cannot read", path);
+      *err = page_file::ErrnoMessage("cannot read", path);
     } else if (static_cast<size_t>(got) != file_bytes_) {
-      *err = "page file " + path + " is truncated: " + std::to_string(got) + " bytes, expected " +
-             std::to_string(file_bytes_);
+      *err = page_file::TruncatedMessage(path, got, file_bytes_);
     } else if (checksum_) {
       uint32_t stored;
       std::memcpy(&stored, reinterpret_cast<char*>(dst) + chunk_bytes_, 4);
@@ -344,7 +271,7 @@ class FileBackend final : public Backend {
         direct_.store(false);
         return false;
       }
-      *err = ErrnoMessage("cannot create", tmp);
+      *err = page_file::ErrnoMessage("cannot create", tmp);
       return true;
     }
     iovec iov{bytes, total};
@@ -360,11 +287,11 @@ class FileBackend final : public Backend {
     if (!ok) {
       ::unlink(tmp.c_str());
       errno = put >= 0 && put < static_cast<ssize_t>(total) ? ENOSPC : write_errno;
-      *err = ErrnoMessage("cannot write", tmp);
+      *err = page_file::ErrnoMessage("cannot write", tmp);
       return true;
     }
     if (::rename(tmp.c_str(), path.c_str()) != 0) {
-      *err = ErrnoMessage("cannot rename into", path);
+      *err = page_file::ErrnoMessage("cannot rename into", path);
       ::unlink(tmp.c_str());
       return true;
     }
@@ -409,7 +336,7 @@ class FileBackend final : public Backend {
     }
     if (!ok) {  // the slot holds an uncommitted version: a half-written page of it harms nobody
       errno = write_errno;
-      *err = ErrnoMessage("cannot write", path);
+      *err = page_file::ErrnoMessage("cannot write", path);
       return true;
     }
     std::lock_guard<std::mutex> lock(written_mu_);
@@ -425,12 +352,12 @@ class FileBackend final : public Backend {
     }
     if (paths.empty()) return {};
     // One pass per commit: flush the whole file system the shard lives on (data and the renames' metadata).
-    if (std::string err = GroupSync(root_); !err.empty()) return err;
+    if (std::string err = page_file::GroupSync(root_); !err.empty()) return err;
     for (const Written& w : paths) {  // buffered writes are clean now: drop them from the page cache
       if (!w.cached) continue;
       const int fd = ::open(w.path.c_str(), O_RDONLY | O_CLOEXEC);
       if (fd >= 0) {
-        DropFromCache(fd);
+        page_file::DropFromCache(fd, file_bytes_);
         ::close(fd);
       }
     }
@@ -438,18 +365,6 @@ class FileBackend final : public Backend {
   }
 
  private:
-  static constexpr size_t kAlign = 4096;  // O_DIRECT alignment of buffers, offsets and sizes
-  static size_t RoundUp(size_t bytes) { return (bytes + kAlign - 1) / kAlign * kAlign; }
-
-  // Drops a page file from the page cache, except its last, partial block (the checksum trailer): rewriting
-  // that block in place would otherwise read it back from disk first, one small synchronous read per page
-  // file queued behind the update's page reads (it tripled the writer's time here). Kept, it costs 4 KiB of
-  // cache per page file.
-  void DropFromCache(int fd) const {
-    const off_t whole_blocks = static_cast<off_t>(file_bytes_ / kAlign * kAlign);
-    if (whole_blocks > 0) ::posix_fadvise(fd, 0, whole_blocks, POSIX_FADV_DONTNEED);
-  }
-
   // What each page of each slot must hold: the CRC-32C written there (by this process, or read from the
   // committed manifest). The page file's own trailer stays the plain data CRC tensorstore reads; this table ties
   // it to its place, so that a valid page of the other slot (another version), another page, shard or store
@@ -489,39 +404,15 @@ class FileBackend final : public Backend {
     return root_ + "/slot" + std::to_string(slot) + "/" + StateName(state) + "/c/" + std::to_string(page);
   }
 
-  // Reads or writes all of `iov`, retrying short transfers; returns the bytes moved, or -1 on error.
-  template <typename Op>
-  static ssize_t TransferV(Op op, int fd, iovec* iov, int count) {
-    size_t done = 0;
-    int first = 0;
-    while (first < count) {
-      if (iov[first].iov_len == 0) {
-        ++first;
-        continue;
-      }
-      const ssize_t r = op(fd, iov + first, count - first);
-      if (r < 0 && errno == EINTR) continue;
-      if (r < 0) return -1;
-      if (r == 0) break;
-      done += static_cast<size_t>(r);
-      size_t left = static_cast<size_t>(r);
-      while (first < count && left >= iov[first].iov_len) left -= iov[first++].iov_len;
-      if (left > 0) {
-        iov[first].iov_base = static_cast<char*>(iov[first].iov_base) + left;
-        iov[first].iov_len -= left;
-      }
-    }
-    return static_cast<ssize_t>(done);
-  }
   // Every page read and write goes through these two, which count what each call moved (its return value):
   // the internal link's traffic as the kernel saw it, not sizes multiplied out.
   ssize_t ReadFullV(int fd, iovec* iov, int count) {
-    const ssize_t got = TransferV(::readv, fd, iov, count);
+    const ssize_t got = page_file::ReadAll(fd, iov, count);
     if (got > 0) io_.read_bytes.fetch_add(got, std::memory_order_relaxed);
     return got;
   }
   ssize_t WriteFullV(int fd, iovec* iov, int count) {
-    const ssize_t put = TransferV([](int f, const iovec* v, int c) { return ::writev(f, v, c); }, fd, iov, count);
+    const ssize_t put = page_file::WriteAll(fd, iov, count);
     if (put > 0) io_.write_bytes.fetch_add(put, std::memory_order_relaxed);
     return put;
   }
@@ -534,25 +425,10 @@ class FileBackend final : public Backend {
   std::vector<char> zeros_;     // written as the last page's padding
   std::vector<char> read_pad_;  // the last page's padding on buffered reads into a caller's array (read_mu_)
   std::mutex read_mu_;
-  std::atomic<bool> direct_{std::getenv("NSP_NO_DIRECT_IO") == nullptr};
-  // Read-mode choice (StreamStarted): the setting, each way's measured time per byte, and the current choice.
-  enum ReadMode { kDirect = 0, kBuffered = 1, kAuto = 2 };
-  static constexpr int64_t kRetry = 32;
-  static ReadMode ReadModeSetting() {
-    const char* env = std::getenv("NSP_READ_MODE");
-    const std::string mode = env == nullptr ? "auto" : env;
-    return mode == "direct" ? kDirect : mode == "buffered" ? kBuffered : kAuto;
-  }
-  const ReadMode read_mode_ = ReadModeSetting();
-  int64_t streams_ = 0;
-  bool calibrating_ = false;  // set and cleared between streams, read by the readers during one
-  bool buffered_faster_ = false;
-  double ns_per_byte_[2] = {0, 0};
-  std::atomic<int64_t> calib_ns_[2] = {0, 0}, calib_bytes_[2] = {0, 0};
-  std::atomic<bool> read_direct_{ReadModeSetting() != kBuffered};
-  const bool direct_writes_ = std::getenv("NSP_BUFFERED_WRITES") == nullptr;
-  // NSP_REPLACE_PAGES=1 replaces every page (temporary file + rename), even one nothing else shares.
-  const bool rewrite_in_place_ = std::getenv("NSP_REPLACE_PAGES") == nullptr;
+  std::atomic<bool> direct_;  // direct I/O is on, and the file system has not refused it
+  ReadModeChooser read_mode_;
+  const bool direct_writes_;
+  const bool rewrite_in_place_;
   struct Written {
     std::string path;
     bool cached;  // written through the page cache (to be dropped from it after the sync)
@@ -563,8 +439,16 @@ class FileBackend final : public Backend {
 
 }  // namespace
 
-std::unique_ptr<Backend> MakeFileBackend(std::string root, int64_t size, int64_t page_elems, bool checksum) {
-  return std::make_unique<FileBackend>(std::move(root), size, page_elems, checksum);
+std::string FileIoSettingsFromEnv(FileIoSettings* settings) {
+  settings->direct_io = std::getenv("NSP_NO_DIRECT_IO") == nullptr;
+  settings->direct_writes = std::getenv("NSP_BUFFERED_WRITES") == nullptr;
+  settings->rewrite_in_place = std::getenv("NSP_REPLACE_PAGES") == nullptr;
+  return ReadModeFromEnv(&settings->read_mode);
+}
+
+std::unique_ptr<Backend> MakeFileBackend(std::string root, int64_t size, int64_t page_elems, bool checksum,
+                                         const FileIoSettings& io) {
+  return std::make_unique<FileBackend>(std::move(root), size, page_elems, checksum, io);
 }
 
 }  // namespace nsp

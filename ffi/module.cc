@@ -53,6 +53,18 @@ void Check(const std::string& err) {
   if (!err.empty()) throw std::runtime_error(err);
 }
 
+// Runs `call` (returns "" or an error) without the GIL, for engine work that may wait on the disk or on a
+// background step, then raises its error.
+template <typename Call>
+void CheckWithoutGil(Call&& call) {
+  std::string err;
+  {
+    nb::gil_scoped_release release;
+    err = call();
+  }
+  Check(err);
+}
+
 void CheckSlotState(int slot, int state) {
   if (slot < 0 || slot > 1 || state < 0 || state >= nsp::kNumStates) {
     throw nb::value_error(("no slot " + std::to_string(slot) + " / state " + std::to_string(state)).c_str());
@@ -89,9 +101,12 @@ std::unique_ptr<nsp::Backend> MakeBackend(const std::string& tier, const std::st
     return nsp::MakeMemoryBackend(size, page_elems, std::vector<bool>(used.begin(), used.end()), in_place);
   }
   if (tier == "file") {
-    // Fault injection (tests, bench/fault_campaign.py) wraps the file tier, whose page writes and commits are
-    // the ones a full disk or a crash interrupts; its variables are read here, once per engine.
-    std::unique_ptr<nsp::Backend> backend = nsp::MakeFileBackend(root, size, page_elems, checksum);
+    // The file tier's I/O settings and its fault injection (tests, bench/fault_campaign.py: it wraps the file
+    // tier, whose page writes and commits are the ones a full disk or a crash interrupts) come from environment
+    // variables, read here, once per engine: a value the tier does not take fails the store's opening.
+    nsp::FileIoSettings io;
+    if (std::string err = nsp::FileIoSettingsFromEnv(&io); !err.empty()) throw nb::value_error(err.c_str());
+    std::unique_ptr<nsp::Backend> backend = nsp::MakeFileBackend(root, size, page_elems, checksum, io);
     const nsp::FaultPlan faults = nsp::FaultPlanFromEnv();
     return faults.any() ? nsp::MakeFaultInjectingBackend(std::move(backend), faults) : std::move(backend);
   }
@@ -174,6 +189,34 @@ nsp::ShardUpdate MakeUpdate(const nsp::ShardEngine& e, const nsp::UpdateHyperPar
   return u;
 }
 
+// An engine method that runs one update given as Python arguments: its own leading arguments, then lr, step,
+// hyper, the gradient and the outputs (MakeUpdate). `run(engine, update, leading...)` runs it without the GIL
+// and returns "" or an error; `op` names the method in hyperparameter errors.
+template <typename... Leading, typename Run>
+auto UpdateMethod(const char* op, Run run) {
+  return [op, run](EngineRef& ref, Leading... leading, float lr, int64_t step, const nb::dict& hyper,
+                   std::optional<F32In> grad, std::optional<U16In> grad_bf16, std::optional<I32In> indices,
+                   std::optional<F32In> values, std::optional<U16In> values_bf16,
+                   std::optional<F32Array> params_out, std::optional<U16Array> params_bf16_out) {
+    nsp::ShardEngine& e = ref.get();
+    nsp::ShardUpdate u = MakeUpdate(e, HyperParamsFromDict(op, hyper, lr, step), grad, grad_bf16, indices, values,
+                                    values_bf16, params_out, params_bf16_out);
+    CheckWithoutGil([&] { return run(e, u, leading...); });
+  };
+}
+
+// Defines an UpdateMethod on the ShardEngine class: the names of its leading arguments, then those every update
+// method takes (the gradient and the outputs optional, by keyword).
+template <typename Method, typename... LeadingNames>
+void DefUpdateMethod(nb::class_<EngineRef>& cls, const char* name, Method method, const char* doc,
+                     LeadingNames... leading) {
+  cls.def(name, method, leading..., nb::arg("lr"), nb::arg("step"), nb::arg("hyper"),
+          nb::arg("grad").none() = nb::none(), nb::arg("grad_bf16").none() = nb::none(),
+          nb::arg("indices").none() = nb::none(), nb::arg("values").none() = nb::none(),
+          nb::arg("values_bf16").none() = nb::none(), nb::arg("params_out").none() = nb::none(),
+          nb::arg("params_bf16_out").none() = nb::none(), doc);
+}
+
 }  // namespace
 
 NB_MODULE(_nsp_ffi, m) {
@@ -221,7 +264,8 @@ NB_MODULE(_nsp_ffi, m) {
         nsp::SetNumThreads(n);
       },
       nb::arg("n"), "Sets the threads the update kernels use.");
-  nb::class_<EngineRef>(m, "ShardEngine")
+  nb::class_<EngineRef> engine(m, "ShardEngine");
+  engine
       .def("__init__",
            [](EngineRef* self, const std::string& tier, const std::string& root, int64_t size, int64_t page_elems,
               int pages_in_flight, std::array<bool, nsp::kNumStates> used, bool checksum, bool in_place) {
@@ -231,71 +275,28 @@ NB_MODULE(_nsp_ffi, m) {
            },
            nb::arg("tier"), nb::arg("root"), nb::arg("size"), nb::arg("page_elems"), nb::arg("pages_in_flight"),
            nb::arg("states_used"), nb::arg("checksum"), nb::arg("in_place") = false)
-      .def(
-          "update",
-          [](EngineRef& ref, int src_slot, int dst_slot, float lr, int64_t step, const nb::dict& hyper,
-             std::optional<F32In> grad, std::optional<U16In> grad_bf16, std::optional<I32In> indices,
-             std::optional<F32In> values, std::optional<U16In> values_bf16, std::optional<F32Array> params_out,
-             std::optional<U16Array> params_bf16_out) {
-            nsp::ShardEngine& e = ref.get();
-            // One update between two given slots, uncommitted (the benchmarks' diagnostics drive the engine so).
-            nsp::ShardUpdate u = MakeUpdate(e, HyperParamsFromDict("ShardEngine.update", hyper, lr, step), grad,
-                                            grad_bf16, indices, values, values_bf16, params_out, params_bf16_out);
-            u.src_slot = src_slot;
-            u.dst_slot = dst_slot;
-            std::string err;
-            {
-              nb::gil_scoped_release release;
-              err = e.Update(u);
-            }
-            Check(err);
-          },
-          nb::arg("src_slot"), nb::arg("dst_slot"), nb::arg("lr"), nb::arg("step"), nb::arg("hyper"),
-          nb::arg("grad").none() = nb::none(), nb::arg("grad_bf16").none() = nb::none(),
-          nb::arg("indices").none() = nb::none(), nb::arg("values").none() = nb::none(),
-          nb::arg("values_bf16").none() = nb::none(), nb::arg("params_out").none() = nb::none(),
-          nb::arg("params_bf16_out").none() = nb::none())
       .def("sync",
            [](EngineRef& ref, int slot) {
              nsp::ShardEngine& e = ref.get();
-             std::string err;
-             {
-               nb::gil_scoped_release release;
-               err = e.Sync(slot);
-             }
-             Check(err);
+             CheckWithoutGil([&] { return e.Sync(slot); });
            })
       .def("read_state",
            [](EngineRef& ref, int slot, int state, F32Array out) {
              nsp::ShardEngine& e = ref.get();
              CheckLength("out", out, e.size());
-             std::string err;
-             {
-               nb::gil_scoped_release release;
-               err = e.ReadState(slot, state, out.data());
-             }
-             Check(err);
+             CheckWithoutGil([&] { return e.ReadState(slot, state, out.data()); });
            })
       .def("write_state",
            [](EngineRef& ref, int slot, int state, F32In in) {
              nsp::ShardEngine& e = ref.get();
              CheckLength("in", in, e.size());
-             std::string err;
-             {
-               nb::gil_scoped_release release;
-               err = e.WriteState(slot, state, in.data());
-             }
-             Check(err);
+             CheckWithoutGil([&] { return e.WriteState(slot, state, in.data()); });
            })
       .def("write_pages",
            [](EngineRef& ref, int slot, int state, int64_t first_page, F32In in) {
              nsp::ShardEngine& e = ref.get();
-             std::string err;
-             {
-               nb::gil_scoped_release release;
-               err = e.WritePages(slot, state, first_page, in.data(), static_cast<int64_t>(in.shape(0)));
-             }
-             Check(err);
+             CheckWithoutGil(
+                 [&] { return e.WritePages(slot, state, first_page, in.data(), static_cast<int64_t>(in.shape(0))); });
            },
            "Writes whole pages of a state starting at `first_page` (initialisation a page at a time).")
       .def("stats",
@@ -317,54 +318,22 @@ NB_MODULE(_nsp_ffi, m) {
              d["params_adopted"] = s.params_adopted;
              return d;
            })
-      .def("step",
-           [](EngineRef& ref, int64_t version, float lr, int64_t step, const nb::dict& hyper,
-              std::optional<F32In> grad, std::optional<U16In> grad_bf16, std::optional<I32In> indices,
-              std::optional<F32In> values, std::optional<U16In> values_bf16, std::optional<F32Array> params_out,
-              std::optional<U16Array> params_bf16_out) {
-             nsp::ShardEngine& e = ref.get();
-             nsp::ShardUpdate u = MakeUpdate(e, HyperParamsFromDict("ShardEngine.step", hyper, lr, step), grad,
-                                             grad_bf16, indices, values, values_bf16, params_out, params_bf16_out);
-             std::string err;
-             {
-               nb::gil_scoped_release release;
-               err = e.Step(u, version);
-             }
-             Check(err);
-           },
-           nb::arg("version"), nb::arg("lr"), nb::arg("step"), nb::arg("hyper"),
-           nb::arg("grad").none() = nb::none(), nb::arg("grad_bf16").none() = nb::none(),
-           nb::arg("indices").none() = nb::none(), nb::arg("values").none() = nb::none(),
-           nb::arg("values_bf16").none() = nb::none(), nb::arg("params_out").none() = nb::none(),
-           nb::arg("params_bf16_out").none() = nb::none(),
-           "Reads `version`, writes, syncs and commits version + 1 (a replay of the one before is allowed).\n"
-           "`hyper`: the hyperparameters other than lr and step, one dict (nsp.primitives.hyper_attrs).")
       .def("wait",
            [](EngineRef& ref) {
              nsp::ShardEngine& e = ref.get();
-             std::string err;
-             {
-               nb::gil_scoped_release release;
-               err = e.Wait();
-             }
-             Check(err);
+             CheckWithoutGil([&] { return e.Wait(); });
            },
            "Waits for a background (staleness 1) step; raises its error.")
       .def(
           "skip",
           [](EngineRef& ref, int64_t version, std::optional<F32Array> params_out) {
-             nsp::ShardEngine& e = ref.get();
+            nsp::ShardEngine& e = ref.get();
             nsp::ShardUpdate u;
             if (params_out) {
               CheckLength("params_out", *params_out, e.size());
               u.params_out = params_out->data();
             }
-            std::string err;
-            {
-              nb::gil_scoped_release release;
-              err = e.Skip(u, version);
-            }
-            Check(err);
+            CheckWithoutGil([&] { return e.Skip(u, version); });
           },
           nb::arg("version"), nb::arg("params_out").none() = nb::none(),
           "Skips a step (non-finite gradient): the store stays at `version`; its params go to params_out.")
@@ -372,7 +341,7 @@ NB_MODULE(_nsp_ffi, m) {
       .def(
           "verify",
           [](EngineRef& ref, int slot, int state) {
-             nsp::ShardEngine& e = ref.get();
+            nsp::ShardEngine& e = ref.get();
             nb::gil_scoped_release release;
             return e.Verify(slot, state);
           },
@@ -402,13 +371,8 @@ NB_MODULE(_nsp_ffi, m) {
       .def(
           "commit",
           [](EngineRef& ref, int64_t version) {
-             nsp::ShardEngine& e = ref.get();
-            std::string err;
-            {
-              nb::gil_scoped_release release;
-              err = e.Commit(version);
-            }
-            Check(err);
+            nsp::ShardEngine& e = ref.get();
+            CheckWithoutGil([&] { return e.Commit(version); });
           },
           nb::arg("version"))
       .def("register", [](EngineRef& ref) { return nsp::RegisterEngine(ref.engine_or_throw()); },
@@ -427,8 +391,25 @@ NB_MODULE(_nsp_ffi, m) {
       .def_prop_ro("num_pages", [](EngineRef& ref) { return ref.get().num_pages(); })
       .def_prop_ro("pages_in_flight", [](EngineRef& ref) { return ref.get().pages_in_flight(); })
       .def_prop_ro("size", [](EngineRef& ref) { return ref.get().size(); })
-      .def_prop_ro("backend", [](EngineRef& ref) {
-             nsp::ShardEngine& e = ref.get(); return e.backend().name(); });
+      .def_prop_ro("backend", [](EngineRef& ref) { return ref.get().backend().name(); });
+  DefUpdateMethod(engine, "update",
+                  UpdateMethod<int, int>("ShardEngine.update",
+                                         [](nsp::ShardEngine& e, nsp::ShardUpdate& u, int src_slot, int dst_slot) {
+                                           u.src_slot = src_slot;
+                                           u.dst_slot = dst_slot;
+                                           return e.Update(u);
+                                         }),
+                  "One update from `src_slot` into `dst_slot`, not committed (the benchmarks' diagnostics drive the "
+                  "engine so).",
+                  nb::arg("src_slot"), nb::arg("dst_slot"));
+  DefUpdateMethod(engine, "step",
+                  UpdateMethod<int64_t>("ShardEngine.step",
+                                        [](nsp::ShardEngine& e, nsp::ShardUpdate& u, int64_t version) {
+                                          return e.Step(u, version);
+                                        }),
+                  "Reads `version`, writes, syncs and commits version + 1 (a replay of the one before is allowed).\n"
+                  "`hyper`: the hyperparameters other than lr and step, one dict (nsp.primitives.hyper_attrs).",
+                  nb::arg("version"));
 
   m.def(
       "stream_roofline",

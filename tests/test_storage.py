@@ -736,6 +736,25 @@ def test_read_mode_picks_direct_or_buffered_reads_per_update(tmp_path, monkeypat
         assert direct_per_update[3] == direct_per_update[4] and direct_per_update[3] in (0, pages)
 
 
+def test_unknown_read_mode_fails_where_the_file_tier_is_opened(tmp_path, monkeypatch):
+    """NSP_READ_MODE takes auto, direct or buffered: any other value fails where the file tier's engines are made
+    (opening a store that holds state, or giving a new one its state), naming the variable, its value and the
+    valid choices, instead of reading as auto."""
+    message = r"NSP_READ_MODE='fastest' is not one of auto, direct, buffered"
+    with open_store(tmp_path, "file") as store:
+        store.initialize(make_params(), SPECS["adam"])
+    monkeypatch.setenv("NSP_READ_MODE", "fastest")
+    with pytest.raises(ValueError, match=message):
+        storage.open(tmp_path / "store")
+    (tmp_path / "new").mkdir()
+    with open_store(tmp_path / "new", "file") as store:
+        with pytest.raises(ValueError, match=message):
+            store.initialize(make_params(), SPECS["adam"])
+    monkeypatch.setenv("NSP_READ_MODE", "")  # empty reads as unset: auto
+    with storage.open(tmp_path / "store") as store:
+        assert store.verify()["problems"] == []
+
+
 def _crc32c_reference(data: bytes) -> int:
     """Bit-at-a-time CRC-32C (reflected Castagnoli polynomial), straight from its definition."""
     crc = 0xFFFFFFFF
