@@ -1,5 +1,5 @@
-// Pieces shared by the XLA FFI handlers: errors named after the op, gradient dtypes, and the hyperparameter
-// dictionary every update takes (one attribute, `hyper`) with its decoding.
+// Pieces shared by the XLA FFI handlers: errors named after the op, gradient dtypes, the optional bf16 params
+// result, and the hyperparameter dictionary every update takes (one attribute, `hyper`) with its decoding.
 #pragma once
 
 #include <cstdint>
@@ -26,6 +26,20 @@ inline ffi::ErrorOr<GradType> GradTypeOf(const char* op, const ffi::AnyBuffer& b
     case ffi::DataType::BF16: return GradType::kBF16;
     default: return ffi::Unexpected(Invalid(op, "gradients must be float32 or bfloat16"));
   }
+}
+
+// The optional bf16 copy of the new params, result `index` among `rets`: null when the call has none, else its
+// data, which must be bfloat16 with `n` elements (`error` says so otherwise).
+inline ffi::ErrorOr<uint16_t*> OptionalBf16Result(const char* op, const ffi::RemainingRets& rets, size_t index,
+                                                  int64_t n, const char* error) {
+  if (rets.size() <= index) return static_cast<uint16_t*>(nullptr);
+  auto result = rets.get<ffi::AnyBuffer>(index);
+  if (result.has_error()) return ffi::Unexpected(result.error());
+  ffi::AnyBuffer out = **result;
+  if (out.element_type() != ffi::DataType::BF16 || static_cast<int64_t>(out.element_count()) != n) {
+    return ffi::Unexpected(Invalid(op, error));
+  }
+  return static_cast<uint16_t*>(out.untyped_data());
 }
 
 // What an attribute holds, for error messages: the first of a few types it decodes as.

@@ -20,7 +20,7 @@ namespace {
 
 constexpr char kOp[] = "nsp.fused_update";
 
-ffi::Error InvalidArgument(const std::string& message) { return ffi_common::Invalid(kOp, message); }
+using ffi_common::Invalid;
 
 struct Prepared {
   UpdateHyperParams hp;
@@ -41,7 +41,7 @@ ffi::ErrorOr<Prepared> Prepare(ffi::Buffer<ffi::F32> lr, ffi::Buffer<ffi::S32> s
 
   const int64_t n = static_cast<int64_t>(param.element_count());
   if (static_cast<int64_t>(param_out->element_count()) != n) {
-    return ffi::Unexpected(InvalidArgument("param result size does not match param"));
+    return ffi::Unexpected(Invalid(kOp, "param result size does not match param"));
   }
   StateSpan& s = out.span;
   s.size = n;
@@ -49,27 +49,22 @@ ffi::ErrorOr<Prepared> Prepare(ffi::Buffer<ffi::F32> lr, ffi::Buffer<ffi::S32> s
   s.param_out = param_out->typed_data();
   if (UsesMu(hp)) {
     if (static_cast<int64_t>(mu.element_count()) != n || static_cast<int64_t>(mu_out->element_count()) != n) {
-      return ffi::Unexpected(InvalidArgument("mu must have as many elements as param"));
+      return ffi::Unexpected(Invalid(kOp, "mu must have as many elements as param"));
     }
     s.mu_in = mu.typed_data();
     s.mu_out = mu_out->typed_data();
   }
   if (UsesNu(hp)) {
     if (static_cast<int64_t>(nu.element_count()) != n || static_cast<int64_t>(nu_out->element_count()) != n) {
-      return ffi::Unexpected(InvalidArgument("nu must have as many elements as param"));
+      return ffi::Unexpected(Invalid(kOp, "nu must have as many elements as param"));
     }
     s.nu_in = nu.typed_data();
     s.nu_out = nu_out->typed_data();
   }
-  if (extra.size() > 0) {
-    auto bf16 = extra.get<ffi::AnyBuffer>(0);
-    if (bf16.has_error()) return ffi::Unexpected(bf16.error());
-    ffi::AnyBuffer out16 = **bf16;
-    if (out16.element_type() != ffi::DataType::BF16 || static_cast<int64_t>(out16.element_count()) != n) {
-      return ffi::Unexpected(InvalidArgument("the bf16 param copy must be bfloat16 with as many elements as param"));
-    }
-    s.param_bf16_out = static_cast<uint16_t*>(out16.untyped_data());
-  }
+  auto bf16 = ffi_common::OptionalBf16Result(kOp, extra, 0, n,
+                                             "the bf16 param copy must be bfloat16 with as many elements as param");
+  if (bf16.has_error()) return ffi::Unexpected(bf16.error());
+  s.param_bf16_out = *bf16;
   return out;
 }
 
@@ -82,7 +77,7 @@ ffi::Error DenseImpl(ffi::Buffer<ffi::F32> lr, ffi::Buffer<ffi::S32> step, ffi::
   auto grad_type = ffi_common::GradTypeOf(kOp, grad);
   if (grad_type.has_error()) return grad_type.error();
   if (static_cast<int64_t>(grad.element_count()) != prepared->span.size) {
-    return InvalidArgument("grad must have as many elements as param");
+    return Invalid(kOp, "grad must have as many elements as param");
   }
   const EngineCpuScope cpus;  // NSP_ENGINE_CPUS
   UpdateDense(prepared->hp, prepared->span, grad.untyped_data(), *grad_type);
@@ -100,43 +95,46 @@ ffi::Error SparseImpl(ffi::Buffer<ffi::F32> lr, ffi::Buffer<ffi::S32> step, ffi:
   if (value_type.has_error()) return value_type.error();
   const int64_t count = static_cast<int64_t>(indices.element_count());
   if (static_cast<int64_t>(values.element_count()) != count) {
-    return InvalidArgument("values and indices must have the same length");
+    return Invalid(kOp, "values and indices must have the same length");
   }
   // Checked in full before anything is written: a bad index must not leave a half-updated state behind.
   if (std::string err = ValidateSparseIndices(indices.typed_data(), count, prepared->span.size); !err.empty()) {
-    return InvalidArgument(err);
+    return Invalid(kOp, err);
   }
   const EngineCpuScope cpus;  // NSP_ENGINE_CPUS
   UpdateSparse(prepared->hp, prepared->span, indices.typed_data(), values.untyped_data(), *value_type, count);
   return ffi::Error::Success();
 }
 
+// The operands before the gradient: lr, step, param.
+template <typename Binding>
+auto LeadingArgs(Binding binding) {
+  return std::move(binding)
+      .template Arg<ffi::Buffer<ffi::F32>>()   // lr
+      .template Arg<ffi::Buffer<ffi::S32>>()   // step
+      .template Arg<ffi::Buffer<ffi::F32>>();  // param
+}
+
+// The operands after the gradient (mu, nu), the results, and the hyperparameter attribute.
+template <typename Binding>
+auto StateArgsAndResults(Binding binding) {
+  return ffi_common::WithHyperParamAttr(std::move(binding)
+                                            .template Arg<ffi::Buffer<ffi::F32>>()  // mu
+                                            .template Arg<ffi::Buffer<ffi::F32>>()  // nu
+                                            .template Ret<ffi::Buffer<ffi::F32>>()  // param
+                                            .template Ret<ffi::Buffer<ffi::F32>>()  // mu
+                                            .template Ret<ffi::Buffer<ffi::F32>>()  // nu
+                                            .RemainingRets());                      // [param_bf16]
+}
+
 }  // namespace
 }  // namespace nsp
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(NspFusedUpdateDense, nsp::DenseImpl,
-                              nsp::ffi_common::WithHyperParamAttr(xla::ffi::Ffi::Bind()
-                                                .Arg<xla::ffi::Buffer<xla::ffi::F32>>()  // lr
-                                                .Arg<xla::ffi::Buffer<xla::ffi::S32>>()  // step
-                                                .Arg<xla::ffi::Buffer<xla::ffi::F32>>()  // param
-                                                .Arg<xla::ffi::AnyBuffer>()              // grad
-                                                .Arg<xla::ffi::Buffer<xla::ffi::F32>>()  // mu
-                                                .Arg<xla::ffi::Buffer<xla::ffi::F32>>()  // nu
-                                                .Ret<xla::ffi::Buffer<xla::ffi::F32>>()  // param
-                                                .Ret<xla::ffi::Buffer<xla::ffi::F32>>()  // mu
-                                                .Ret<xla::ffi::Buffer<xla::ffi::F32>>()  // nu
-                                                .RemainingRets()));                      // [param_bf16]
+                              nsp::StateArgsAndResults(nsp::LeadingArgs(xla::ffi::Ffi::Bind())
+                                                           .Arg<xla::ffi::AnyBuffer>()));  // grad
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(NspFusedUpdateSparse, nsp::SparseImpl,
-                              nsp::ffi_common::WithHyperParamAttr(xla::ffi::Ffi::Bind()
-                                                .Arg<xla::ffi::Buffer<xla::ffi::F32>>()  // lr
-                                                .Arg<xla::ffi::Buffer<xla::ffi::S32>>()  // step
-                                                .Arg<xla::ffi::Buffer<xla::ffi::F32>>()  // param
-                                                .Arg<xla::ffi::AnyBuffer>()              // values
-                                                .Arg<xla::ffi::Buffer<xla::ffi::S32>>()  // indices
-                                                .Arg<xla::ffi::Buffer<xla::ffi::F32>>()  // mu
-                                                .Arg<xla::ffi::Buffer<xla::ffi::F32>>()  // nu
-                                                .Ret<xla::ffi::Buffer<xla::ffi::F32>>()  // param
-                                                .Ret<xla::ffi::Buffer<xla::ffi::F32>>()  // mu
-                                                .Ret<xla::ffi::Buffer<xla::ffi::F32>>()  // nu
-                                                .RemainingRets()));                      // [param_bf16]
+                              nsp::StateArgsAndResults(nsp::LeadingArgs(xla::ffi::Ffi::Bind())
+                                                           .Arg<xla::ffi::AnyBuffer>()                // values
+                                                           .Arg<xla::ffi::Buffer<xla::ffi::S32>>()));  // indices
