@@ -5,7 +5,6 @@ from nsp.optim.alias import adagrad, adam, adamw, sgd
 from nsp.optim.compress import TOPK_ADAM_BETAS, Compressed, TopK, TopKState, topk_compress
 from nsp.optim.plateau import ReduceOnPlateauState, reduce_on_plateau
 from nsp.optim.storage import (
-    ParamsMismatchError,
     StorageState,
     scale_by_storage,
     scale_by_storage_adagrad,
@@ -17,7 +16,6 @@ from nsp.optim.storage import (
 __all__ = [
     "Compressed",
     "MultiStepsState",
-    "ParamsMismatchError",
     "ReduceOnPlateauState",
     "StorageState",
     "TOPK_ADAM_BETAS",

@@ -1,9 +1,10 @@
 """``optax.contrib.reduce_on_plateau`` for nsp optimizers: the plateau scale goes into the learning rate.
 
 ``optax.chain(opt, optax.contrib.reduce_on_plateau(...))`` multiplies ``opt``'s updates by the plateau scale.
-After an nsp optimizer that is too late: the store has applied the full step to its fp32 master already, and the
-params would part from it (the next update refuses such params: ``nsp.optim.ParamsMismatchError``).
-``reduce_on_plateau`` here runs the same plateau logic first -- its scale depends only on the ``value=`` it is
+After an nsp optimizer that works (the next update sees params that differ from the store's master and steps
+from them), but once the scale drops below 1 every step sends the params down the shared link once more and the
+master keeps only the params' own precision. ``reduce_on_plateau`` here avoids both: it
+runs the same plateau logic first -- its scale depends only on the ``value=`` it is
 given and its own state, never on the updates (optax 0.2.8, ``optax/contrib/_reduce_on_plateau.py``) -- and hands
 the new scale to the nsp optimizer as a factor on its learning rate, which the store applies inside its update
 kernel. The result is the chain's: ``new_scale * (-lr * direction)`` there, ``-(lr * new_scale) * direction`` here.

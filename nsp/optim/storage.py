@@ -8,21 +8,22 @@ returns updates such that ``optax.apply_updates(params, updates)`` gives the sto
 own dtype. Calling ``update`` twice with the same state gives the same result (the store replays the version);
 a state older than that is a clear error.
 
-The store's master is the truth the next update builds on, so the params passed to ``update`` must be the ones
-the previous update led to: ``optax.apply_updates(params, updates)`` of the updates it returned. A transform
-chained *after* the nsp optimizer that changes those updates (``optax.contrib.reduce_on_plateau`` once its scale
-drops, ``optax.scale``, clipping), or code that edits the params between steps, would leave the params and the
-master silently apart. The state therefore carries a fingerprint of the params the update led to, and the next
-update checks the params it is given against it before the store is touched: a mismatch fails the step with
-``ParamsMismatchError`` (under ``jax.jit``: a ``jax.errors.JaxRuntimeError`` carrying its message), naming the
-leaves that changed and the fix. Wrappers that keep the state and the params together pass (``optax.MultiSteps``,
-``nsp.optim.multi_steps``, ``optax.apply_if_finite``, ``optax.inject_hyperparams``, ``optax.masked``, ``nnx``'s
-``Optimizer``, checkpoints saving and restoring both), and so does casting the params to another float dtype
-between ``init`` and the first step (bf16 on the accelerator). Cost: two integer hash passes per step, chunked so
-that nothing params-sized is materialised -- the params given (before the store update, which waits for the
-check) and the next params (``params + updates``, computed on the fly after it) -- about 0.8 ns per parameter
-each on a 2-core CPU, plus one host callback of a few bytes. On the small GPT's train step (3.3M params) it was
-within the noise; on a bare 16M-parameter update with no forward/backward it added about half the update's time.
+The store's fp32 master is what the next update normally builds on: the params passed to ``update`` are the ones
+the previous update led to (``optax.apply_updates(params, updates)`` of the updates it returned), and the master
+holds them at full precision. When they are not -- a transform chained *after* the nsp optimizer changed its
+updates (``optax.contrib.reduce_on_plateau`` once its scale drops, ``optax.scale``, clipping), or code edited the
+params between steps -- the update does what optax does: it steps from the params it is given. The store then
+adopts them as its master for that step (m and v stay its own), so such chains match optax. To tell the two
+apart the state carries a fingerprint of the params the update led to, checked on the accelerator before the
+store is touched (no host round trip). An adopted step costs the params' bytes once more down the shared link
+(counted in ``store.stats()["params_adopted"]`` and ``shared_in_bytes``), and the master is then only as precise
+as the params given (bf16 params lose the fp32 master's extra bits on such steps): to scale updates, prefer a
+schedule, ``optax.inject_hyperparams`` or ``nsp.optim.reduce_on_plateau``, which scale the learning rate inside
+the store. Casting the params to another float dtype between ``init`` and the first step (bf16 on the
+accelerator) is not a change: the fingerprint knows those roundings. With ``staleness=1`` the params given are
+one step old by design, so changed params fail the step with a clear error. Cost of the check: two integer hash
+passes per step, chunked so that nothing params-sized is materialised -- the params given, and the next params
+(``params + updates``, computed on the fly) -- about 0.8 ns per parameter each on a 2-core CPU.
 
 With one device and one store shard, and gradient and params leaves of one dtype, the update takes the gradient
 leaves as they are and writes each leaf's new params over its gradient (``store_update_leaves``): the optimizer
@@ -65,10 +66,6 @@ class StorageState(NamedTuple):
     count: jax.Array
     version: jax.Array
     params_fingerprint: jax.Array
-
-
-class ParamsMismatchError(RuntimeError):
-    """The params passed to an nsp optimizer's ``update`` are not the ones its previous update led to."""
 
 
 #: The extra argument through which ``nsp.optim.reduce_on_plateau`` (or any caller) scales the learning rate of
@@ -207,43 +204,14 @@ def _expected_fingerprint(params, new_params) -> jax.Array:
     return jnp.broadcast_to(fp[:, None], (fp.shape[0], _FINGERPRINT_WIDTH))
 
 
-def _mismatch_message(paths: list[str], leaf_ok) -> str:
-    bad = [p for p, ok in zip(paths, np.asarray(leaf_ok)) if not ok]
-    shown = ", ".join(bad[:8]) + (f" and {len(bad) - 8} more" if len(bad) > 8 else "")
-    return (f"nsp optimizer: the params passed to update are not the ones its previous update led to "
-            f"({len(bad)} of {len(paths)} leaves differ: {shown}). The params changed outside nsp's update since "
-            "the last step: a transform chained after the nsp optimizer changed its updates (e.g. "
-            "optax.contrib.reduce_on_plateau once its scale drops below 1, optax.scale, clipping), or code edited "
-            "the params between steps. The store's fp32 master, which the next step builds on, no longer matches "
-            "them, so the step was refused (the store is untouched). Fix: put transforms that change the "
-            "updates before the nsp optimizer in the chain (they then act on the gradient), scale the learning "
-            "rate instead (a schedule, optax.inject_hyperparams), or use nsp.optim.reduce_on_plateau(opt, ...) "
-            "for reduce_on_plateau; change params only through update. To go on from the store, take its master "
-            "as the params (store.layout.unflatten(store.read('param'), params)) and call init again.")
-
-
-def _checked_version(state: StorageState, params, paths: list[str]) -> jax.Array:
-    """``state.version``, once the params match the state's fingerprint; else the step fails.
-
-    Under a trace the comparison reaches the host through ``io_callback``, whose result is the version the store
-    update reads: the update depends on it, so it never runs on params that failed the check."""
+def _params_changed(state: StorageState, params) -> jax.Array:
+    """Whether ``params`` differ from the ones the state's fingerprint expects (a bool, traced under jit)."""
     fp = _fingerprint(params)
     expected = state.params_fingerprint
     if expected.shape != (fp.shape[0], _FINGERPRINT_WIDTH):
         raise ValueError(f"this StorageState fingerprints {expected.shape[0]} params leaves, the params have "
                          f"{fp.shape[0]}: pass the state tx.init made for these params")
-    leaf_ok = jnp.any(fp[:, None] == expected, axis=1)
-    if not isinstance(leaf_ok, jax.core.Tracer):
-        if not bool(jnp.all(leaf_ok)):
-            raise ParamsMismatchError(_mismatch_message(paths, leaf_ok))
-        return state.version
-
-    def check(ok, version):
-        if not np.all(ok):
-            raise ParamsMismatchError(_mismatch_message(paths, ok))
-        return np.asarray(version, np.int32)
-
-    return jax.experimental.io_callback(check, jax.ShapeDtypeStruct((), jnp.int32), leaf_ok, state.version)
+    return jnp.logical_not(jnp.all(jnp.any(fp[:, None] == expected, axis=1)))
 
 
 def _static(name: str, value: Any) -> float | None:
@@ -283,8 +251,8 @@ def scale_by_storage(
         the forward/backward for cores.
 
     Returns:
-      An optax transform; its ``update`` needs ``params``, the ones the previous update led to (else it fails the
-      step with ``ParamsMismatchError``: module docstring). An ``nsp_learning_rate_scale=`` extra argument
+      An optax transform; its ``update`` needs ``params`` (when they are not the ones the previous update led
+      to, the step starts from them: module docstring). An ``nsp_learning_rate_scale=`` extra argument
       (``LR_SCALE_ARG``; what ``nsp.optim.reduce_on_plateau`` passes) multiplies the learning rate of that step.
     """
 
@@ -330,22 +298,24 @@ def scale_by_storage(
         if lr_scale is not None:
             lr = jnp.asarray(lr, jnp.float32) * jnp.asarray(lr_scale).astype(jnp.float32)
             _mark_lr_scaled()
-        paths = [jax.tree_util.keystr(k) for k, _ in jax.tree_util.tree_flatten_with_path(params)[0]]
-        state = state._replace(version=_checked_version(state, params, paths))
+        # Params changed since the update that led to them (a transform after this one scaled its updates, code
+        # edited them): the store steps from the params given, as optax would, instead of from its master.
+        adopt = _params_changed(state, params)
+        params_leaves = jax.tree_util.tree_leaves(params)
         if isinstance(updates, Compressed):
             if updates.values.shape[0] % layout.num_shards:
                 raise ValueError(f"{updates.values.shape[0]} compressed entries do not split over the store's "
                                  f"{layout.num_shards} shards (topk_compress(num_shards=...) must match)")
             out = store_update(store, values=updates.values.astype(jnp.float32), indices=updates.indices,
                                version=state.version, lr=lr, step=state.count + 1, mesh=mesh, axis_name=axis_name,
-                               staleness=staleness)
+                               staleness=staleness, params=params_leaves, adopt=adopt)
             new_params, version = layout.unflatten(out.params, params, dtype=jnp.float32), out.version
         elif _leaves_path(layout, updates, params, mesh):
             # One store shard, gradient and params of one dtype: the update reads the gradient leaves where they
             # are and writes the new params over them (no flat copies: the leanest step in memory).
             new_leaves, version = store_update_leaves(
                 store, jax.tree_util.tree_leaves(updates), version=state.version, lr=lr, step=state.count + 1,
-                staleness=staleness)
+                staleness=staleness, params=params_leaves, adopt=adopt)
             new_params = jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(params), new_leaves)
         else:
             leaves = jax.tree_util.tree_leaves(updates)
@@ -353,7 +323,7 @@ def scale_by_storage(
             dtype = jnp.bfloat16 if leaves and all(x.dtype == jnp.bfloat16 for x in leaves) else jnp.float32
             flat = shard_flat(layout.flatten(updates, dtype=dtype), mesh, axis_name)
             out = store_update(store, flat, version=state.version, lr=lr, step=state.count + 1, mesh=mesh,
-                               axis_name=axis_name, staleness=staleness)
+                               axis_name=axis_name, staleness=staleness, params=params_leaves, adopt=adopt)
             new_params, version = layout.unflatten(out.params, params, dtype=jnp.float32), out.version
         new_updates = jax.tree_util.tree_map(_update_in_params_dtype, new_params, params)
         # A skipped step (non-finite gradient) leaves the version, and so the step count, where they were.

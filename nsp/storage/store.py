@@ -443,6 +443,8 @@ class StateStore:
         ``updates`` and ``skipped`` steps; ``update_ns``, the wall time of the updates (each step as long as its
         slowest shard); ``wait_ns``, the time staleness-1 steps held their callers (waiting for the previous
         background update, copying the gradient): the part of the update staleness did not hide;
+        ``params_adopted``, the steps that started from the caller's params instead of the store's master (the
+        params had changed since the update that led to them; ``nsp.optim.scale_by_storage``);
         ``buffer_bytes``, the engines' page buffers.
         """
         per_shard = [engine.stats() for engine in self._engines]
