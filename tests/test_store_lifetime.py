@@ -186,12 +186,12 @@ def test_close_raises_a_background_update_failure(tmp_path):
     from nsp.primitives import store_update
 
     store = nsp.storage.open(tmp_path / "store", tier="file")
-    store.initialize({"w": jnp.ones(4096, jnp.float32)}, nsp.storage.OptimizerSpec("adam"))
+    store.initialize({"w": jnp.ones(4096, jnp.float32)}, nsp.storage.OptimizerSpec("adam"), staleness=1)
     page = next((store.shard_paths[0] / "slot0" / "mu" / "c").iterdir())
     page.write_bytes(b"\0" * page.stat().st_size)  # the update reads this page and finds it corrupt
     grad = jnp.ones(store.layout.padded_total, jnp.float32)
     # Staleness 1: the call returns at once, the update fails on its background thread.
-    res = store_update(store, grad, version=0, lr=1e-3, step=1, staleness=1)
+    res = store_update(store, grad, version=0, lr=1e-3, step=1)
     jax.block_until_ready(res.params)
     with pytest.raises(nsp.storage.StoreError, match="background update failed.*checksum"):
         store.close()

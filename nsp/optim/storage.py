@@ -257,8 +257,9 @@ def scale_by_storage(
     """
 
     if isinstance(staleness, jax.core.Tracer):
-        # optax.inject_hyperparams traces every numeric argument; staleness is fixed when init runs.
-        staleness = getattr(store, "staleness", 0)
+        # optax.inject_hyperparams traces every numeric argument. Staleness is fixed when init runs, and each
+        # update takes it from the store's handle.
+        staleness = None
     elif staleness not in (0, 1):
         raise ValueError(f"staleness must be 0 or 1, got {staleness}")
 
@@ -284,8 +285,9 @@ def scale_by_storage(
         return StorageState(jnp.asarray(version, jnp.int32), jnp.asarray(version, jnp.int32), fingerprint)
 
     def _initialize(params) -> int:
-        store.staleness = int(staleness)
-        return store.initialize(params, optimizer)
+        if staleness is None:
+            raise TypeError("staleness must be a concrete 0 or 1 when init runs")
+        return store.initialize(params, optimizer, staleness=int(staleness))
 
     def update_fn(updates, state, params=None, **extra_args):
         # The store's update needs no extra args (accepted so that chains passing e.g. value= work), except a
@@ -293,7 +295,8 @@ def scale_by_storage(
         lr_scale = extra_args.get(LR_SCALE_ARG)
         if params is None:
             raise ValueError("nsp storage transforms need params: call tx.update(grads, state, params)")
-        layout = store.layout
+        handle = store.handle()
+        layout = handle.layout
         lr = learning_rate(state.count) if callable(learning_rate) else learning_rate
         if lr_scale is not None:
             lr = jnp.asarray(lr, jnp.float32) * jnp.asarray(lr_scale).astype(jnp.float32)
@@ -306,24 +309,24 @@ def scale_by_storage(
             if updates.values.shape[0] % layout.num_shards:
                 raise ValueError(f"{updates.values.shape[0]} compressed entries do not split over the store's "
                                  f"{layout.num_shards} shards (topk_compress(num_shards=...) must match)")
-            out = store_update(store, values=updates.values.astype(jnp.float32), indices=updates.indices,
+            out = store_update(handle, values=updates.values.astype(jnp.float32), indices=updates.indices,
                                version=state.version, lr=lr, step=state.count + 1, mesh=mesh, axis_name=axis_name,
-                               staleness=staleness, params=params_leaves, adopt=adopt)
+                               params=params_leaves, adopt=adopt)
             new_params, version = layout.unflatten(out.params, params, dtype=jnp.float32), out.version
         elif _leaves_path(layout, updates, params, mesh):
             # One store shard, gradient and params of one dtype: the update reads the gradient leaves where they
             # are and writes the new params over them (no flat copies: the leanest step in memory).
             new_leaves, version = store_update_leaves(
-                store, jax.tree_util.tree_leaves(updates), version=state.version, lr=lr, step=state.count + 1,
-                staleness=staleness, params=params_leaves, adopt=adopt)
+                handle, jax.tree_util.tree_leaves(updates), version=state.version, lr=lr, step=state.count + 1,
+                params=params_leaves, adopt=adopt)
             new_params = jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(params), new_leaves)
         else:
             leaves = jax.tree_util.tree_leaves(updates)
             # bf16 gradients travel as bf16 (half the bytes); anything else as fp32.
             dtype = jnp.bfloat16 if leaves and all(x.dtype == jnp.bfloat16 for x in leaves) else jnp.float32
             flat = shard_flat(layout.flatten(updates, dtype=dtype), mesh, axis_name)
-            out = store_update(store, flat, version=state.version, lr=lr, step=state.count + 1, mesh=mesh,
-                               axis_name=axis_name, staleness=staleness, params=params_leaves, adopt=adopt)
+            out = store_update(handle, flat, version=state.version, lr=lr, step=state.count + 1, mesh=mesh,
+                               axis_name=axis_name, params=params_leaves, adopt=adopt)
             new_params, version = layout.unflatten(out.params, params, dtype=jnp.float32), out.version
         new_updates = jax.tree_util.tree_map(_update_in_params_dtype, new_params, params)
         # A skipped step (non-finite gradient) leaves the version, and so the step count, where they were.

@@ -9,7 +9,7 @@ the shared link) and the new version.
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -17,6 +17,7 @@ import numpy as np
 from jax.sharding import Mesh, PartitionSpec as P
 
 from nsp.primitives import _ffi  # noqa: F401  (registers the FFI targets)
+from nsp.storage.handle import StoreHandle
 
 
 class StoreUpdateResult(NamedTuple):
@@ -44,13 +45,18 @@ def _params_operands(params: list[jax.Array] | None, adopt) -> tuple[jax.Array, 
     return jnp.asarray(adopt).astype(jnp.int32), leaves
 
 
-def _attrs(store, staleness: int) -> dict:
-    return dict(handles=np.asarray(store.ffi_handles(), np.int64), staleness=np.int32(staleness),
-                hyper=store.optimizer.hyper_attrs())
+def _handle(store) -> StoreHandle:
+    """The store's handle: ``store`` is one, or a ``StateStore`` that gives it (``handle()``)."""
+    return store if isinstance(store, StoreHandle) else store.handle()
+
+
+def _attrs(handle: StoreHandle) -> dict:
+    return dict(handles=np.asarray(handle.engines, np.int64), staleness=np.int32(handle.staleness),
+                hyper=handle.spec.hyper_attrs())
 
 
 def store_update(
-    store,
+    store: StoreHandle | Any,
     grad: jax.Array | None = None,
     *,
     version: jax.typing.ArrayLike,
@@ -61,14 +67,17 @@ def store_update(
     mesh: Mesh | None = None,
     axis_name: str | None = None,
     params_bf16: bool = False,
-    staleness: int = 0,
     params: list[jax.Array] | None = None,
     adopt: jax.typing.ArrayLike = False,
 ) -> StoreUpdateResult:
     """Runs one optimizer step of ``store`` on a (sharded) gradient, inside or outside ``jax.jit``.
 
     Args:
-      store: an initialized ``nsp.storage.StateStore``; its shard count equals the mesh axis size.
+      store: an initialized store's ``StoreHandle`` (or the ``nsp.storage.StateStore``, whose ``handle()`` is
+        taken); its shard count equals the mesh axis size. Its staleness decides how the update runs: 0 (exact:
+        the call returns the params this step produced) or 1 (bounded staleness: the call returns at once with
+        the params of the previous step and this step streams in the background, so the next forward/backward
+        overlaps it; its version is committed by the next call or ``store.barrier()``).
       grad: dense gradient: the padded flat vector of ``store.layout`` (fp32 or bf16).
       version: the store version this step reads (traced is fine; the optax state carries it).
       lr: learning rate (traced).
@@ -78,9 +87,6 @@ def store_update(
       mesh, axis_name: the mesh and the axis the state is sharded over (one store shard per device on it).
         Without a mesh the store must have a single shard.
       params_bf16: also return a bf16 copy of the params (half the bytes up the shared link).
-      staleness: 0 (exact: the call returns the params this step produced) or 1 (bounded staleness: the call
-        returns at once with the params of the previous step and this step streams in the background, so the
-        next forward/backward overlaps it; its version is committed by the next call or ``store.barrier()``).
       params: the params tree's leaves in the layout's order (whole, not sharded: every device reads its shard's
         part), for ``adopt``.
       adopt: a (traced) bool: start this step from ``params`` instead of from the committed version's params
@@ -92,11 +98,8 @@ def store_update(
       is untouched, ``version`` is unchanged and ``params`` are the committed ones (counted in
       ``store.stats()["skipped"]``).
     """
-    layout = store.layout
-    if staleness not in (0, 1):
-        raise ValueError(f"staleness must be 0 or 1, got {staleness}")
-    if layout is None:
-        raise ValueError("the store holds no state yet: initialize it first")
+    handle = _handle(store)
+    layout = handle.layout
     shards = layout.num_shards
     if (mesh is None) != (axis_name is None):
         raise ValueError("pass both mesh and axis_name, or neither")
@@ -131,7 +134,7 @@ def store_update(
     call = jax.ffi.ffi_call(
         "nsp_store_update_dense" if dense else "nsp_store_update_sparse", out_types, has_side_effect=True
     )
-    attrs = _attrs(store, staleness)
+    attrs = _attrs(handle)
     adopt, params_in = _params_operands(params, adopt)
     scalars = [jnp.asarray(lr, jnp.float32), jnp.asarray(step, jnp.int32), jnp.asarray(version, jnp.int32)]
 
@@ -160,13 +163,12 @@ def store_update(
 
 
 def store_update_leaves(
-    store,
+    store: StoreHandle | Any,
     grads: list[jax.Array],
     *,
     version: jax.typing.ArrayLike,
     lr: jax.typing.ArrayLike,
     step: jax.typing.ArrayLike,
-    staleness: int = 0,
     params: list[jax.Array] | None = None,
     adopt: jax.typing.ArrayLike = False,
 ) -> tuple[list[jax.Array], jax.Array]:
@@ -178,9 +180,9 @@ def store_update_leaves(
     ``jax.jit`` the gradient leaves must not be used after this call (XLA would copy them first).
 
     Args:
-      store: an initialized single-shard ``nsp.storage.StateStore``.
+      store: an initialized single-shard store's ``StoreHandle`` (or the store).
       grads: the gradient's leaves in the store layout's order, all float32 or all bfloat16.
-      version, lr, step, staleness, params, adopt: as for ``store_update``.
+      version, lr, step, params, adopt: as for ``store_update``.
 
     Returns:
       ``(params, version)``: the new params leaves in the gradient's dtype, and the version the store committed.
@@ -189,14 +191,11 @@ def store_update_leaves(
       partly overwritten the slot of the version before the committed one, so that version can no longer be
       replayed afterwards.
     """
-    layout = store.layout
-    if layout is None:
-        raise ValueError("the store holds no state yet: initialize it first")
+    handle = _handle(store)
+    layout = handle.layout
     if layout.num_shards != 1:
         raise ValueError(f"store_update_leaves needs a single-shard store; this one has {layout.num_shards} shards "
                          "(use store_update with a mesh)")
-    if staleness not in (0, 1):
-        raise ValueError(f"staleness must be 0 or 1, got {staleness}")
     if len(grads) != len(layout.leaves):
         raise ValueError(f"{len(grads)} gradient leaves, the store's layout has {len(layout.leaves)}")
     dtype = grads[0].dtype if grads else None
@@ -215,5 +214,5 @@ def store_update_leaves(
     first = len(scalars)
     call = jax.ffi.ffi_call("nsp_store_update_pieces", out_types, has_side_effect=True,
                             input_output_aliases={first + i: 1 + i for i in range(len(grads))})
-    outs = call(*scalars, *grads, *params_in, **_attrs(store, staleness))
+    outs = call(*scalars, *grads, *params_in, **_attrs(handle))
     return list(outs[1:]), outs[0]

@@ -30,6 +30,7 @@ import tensorstore as ts
 from nsp import _nsp_ffi
 from nsp.storage.format import (MANIFEST, METADATA, STATES, StoreError, array_dir, atomic_write_json, inside,
                                 lock_store, recorded_path, store_metadata, zarr_spec)
+from nsp.storage.handle import StoreHandle
 from nsp.storage.layout import Layout
 from nsp.storage.lifetime import Lifetime
 from nsp.storage.optimizer import OptimizerSpec
@@ -54,7 +55,7 @@ class StateStore:
         self.in_place = in_place  # memory tier only: one copy of the state, updated in place (no replay)
         self.layout: Layout | None = None
         self.optimizer: OptimizerSpec | None = None
-        self.staleness = 0  # set by the nsp.optim transform that drives the store
+        self._staleness = 0  # how updates run, as initialize was told (StoreHandle.staleness)
         # Where a store rebuilt by nsp.storage.restore.restore_store came from and how its pages got there
         # (snapshot, version, method, file counts); None for any other store.
         self.restore_info: dict | None = None
@@ -148,24 +149,30 @@ class StateStore:
         previous_ok = v > 0 and all(e.version == v and e.previous_valid for e in self._engines)
         return [v - 1, v] if previous_ok else [v]
 
-    def ffi_handles(self) -> list[int]:
-        """Handles that name this store's shard engines inside jitted code (``nsp.primitives.store_update``)."""
+    def handle(self) -> StoreHandle:
+        """What ``nsp.primitives.store_update`` needs of this store: its shard engines' handles (they name the
+        engines inside jitted code), layout, optimizer and staleness."""
         self._check_open()
         if not self.initialized:
             raise StoreError("the store holds no state yet: call initialize(params, optimizer) first")
         if not self._life.handles:
             self._life.handles = [e.register() for e in self._engines]
-        return list(self._life.handles)
+        return StoreHandle(tuple(self._life.handles), self.layout, self.optimizer, self._staleness)
 
     # ---- creation --------------------------------------------------------------------------------------------
 
-    def initialize(self, params: Any, optimizer: OptimizerSpec) -> int:
+    def initialize(self, params: Any, optimizer: OptimizerSpec, *, staleness: int = 0) -> int:
         """Writes the layout of ``params`` and their values as version 0, or checks an existing store matches.
 
-        Returns the committed version. Raises ``StoreError`` (and writes nothing) when the store already holds
-        a different layout or another optimizer.
+        ``staleness``: how the updates will run (0: each returns its own params; 1: in the background, returning
+        the previous step's), handed to the update primitives in ``handle()``. Returns the committed version.
+        Raises ``StoreError`` (and writes nothing) when the store already holds a different layout or another
+        optimizer.
         """
         self._check_open()
+        if staleness not in (0, 1):
+            raise ValueError(f"staleness must be 0 or 1, got {staleness}")
+        self._staleness = int(staleness)
         layout = Layout.from_tree(params, num_shards=self.num_shards, page_bytes=self.page_bytes)
         if self.initialized:
             diff = self.layout.describe_difference(layout)
