@@ -454,7 +454,7 @@ class StateStore:
         params had changed since the update that led to them; ``nsp.optim.scale_by_storage``);
         ``buffer_bytes``, the engines' page buffers.
         """
-        per_shard = [engine.stats() for engine in self._engines]
+        per_shard = self.shard_stats()
         totals: dict[str, int] = {}
         for shard in per_shard:
             for key, value in shard.items():
@@ -464,6 +464,12 @@ class StateStore:
             totals[key] = max((shard[key] for shard in per_shard), default=0)
         totals["buffer_bytes"] = sum(e.buffer_bytes for e in self._engines)
         return totals
+
+    def shard_stats(self) -> list[dict[str, int]]:
+        """``stats()`` of each shard on its own (its engine's counters: bytes on the shared link and on that
+        shard's internal link, pages, updates, time), in shard order: what a per-device model charges to each
+        device's links."""
+        return [engine.stats() for engine in self._engines]
 
     def reset_stats(self) -> None:
         for engine in self._engines:
