@@ -33,7 +33,8 @@ void ReadModeChooser::StreamFinished(bool ok) {
     // Each way's time per byte weighs this measurement half and the earlier ones the other half, so that one
     // disturbed update does not decide alone.
     for (int way = 0; way < 2; ++way) {
-      const double per_byte = static_cast<double>(calib_ns_[way].load()) / static_cast<double>(calib_bytes_[way].load());
+      const double per_byte =
+          static_cast<double>(calib_ns_[way].load()) / static_cast<double>(calib_bytes_[way].load());
       ns_per_byte_[way] = ns_per_byte_[way] == 0 ? per_byte : 0.5 * (ns_per_byte_[way] + per_byte);
     }
     buffered_faster_.store(ns_per_byte_[kBufferedWay] < ns_per_byte_[kDirectWay]);

@@ -12,6 +12,8 @@
 #include <cstdint>
 #include <string>
 
+#include "elapsed.h"
+
 namespace nsp {
 
 enum class ReadMode { kAuto, kDirect, kBuffered };
@@ -46,8 +48,7 @@ class ReadModeChooser {
   std::string Timed(bool direct, int64_t bytes, Read read) {
     const auto start = std::chrono::steady_clock::now();
     std::string err = read();
-    const int64_t ns =
-        std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - start).count();
+    const int64_t ns = NsSince(start);
     if (err.empty()) {
       calib_ns_[direct ? kDirectWay : kBufferedWay].fetch_add(ns);
       calib_bytes_[direct ? kDirectWay : kBufferedWay].fetch_add(bytes);

@@ -7,6 +7,10 @@
 // params are written (and handed to the caller) before any m/v write-back, which the writer defers to when no
 // param page is waiting (the Smart-Infinity transfer handler). Peak extra memory is
 // pages_in_flight x states x page size, whatever the model size.
+//
+// Defined by concern: versions, commits and whole-state transfers in store_engine.cc; one update (checks, the
+// in-place paths, traffic counts) in store_engine_update.cc; the streamed page pipeline in
+// store_engine_stream.cc; the staleness-1 background step in store_engine_async.cc.
 #pragma once
 
 #include <array>
@@ -19,6 +23,7 @@
 #include <vector>
 
 #include "backend.h"
+#include "shard_pieces.h"
 #include "update_kernel.h"
 
 namespace nsp {
@@ -38,39 +43,6 @@ struct TrafficStats {
   int64_t skipped = 0;    // steps skipped because the gradient was not finite
   int64_t wait_ns = 0;    // wall time a staleness-1 call held its caller (the part of the update not hidden)
   int64_t params_adopted = 0;  // steps that started from the caller's params instead of the committed ones
-};
-
-// A shard given as consecutive pieces, one per parameter leaf in the layout's order (a tree's leaves, without
-// a flat copy): piece i covers the next sizes[i] elements; elements past the last piece are padding (zero
-// gradient). Each piece's gradient is read from grad[i] and its new params are written to out[i] in the same
-// dtype (`type`); out[i] may be grad[i] (updated in place): a page's gradient is read before its params land.
-struct ShardPieces {
-  GradType type = GradType::kF32;
-  std::vector<const void*> grad;
-  std::vector<void*> out;
-  std::vector<int64_t> sizes;
-  std::vector<int64_t> starts;  // filled by Finalize: starts[i] = sizes[0] + ... + sizes[i-1]
-  std::string Finalize(int64_t shard_size);
-  // Copies elements [begin, begin + n) of the gradient into dst (type's bytes per element; zeros in padding).
-  void GatherGrad(int64_t begin, int64_t n, char* dst) const;
-  // Writes fp32 params for elements [begin, begin + n) into the pieces, rounded to bf16 when type is bf16.
-  void ScatterParams(int64_t begin, int64_t n, const float* src) const;
-};
-
-// The caller's params, for a step that starts from them instead of from the committed version's: the caller
-// changed its params since the step that led to them (a transform after the optimizer scaled its updates, or
-// code edited them), and, as in optax, the params passed to an update are the ones it updates. Given as the
-// params tree's leaves (fp32 or bf16, every device holding all of them); this shard's elements start at
-// `offset` in their concatenation, and elements past the last leaf are padding (zero).
-struct ParamsIn {
-  GradType type = GradType::kF32;
-  std::vector<const void*> leaves;
-  std::vector<int64_t> sizes;
-  std::vector<int64_t> starts;  // filled by Finalize, from `offset`: where each leaf starts in shard positions
-  int64_t offset = 0;
-  std::string Finalize();
-  // fp32 copies of the shard's elements [begin, begin + n) into dst (zeros in the padding).
-  void Gather(int64_t begin, int64_t n, float* dst) const;
 };
 
 struct ShardUpdate {
@@ -193,6 +165,8 @@ class ShardEngine {
   void CountShared(const ShardUpdate& u, const PageGrad& g, int64_t elems, const StateSpan& span);
   // `param_read`: false when the step took the params from the caller (only m and v were read in place).
   void CountInPlace(int64_t elems, bool param_read);
+  // How many states `states` marks (those the kind keeps, or those an update reads).
+  static int CountStates(const std::array<bool, kNumStates>& states);
 
   std::unique_ptr<Backend> backend_;
   std::mutex step_mu_;
