@@ -12,9 +12,11 @@
 #include "update_kernel.h"
 #include "xla/ffi/api/ffi.h"
 
-namespace nsp::ffi_common {
+namespace nsp {
+namespace ffi = xla::ffi;  // the name the handler files use for the XLA FFI API
+}  // namespace nsp
 
-namespace ffi = xla::ffi;
+namespace nsp::ffi_common {
 
 inline ffi::Error Invalid(const char* op, const std::string& message) {
   return ffi::Error::InvalidArgument(std::string(op) + ": " + message);

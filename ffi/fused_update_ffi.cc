@@ -13,8 +13,6 @@
 #include "update_kernel.h"
 #include "xla/ffi/api/ffi.h"
 
-namespace ffi = xla::ffi;
-
 namespace nsp {
 namespace {
 

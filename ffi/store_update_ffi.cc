@@ -31,22 +31,21 @@
 #include "store_engine.h"
 #include "xla/ffi/api/ffi.h"
 
-namespace ffi = xla::ffi;
-
 namespace nsp {
 namespace {
 
 constexpr char kOp[] = "nsp.store_update";
 
-ffi::Error Invalid(const std::string& message) { return ffi_common::Invalid(kOp, message); }
+using ffi_common::Invalid;
 
 struct Call {
   std::shared_ptr<ShardEngine> engine;  // held while the call runs: a store closed meanwhile cannot free it
   ShardUpdate update;
-  ParamsIn params_in;  // the caller's params, pointed to by update.params_in when the step adopts them
+  ParamsIn params_in;  // the caller's params when the step adopts them (RunStep points update.params_in here)
   int64_t version;
   bool apply;         // false: the gradient is not finite, skip the step
   bool check_finite;  // the apply operand was -1: the handler checks the gradient itself
+  bool adopts() const { return !params_in.leaves.empty(); }  // the step starts from the caller's params
 };
 
 // The scalar operands every target takes first.
@@ -60,12 +59,12 @@ ffi::ErrorOr<Call> StartCall(const Scalars& in, ffi::Span<const int64_t> handles
   const auto& [lr, step, version, shard, apply, adopt] = in;
   const int32_t s = shard.typed_data()[0];
   if (s < 0 || static_cast<size_t>(s) >= handles.size()) {
-    return ffi::Unexpected(Invalid("shard " + std::to_string(s) + " is not one of the store's " +
-                                   std::to_string(handles.size()) + " shards"));
+    return ffi::Unexpected(Invalid(kOp, "shard " + std::to_string(s) + " is not one of the store's " +
+                                            std::to_string(handles.size()) + " shards"));
   }
   std::string why;
   std::shared_ptr<ShardEngine> engine = FindEngine(handles[s], &why);
-  if (engine == nullptr) return ffi::Unexpected(Invalid(why));
+  if (engine == nullptr) return ffi::Unexpected(Invalid(kOp, why));
   auto hp = ffi_common::HyperParams(kOp, lr, step, hyper);
   if (hp.has_error()) return ffi::Unexpected(hp.error());
   Call call{std::move(engine), {}, {}, version.typed_data()[0], apply.typed_data()[0] != 0, apply.typed_data()[0] < 0};
@@ -74,58 +73,65 @@ ffi::ErrorOr<Call> StartCall(const Scalars& in, ffi::Span<const int64_t> handles
 }
 
 // Operands [first, first + leaves) of `args` are the params leaves; when `adopt` is set, the step starts from
-// them. Every device holds the whole tree: this shard's elements start at shard x shard size.
+// them (call.params_in). Every device holds the whole tree: this shard's elements start at shard x shard size.
 ffi::Error TakeParams(Call& call, const Scalars& in, ffi::RemainingArgs args, size_t first, size_t leaves) {
   if (in.adopt.typed_data()[0] == 0) return ffi::Error::Success();
-  if (leaves == 0) return Invalid("adopt is set but no params were given");
+  if (leaves == 0) return Invalid(kOp, "adopt is set but no params were given");
   ParamsIn& p = call.params_in;
   for (size_t i = first; i < first + leaves; ++i) {
     auto leaf = args.get<ffi::AnyBuffer>(i);
     if (leaf.has_error()) return leaf.error();
     auto type = ffi_common::GradTypeOf(kOp, *leaf);
     if (type.has_error()) return type.error();
-    if (i > first && *type != p.type) return Invalid("the params leaves must share one dtype (float32 or bfloat16)");
+    if (i > first && *type != p.type) {
+      return Invalid(kOp, "the params leaves must share one dtype (float32 or bfloat16)");
+    }
     p.type = *type;
     p.leaves.push_back(leaf->untyped_data());
     p.sizes.push_back(static_cast<int64_t>(leaf->element_count()));
   }
   p.offset = static_cast<int64_t>(in.shard.typed_data()[0]) * call.engine->size();
-  if (std::string err = p.Finalize(); !err.empty()) return Invalid(err);
-  call.update.params_in = &p;
+  if (std::string err = p.Finalize(); !err.empty()) return Invalid(kOp, err);
   return ffi::Error::Success();
 }
 
-// Runs the call's step (or skip, or background step) and returns the version it leaves committed.
+// Runs the call's step (or skip, or background step) and returns the version it leaves committed. `call` is in
+// its final place here, so the update may point at the params it holds.
 ffi::ErrorOr<int32_t> RunStep(Call& call, int32_t staleness) {
+  if (call.adopts()) call.update.params_in = &call.params_in;
   std::string err = !call.apply      ? call.engine->Skip(call.update, call.version)
                     : staleness > 0 ? call.engine->StepAsync(call.update, call.version)
                                     : call.engine->Step(call.update, call.version);
-  if (!err.empty()) return ffi::Unexpected(Invalid(err));
+  if (!err.empty()) return ffi::Unexpected(Invalid(kOp, err));
   // With staleness the step commits in the background; the version it will commit is what the caller reads next.
   return static_cast<int32_t>(call.version + (call.apply ? 1 : 0));
 }
 
-ffi::ErrorOr<Call> Prepare(const Scalars& scalars, ffi::ResultBuffer<ffi::F32> params, ffi::RemainingRets extra,
+// What the dense and sparse targets start from: the call (StartCall), its params results, the caller's params
+// when the step adopts them, and the gradient's dtype from `grad` (the dense gradient, or the sparse values).
+ffi::ErrorOr<Call> Prepare(const Scalars& scalars, const ffi::AnyBuffer& grad, ffi::RemainingArgs params_in,
+                           ffi::ResultBuffer<ffi::F32> params, ffi::RemainingRets extra,
                            ffi::Span<const int64_t> handles, ffi::Dictionary hyper) {
   auto started = StartCall(scalars, handles, hyper);
   if (started.has_error()) return started;
   Call call = *started;
-  ShardEngine* engine = call.engine.get();
-  const int64_t n = engine->size();
+  const int64_t n = call.engine->size();
   if (static_cast<int64_t>(params->element_count()) != n) {
-    return ffi::Unexpected(Invalid("the params result has " + std::to_string(params->element_count()) +
-                                   " elements, the shard " + std::to_string(n)));
+    return ffi::Unexpected(Invalid(kOp, "the params result has " + std::to_string(params->element_count()) +
+                                            " elements, the shard " + std::to_string(n)));
   }
   call.update.params_out = params->typed_data();
-  if (extra.size() > 1) {
-    auto bf16 = extra.get<ffi::AnyBuffer>(1);
-    if (bf16.has_error()) return ffi::Unexpected(bf16.error());
-    ffi::AnyBuffer out16 = **bf16;
-    if (out16.element_type() != ffi::DataType::BF16 || static_cast<int64_t>(out16.element_count()) != n) {
-      return ffi::Unexpected(Invalid("the bf16 params result must be bfloat16 with one element per shard element"));
-    }
-    call.update.params_bf16_out = static_cast<uint16_t*>(out16.untyped_data());
+  auto bf16 = ffi_common::OptionalBf16Result(kOp, extra, 1, n,
+                                             "the bf16 params result must be bfloat16 with one element per shard "
+                                             "element");
+  if (bf16.has_error()) return ffi::Unexpected(bf16.error());
+  call.update.params_bf16_out = *bf16;
+  if (ffi::Error e = TakeParams(call, scalars, params_in, 0, params_in.size()); e.failure()) {
+    return ffi::Unexpected(e);
   }
+  auto type = ffi_common::GradTypeOf(kOp, grad);
+  if (type.has_error()) return ffi::Unexpected(type.error());
+  call.update.grad_type = *type;
   return call;
 }
 
@@ -143,18 +149,13 @@ ffi::Error DenseImpl(ffi::Buffer<ffi::F32> lr, ffi::Buffer<ffi::S32> step, ffi::
                      ffi::AnyBuffer grad, ffi::RemainingArgs params_in, ffi::ResultBuffer<ffi::F32> params,
                      ffi::RemainingRets extra, ffi::Span<const int64_t> handles, int32_t staleness,
                      ffi::Dictionary hyper) {
-  const Scalars scalars{lr, step, version, shard, apply, adopt};
-  auto call = Prepare(scalars, params, extra, handles, hyper);
+  auto call = Prepare({lr, step, version, shard, apply, adopt}, grad, params_in, params, extra, handles, hyper);
   if (call.has_error()) return call.error();
-  if (ffi::Error e = TakeParams(*call, scalars, params_in, 0, params_in.size()); e.failure()) return e;
-  auto type = ffi_common::GradTypeOf(kOp, grad);
-  if (type.has_error()) return type.error();
   if (static_cast<int64_t>(grad.element_count()) != call->engine->size()) {
-    return Invalid("the gradient shard has " + std::to_string(grad.element_count()) + " elements, the store shard " +
-                   std::to_string(call->engine->size()));
+    return Invalid(kOp, "the gradient shard has " + std::to_string(grad.element_count()) +
+                            " elements, the store shard " + std::to_string(call->engine->size()));
   }
   call->update.grad = grad.untyped_data();
-  call->update.grad_type = *type;
   return Finish(*call, extra, staleness);
 }
 
@@ -163,15 +164,10 @@ ffi::Error SparseImpl(ffi::Buffer<ffi::F32> lr, ffi::Buffer<ffi::S32> step, ffi:
                       ffi::AnyBuffer values, ffi::Buffer<ffi::S32> indices, ffi::RemainingArgs params_in,
                       ffi::ResultBuffer<ffi::F32> params, ffi::RemainingRets extra, ffi::Span<const int64_t> handles,
                       int32_t staleness, ffi::Dictionary hyper) {
-  const Scalars scalars{lr, step, version, shard, apply, adopt};
-  auto call = Prepare(scalars, params, extra, handles, hyper);
+  auto call = Prepare({lr, step, version, shard, apply, adopt}, values, params_in, params, extra, handles, hyper);
   if (call.has_error()) return call.error();
-  if (ffi::Error e = TakeParams(*call, scalars, params_in, 0, params_in.size()); e.failure()) return e;
-  auto type = ffi_common::GradTypeOf(kOp, values);
-  if (type.has_error()) return type.error();
-  if (values.element_count() != indices.element_count()) return Invalid("values and indices differ in length");
+  if (values.element_count() != indices.element_count()) return Invalid(kOp, "values and indices differ in length");
   call->update.values = values.untyped_data();
-  call->update.grad_type = *type;
   call->update.indices = indices.typed_data();
   call->update.count = static_cast<int64_t>(indices.element_count());
   return Finish(*call, extra, staleness);
@@ -188,8 +184,8 @@ ffi::Error PiecesImpl(ffi::Buffer<ffi::F32> lr, ffi::Buffer<ffi::S32> step, ffi:
   // The gradient leaves, then (optionally) as many params leaves.
   const size_t leaves = params.size();
   if (leaves == 0 || (grads.size() != leaves && grads.size() != 2 * leaves)) {
-    return Invalid("one gradient leaf per params leaf is needed (and optionally the params leaves), got " +
-                   std::to_string(grads.size()) + " operands for " + std::to_string(leaves) + " leaves");
+    return Invalid(kOp, "one gradient leaf per params leaf is needed (and optionally the params leaves), got " +
+                            std::to_string(grads.size()) + " operands for " + std::to_string(leaves) + " leaves");
   }
   if (ffi::Error e = TakeParams(*call, scalars, grads, leaves, grads.size() - leaves); e.failure()) return e;
   ShardPieces pieces;
@@ -203,17 +199,18 @@ ffi::Error PiecesImpl(ffi::Buffer<ffi::F32> lr, ffi::Buffer<ffi::S32> step, ffi:
     if (i == 0) pieces.type = *type;
     if (*type != pieces.type || (*p)->element_type() != g->element_type() ||
         (*p)->element_count() != g->element_count()) {
-      return Invalid("every gradient leaf and its params result must share one dtype (float32 or bfloat16) and size");
+      return Invalid(kOp, "every gradient leaf and its params result must share one dtype (float32 or bfloat16) "
+                          "and size");
     }
     pieces.grad.push_back(g->untyped_data());
     pieces.out.push_back((*p)->untyped_data());
     pieces.sizes.push_back(static_cast<int64_t>(g->element_count()));
   }
-  if (std::string err = pieces.Finalize(call->engine->size()); !err.empty()) return Invalid(err);
+  if (std::string err = pieces.Finalize(call->engine->size()); !err.empty()) return Invalid(kOp, err);
   bool skipped_in_pass = false;
   if (call->check_finite) {
     if (staleness == 0 && call->engine->ChecksFiniteInPass() && call->version == call->engine->version() &&
-        call->update.params_in == nullptr) {
+        !call->adopts()) {
       // Two slots in RAM: check inside the update's own pass (no pass over the gradient of its own).
       call->update.check_finite = true;
       call->update.skipped = &skipped_in_pass;
