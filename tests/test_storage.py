@@ -750,6 +750,10 @@ def test_unknown_read_mode_fails_where_the_file_tier_is_opened(tmp_path, monkeyp
     with open_store(tmp_path / "new", "file") as store:
         with pytest.raises(ValueError, match=message):
             store.initialize(make_params(), SPECS["adam"])
+        assert not store.initialized  # no half-made store: with the variable fixed, initialize works
+        monkeypatch.setenv("NSP_READ_MODE", "direct")
+        store.initialize(make_params(), SPECS["adam"])
+        assert store.version == 0
     monkeypatch.setenv("NSP_READ_MODE", "")  # empty reads as unset: auto
     with storage.open(tmp_path / "store") as store:
         assert store.verify()["problems"] == []

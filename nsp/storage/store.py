@@ -184,7 +184,11 @@ class StateStore:
                 )
             return self.version
         self.layout, self.optimizer = layout, optimizer
-        self._make_engines(create=True)
+        try:
+            self._make_engines(create=True)
+        except BaseException:
+            self.layout = self.optimizer = None  # no engines: the store stays uninitialized
+            raise
         used = optimizer.states_used()
         leaves = [np.asarray(x) for x in jax.tree_util.tree_leaves(params)]
         # Written a few pages at a time, straight from the leaves: no flat copy of the model is ever made.
@@ -236,7 +240,11 @@ class StateStore:
         if self.initialized:
             raise StoreError(f"store {self.root or '(memory)'} holds state already")
         self.layout, self.optimizer = layout, optimizer
-        self._make_engines(create=False, version=version, checksums=checksums)
+        try:
+            self._make_engines(create=False, version=version, checksums=checksums)
+        except BaseException:
+            self.layout = self.optimizer = None
+            raise
 
     def load_state(self, state: str, shard: int, values: np.ndarray) -> None:
         """Writes ``values`` (fp32, ``layout.shard_size`` elements) as ``state`` of shard ``shard`` in the committed
