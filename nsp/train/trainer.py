@@ -4,6 +4,10 @@ One jitted step: forward/backward on the accelerator, then the optax chain (clip
 compression, the nsp storage optimizer) whose update runs in the store's C++ engine through the XLA FFI. The
 store holds the fp32 master params and moments; the model's params come back from it every step. Checkpoints
 are snapshots of the store (hard links) plus the small train state, through an orbax CheckpointManager.
+
+The pieces a run is built from are public, so that other loops (the benchmarks, a user's own) step exactly as
+``nsp train`` does: ``load_data`` (the batches), ``init_model`` (graphdef and params), ``make_optimizer`` (the
+optax chain on a store), ``make_train_step`` (the jitted train and eval steps), ``put_batch`` and ``loss_fn``.
 """
 
 from __future__ import annotations
@@ -77,9 +81,41 @@ def make_optimizer(config: TrainConfig, store, mesh) -> optax.GradientTransforma
     return optax.chain(optax.clip_by_global_norm(config.clip), tx) if config.clip else tx
 
 
-def _loss_fn(graphdef, params, tokens):
+def loss_fn(graphdef, params, tokens):
+    """Mean next-token cross-entropy of the GPT ``(graphdef, params)`` on ``tokens`` ``[batch, seq + 1]``: it reads
+    ``tokens[:, :-1]`` and predicts ``tokens[:, 1:]``."""
     logits = nnx.merge(graphdef, params)(tokens[:, :-1])
     return cross_entropy_loss(logits, tokens[:, 1:])
+
+
+@dataclasses.dataclass
+class TrainData:
+    """The tokens of a run and the batches drawn from them (``load_data``)."""
+
+    tokens: data_lib.TokenData
+    train_tokens: np.ndarray  # the first 95%
+    held_out_tokens: np.ndarray  # the last 5%, contiguous
+    train_batches: data_lib.Batcher  # batch(step) is a function of (seed, step)
+    eval_batches: list[np.ndarray]  # config.eval_batches fixed batches of the held-out tokens (seed + 1)
+
+
+def load_data(config: TrainConfig) -> TrainData:
+    """``config.data`` (the Python stdlib sources when empty) in windows of ``config.seq + 1`` tokens, 5% held out;
+    training batches seeded by ``config.seed``, held-out ones by ``config.seed + 1``. Raises
+    ``nsp.train.data.DataError`` when the data cannot serve that (too few tokens, an unreadable file)."""
+    tokens = data_lib.load_tokens(config.data or None, seq_len=config.seq)
+    train_tokens, held_out = data_lib.split(tokens, held_out_fraction=0.05, seq_len=config.seq)
+    eval_batcher = data_lib.Batcher(held_out, config.batch, config.seq, seed=config.seed + 1)
+    return TrainData(tokens, train_tokens, held_out,
+                     data_lib.Batcher(train_tokens, config.batch, config.seq, seed=config.seed),
+                     [eval_batcher.batch(i) for i in range(config.eval_batches)])
+
+
+def init_model(config: TrainConfig, vocab_size: int) -> tuple[Any, Any]:
+    """``(graphdef, params)`` of a fresh GPT ``config.model`` with ``vocab_size`` tokens, initialised from
+    ``config.seed`` (bfloat16 compute with ``config.bf16``)."""
+    model_cfg = get_config(config.model, vocab_size=vocab_size, dtype=jnp.bfloat16 if config.bf16 else jnp.float32)
+    return nnx.split(GPT(model_cfg, rngs=nnx.Rngs(config.seed)), nnx.Param)
 
 
 def _beside_earlier_default_runs(config: TrainConfig, log: Callable[[str], None]) -> TrainConfig:
@@ -137,15 +173,10 @@ def _build(config: TrainConfig, log: Callable[[str], None]) -> Run:
     if config.seq > block_size:
         raise TrainError(f"--seq {config.seq} exceeds the block size {block_size} of model {config.model!r}")
     try:
-        tokens = data_lib.load_tokens(config.data or None, seq_len=config.seq)
+        data = load_data(config)
     except data_lib.DataError as e:
         raise TrainError(str(e)) from None
-    model_cfg = get_config(config.model, vocab_size=tokens.vocab_size,
-                           dtype=jnp.bfloat16 if config.bf16 else jnp.float32)
-    try:
-        train_tokens, held_out = data_lib.split(tokens, held_out_fraction=0.05, seq_len=config.seq)
-    except data_lib.DataError as e:
-        raise TrainError(str(e)) from None
+    tokens = data.tokens
 
     devices = jax.devices()
     mesh = None
@@ -155,8 +186,7 @@ def _build(config: TrainConfig, log: Callable[[str], None]) -> Run:
         mesh = jax.make_mesh((len(devices),), ("data",), axis_types=(jax.sharding.AxisType.Auto,))
     num_shards = len(devices)
 
-    model = GPT(model_cfg, rngs=nnx.Rngs(config.seed))
-    graphdef, params = nnx.split(model, nnx.Param)
+    graphdef, params = init_model(config, tokens.vocab_size)
     run_dir.mkdir(parents=True, exist_ok=True)
     store_kw = dict(tier=config.tier, num_shards=num_shards, page_bytes=config.page_bytes)
     step = 0
@@ -193,41 +223,46 @@ def _build(config: TrainConfig, log: Callable[[str], None]) -> Run:
     if config.topk and config.optimizer in ("adam", "adamw") and config.b1 > b1:
         log(f"note: with Top-K, --b1 {b1:g} (b2 {b2:g}) trained better than b1 {config.b1:g} in what was measured: "
             "nsp.optim.TOPK_ADAM_BETAS")
-    eval_batcher = data_lib.Batcher(held_out, config.batch, config.seq, seed=config.seed + 1)
-    return Run(config, graphdef, params, opt_state, store, tx,
-               data_lib.Batcher(train_tokens, config.batch, config.seq, seed=config.seed),
-               [eval_batcher.batch(i) for i in range(config.eval_batches)], mesh, step,
+    return Run(config, graphdef, params, opt_state, store, tx, data.train_batches, data.eval_batches, mesh, step,
                config.batch * config.seq)
 
 
-def _make_steps(run: Run):
-    graphdef, tx = run.graphdef, run.tx
-    loss_fn = functools.partial(_loss_fn, graphdef)
+def make_train_step(graphdef, tx: optax.GradientTransformation, mesh=None):
+    """``(train_step, eval_step)``, both jitted.
+
+    ``train_step(params, opt_state, tokens) -> (params, opt_state, loss)``: forward/backward of ``loss_fn``, then
+    ``tx``; it donates ``params`` and ``opt_state`` (do not use them after the call). ``eval_step(params, tokens)
+    -> loss``. With a ``mesh`` (axis ``"data"``), params and optax state are replicated and the batch is split
+    over the devices (``put_batch`` places it so).
+    """
+    loss = functools.partial(loss_fn, graphdef)
 
     def train_step(params, opt_state, tokens):
-        loss, grads = jax.value_and_grad(loss_fn)(params, tokens)
+        value, grads = jax.value_and_grad(loss)(params, tokens)
         updates, opt_state = tx.update(grads, opt_state, params)
-        return optax.apply_updates(params, updates), opt_state, loss
+        return optax.apply_updates(params, updates), opt_state, value
 
-    if run.mesh is None:
-        return jax.jit(train_step, donate_argnums=(0, 1)), jax.jit(loss_fn)
+    if mesh is None:
+        return jax.jit(train_step, donate_argnums=(0, 1)), jax.jit(loss)
     # Data parallel: params and the small optax state replicated, the batch split over the devices. Fixing the
     # shardings (rather than letting XLA pick them) keeps the compiled step, and so its float rounding, the same
     # in a fresh and in a resumed run: resume stays bit-exact.
-    replicated, batch = NamedSharding(run.mesh, P()), NamedSharding(run.mesh, P("data"))
+    replicated, batch = NamedSharding(mesh, P()), NamedSharding(mesh, P("data"))
     step = jax.jit(train_step, donate_argnums=(0, 1), in_shardings=(replicated, replicated, batch),
                    out_shardings=(replicated, replicated, replicated))
-    return step, jax.jit(loss_fn, in_shardings=(replicated, batch))
+    return step, jax.jit(loss, in_shardings=(replicated, batch))
 
 
-def _put_batch(run: Run, batch: np.ndarray):
-    if run.mesh is None:
+def put_batch(batch: np.ndarray, mesh=None) -> jax.Array:
+    """A host batch on the device(s) as ``make_train_step``'s steps take it: split over ``mesh``'s ``"data"`` axis
+    when there is a mesh."""
+    if mesh is None:
         return jnp.asarray(batch)
-    return jax.device_put(batch, NamedSharding(run.mesh, P("data")))
+    return jax.device_put(batch, NamedSharding(mesh, P("data")))
 
 
 def _evaluate(run: Run, eval_step) -> float:
-    return float(np.mean([float(eval_step(run.params, _put_batch(run, b))) for b in run.eval_batches]))
+    return float(np.mean([float(eval_step(run.params, put_batch(b, run.mesh))) for b in run.eval_batches]))
 
 
 class _MetricsWriter:
@@ -282,7 +317,7 @@ def train_and_evaluate(config: TrainConfig, *, log: Callable[[str], None] = prin
     """
     config = _beside_earlier_default_runs(config.resolved(), log)
     run = _build(config, log)
-    train_step, eval_step = _make_steps(run)
+    train_step, eval_step = make_train_step(run.graphdef, run.tx, run.mesh)
     manager = ckpt.make_checkpoint_manager(Path(config.run_dir) / "ckpt", max_to_keep=config.keep_checkpoints)
     metrics = _MetricsWriter(Path(config.run_dir))
     schedule = learning_rate_schedule(config)
@@ -305,7 +340,7 @@ def train_and_evaluate(config: TrainConfig, *, log: Callable[[str], None] = prin
             log(f"the run already has {run.step} of {config.steps} steps")
         end = min(config.steps, config.stop_after or config.steps)
         while run.step < end and not interrupted:
-            tokens = _put_batch(run, run.train_batches.batch(run.step))
+            tokens = put_batch(run.train_batches.batch(run.step), run.mesh)
             run.params, run.opt_state, loss = train_step(run.params, run.opt_state, tokens)
             run.step += 1
             final = run.step == end
