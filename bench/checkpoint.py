@@ -43,7 +43,7 @@ import jax.numpy as jnp
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _common import disk_info, median, print_table, write_json  # noqa: E402
+from common import disk_info, median, print_table, write_json  # noqa: E402
 
 import orbax.checkpoint as ocp  # noqa: E402
 

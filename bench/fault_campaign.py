@@ -198,7 +198,7 @@ def main() -> int:
                   f"{sum(r['bit_identical'] for r in rs):13d}  {sum(r['corrupt'] for r in rs):7d}  "
                   f"{max(ls, default=0):4d}")
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    from _common import write_json
+    from common import write_json
 
     path = write_json("fault_campaign", {"trials": results, "steps": args.steps, "seed": args.seed}, args.json)
     print(f"\nlost steps: max {max(lost, default=0)}, mean {np.mean(lost) if lost else 0:.1f} "

@@ -46,7 +46,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import print_table, write_json  # noqa: E402
+from common import peak_rss_bytes, print_table, write_json  # noqa: E402
 
 CONTENDERS = ("optax", "nsp-file")
 
@@ -60,8 +60,9 @@ def child(args) -> None:
 
     import nsp.optim
     import nsp.storage
-    from nsp.models import GPT, cross_entropy_loss
+    from nsp.models import GPT
     from nsp.models.gpt import GPTConfig
+    from nsp.train.trainer import make_train_step
 
     cfg = GPTConfig(vocab_size=256, block_size=args.seq, n_layer=args.layers, n_head=args.width // 64,
                     n_embd=args.width, dtype=jnp.bfloat16, f32_accum=args.f32_accum)
@@ -84,16 +85,7 @@ def child(args) -> None:
         del leaves
     setup_s = time.perf_counter() - t0
 
-    def loss_fn(p, tokens):
-        logits = nnx.merge(graphdef, p)(tokens[:, :-1])
-        return cross_entropy_loss(logits, tokens[:, 1:])
-
-    def train_step(p, s, tokens):
-        loss, grads = jax.value_and_grad(loss_fn)(p, tokens)
-        updates, s = tx.update(grads, s, p)
-        return optax.apply_updates(p, updates), s, loss
-
-    step = jax.jit(train_step, donate_argnums=(0, 1))
+    step, _ = make_train_step(graphdef, tx)  # nsp train's step: params and optimizer state donated
     tokens = jax.random.randint(jax.random.key(0), (1, args.seq + 1), 0, 256, jnp.int32)
     losses, times = [], []
     for _ in range(2):
@@ -103,9 +95,8 @@ def child(args) -> None:
         times.append(time.perf_counter() - t0)
     if args.child != "optax":
         store.close()
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     print(json.dumps({"params": n_params, "losses": losses, "step_s": times[-1], "setup_s": setup_s,
-                      "peak_rss": peak}))
+                      "peak_rss": peak_rss_bytes()}))
 
 
 def attempt(contender: str, layers: int, args, workdir: Path) -> dict | None:
@@ -192,7 +183,8 @@ def main() -> None:
             rows.append({"contender": contender, "layers": layers,
                          "params_m": result["params"] / 1e6 if result else 0.0,
                          "peak_rss_gib": result["peak_rss"] / 2**30 if result else None,
-                         "step_s": result["step_s"] if result else None, "losses": result["losses"] if result else None})
+                         "step_s": result["step_s"] if result else None,
+                         "losses": result["losses"] if result else None})
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
     base_params = rows[0]["params_m"]
@@ -200,7 +192,8 @@ def main() -> None:
         row["ratio"] = row["params_m"] / base_params if base_params else None
     print_table(f"largest model under {args.cap_gib:g} GiB", rows,
                 [("contender", "contender", ""), ("layers", "layers", "d"), ("params_m", "params (M)", ".1f"),
-                 ("ratio", "vs optax", ".2f"), ("peak_rss_gib", "peak RSS (GiB)", ".2f"), ("step_s", "step (s)", ".1f")])
+                 ("ratio", "vs optax", ".2f"), ("peak_rss_gib", "peak RSS (GiB)", ".2f"),
+                 ("step_s", "step (s)", ".1f")])
     write_json("max_model", {"cap_gib": args.cap_gib, "width": args.width, "seq": args.seq,
                              "f32_accum": args.f32_accum, "mmap_threshold": args.mmap_threshold, "rows": rows},
                args.json)

@@ -14,7 +14,7 @@ once). Where it cannot be installed or built, the table says why and the other c
 
 Contenders (median of N interleaved rounds after a warm-up, in two groups: the disk contenders, then the
 contenders in RAM; the gradient is made once, lives in RAM and is never timed; a pause after every call and
-OMP_WAIT_POLICY=PASSIVE keep one contender's idle threads off the next one's cores -- see bench/_wait_policy.py):
+OMP_WAIT_POLICY=PASSIVE keep one contender's idle threads off the next one's cores -- see bench/wait_policy.py):
   raw disk writes    the bytes an update writes, sequential page-sized requests + fsync: a new file (its blocks
                      allocated anew) and a rewrite in place (blocks already allocated), each O_DIRECT from
                      page-aligned (mmap) buffers and buffered; the fastest is the roofline's write bandwidth
@@ -30,7 +30,7 @@ OMP_WAIT_POLICY=PASSIVE keep one contender's idle threads off the next one's cor
   nsp file tier      store.update(grad, version=store.version, step=store.version + 1, params_into=out): read,
                      compute and write pages overlapped, then sync + commit of the new version; the new params
                      land in one reused array (the other contenders update theirs in place too)
-  DeepSpeed          ZeRO-Infinity's optimizer swap with DeepSpeed's own ops (bench/_deepspeed_swap.py): its aio
+  DeepSpeed          ZeRO-Infinity's optimizer swap with DeepSpeed's own ops (bench/deepspeed_swap.py): its aio
                      handle (O_DIRECT, page-locked buffers, documented defaults: 1 MiB blocks, queue depth 8, one
                      I/O thread per handle, overlap_events) and DeepSpeedCPUAdam, per sub-group swap p, m, v in,
                      update, swap out. Three rows: serial (PartitionedOptimizerSwapper) at DeepSpeed's default
@@ -44,8 +44,9 @@ OMP_WAIT_POLICY=PASSIVE keep one contender's idle threads off the next one's cor
                      params over the donated gradient: 32 B/param) -- the target's figure; the same on a store
                      opened with in_place=True (one copy updated in place); and store.update (numpy gradient
                      in, a fresh numpy params array out)
-  diagnostics        the memory-tier ShardEngine driven directly, with a reused params_out buffer and with no
-                     param copy at all, to split the memory tier's overhead into its parts
+  diagnostics        the memory tier's store.update with its params written into one reused array
+                     (params_into) and with no params out at all (params_out=False), to split the memory tier's
+                     overhead into its parts
 
 Threads: nsp's kernel threads, torch's (torch.set_num_threads) and DeepSpeedCPUAdam's (OpenMP, in torch's
 runtime) are the same number, all cores by default.
@@ -59,34 +60,26 @@ from __future__ import annotations
 import argparse
 import atexit
 import functools
-import mmap
 import os
-import resource
 import shutil
 import signal
 import sys
 import tempfile
-import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, NamedTuple
 
-import jax
-import jax.numpy as jnp
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import _deepspeed_swap  # noqa: E402
-import _wait_policy  # noqa: E402
-from _common import median, print_table, time_interleaved, write_json  # noqa: E402
+import wait_policy  # noqa: E402
+from common import (median, peak_rss_bytes, print_table, reset_peak_rss, status_kib,  # noqa: E402
+                    time_interleaved, write_json)
+from store_contenders import (B1, B2, EPS, LR, MEMORY_NAMES, DiskProbe, PerfectSerialSwap,  # noqa: E402
+                              in_ram_adam, memory_contenders, setup_deepspeed)
 
 import nsp.storage  # noqa: E402
-from nsp import _nsp_ffi  # noqa: E402
-from nsp.primitives import (fused_update, get_num_threads, kernel_isa, set_num_threads,  # noqa: E402
-                            store_update_leaves)
+from nsp.primitives import get_num_threads, kernel_isa, set_num_threads  # noqa: E402
 
-LR = 1e-3
-B1, B2, EPS = 0.9, 0.999, 1e-8
 STATE_BYTES_PER_PARAM = 12  # fp32 p, m, v
 
 TARGET_FILE_PCT = 85.0
@@ -130,276 +123,7 @@ def _raise_interrupt(signum, frame):  # noqa: ARG001
     raise Interrupted(signum)
 
 
-# ---- memory accounting ---------------------------------------------------------------------------------------------
-
-def _status_kib(field: str) -> int | None:
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith(field + ":"):
-                    return int(line.split()[1])
-    except OSError:
-        pass
-    return None
-
-
-def _reset_peak_rss() -> bool:
-    """Resets VmHWM to the current RSS (Linux >= 4.0); False when not possible."""
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-        return True
-    except OSError:
-        return False
-
-
-def peak_rss_bytes() -> int:
-    """ru_maxrss of this process, in bytes (kilobytes on Linux)."""
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-
-
-# ---- raw disk I/O: the probes and the perfect serial swap share it --------------------------------------------------
-
-class Method(NamedTuple):
-    """One way to move a file's bytes: sequential ``block``-sized requests, ``depth`` of them in flight (1: one
-    after another on the calling thread; more: that many threads, each taking the next block when its request is
-    done), direct (O_DIRECT, page-aligned buffers) or through the page cache; a write also says whether the file
-    is made anew (its blocks allocated again) or rewritten in place, and ends with fsync."""
-
-    write: bool
-    direct: bool
-    depth: int = 1
-    fresh: bool = False
-
-    @property
-    def label(self) -> str:
-        how = "O_DIRECT" if self.direct else ("buffered" if self.write else "buffered, uncached")
-        if self.depth > 1:
-            how += f", {self.depth} requests in flight"
-        if not self.write:
-            return how
-        return f"{'new file' if self.fresh else 'rewrite in place'}, {how} + fsync"
-
-
-def transfer(method: Method, path: str, size: int, block: int, buffer_for, pool: ThreadPoolExecutor | None) -> None:
-    """Reads or writes ``size`` bytes of ``path`` the way ``method`` says; ``buffer_for(worker, offset)`` gives the
-    memory of each request (page-aligned when direct)."""
-    if method.write and method.fresh:
-        try:
-            os.unlink(path)  # a fresh file: the file system allocates its blocks anew
-        except FileNotFoundError:
-            pass
-    flags = (os.O_WRONLY | os.O_CREAT) if method.write else os.O_RDONLY
-    fd = os.open(path, flags | (os.O_DIRECT if method.direct else 0), 0o644)
-    try:
-        if not method.write and not method.direct:  # make sure nothing of it is cached
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-
-        def one(worker: int, offset: int) -> None:
-            buf = memoryview(buffer_for(worker, offset))
-            if method.write:
-                if os.pwrite(fd, buf, offset) != block:
-                    raise OSError(f"short write to {path}")
-                return
-            done = 0
-            while done < block:
-                got = os.preadv(fd, [buf[done:]], offset + done)
-                if got <= 0:
-                    raise OSError(f"short read from {path} at {offset + done}")
-                done += got
-
-        offsets = range(0, size, block)
-        if method.depth == 1:
-            for offset in offsets:
-                one(0, offset)
-        else:
-            queue = iter(offsets)
-            lock = threading.Lock()
-
-            def worker(w: int) -> None:
-                while True:
-                    with lock:
-                        offset = next(queue, None)
-                    if offset is None:
-                        return
-                    one(w, offset)
-
-            for f in [pool.submit(worker, w) for w in range(method.depth)]:
-                f.result()
-        if method.write:
-            os.fsync(fd)
-        if not method.direct:
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-    finally:
-        os.close(fd)
-
-
-def direct_io_works(directory: str) -> bool:
-    path = os.path.join(directory, "direct_check.bin")
-    buf = mmap.mmap(-1, mmap.PAGESIZE)
-    try:
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_DIRECT, 0o644)
-    except (OSError, AttributeError):
-        return False
-    try:
-        os.write(fd, buf)
-        return True
-    except OSError:
-        return False
-    finally:
-        os.close(fd)
-        os.unlink(path)
-        buf.close()
-
-
-class DiskProbe:
-    """Sequential writes and reads of `size` bytes in `block`-sized requests.
-
-    The disk's roofline is the fastest way it moves those bytes, so the probe measures each way an update could:
-    writing a fresh file (new blocks to allocate), rewriting the file in place (blocks already allocated: what
-    the file tier does with a page no snapshot shares), each direct (O_DIRECT) and buffered (+ fsync); reading
-    direct and buffered (dropped from the page cache first); and, direct, with `depth` requests in flight (a disk
-    can serve several at once: DeepSpeed's aio keeps 8 in flight, nsp's file tier pages_in_flight). The roofline
-    takes the fastest write and read.
-
-    The reads read a second file that ``refresh`` rewrites (untimed) right before each file-tier update, when
-    that update writes the state the next round reads: both are read with the same writes in between, so a
-    virtual disk's host-side cache helps the probe no more than it helps the update (reading recently written
-    data measured up to 3-4x faster here than reading data a few GB of writes old).
-    """
-
-    def __init__(self, directory: str, size: int, block: int, depth: int, pool: ThreadPoolExecutor):
-        self.path = os.path.join(directory, "raw_probe.bin")
-        self.read_path = os.path.join(directory, "raw_read_probe.bin")
-        self.block = block
-        self.size = -(-size // block) * block  # whole blocks (O_DIRECT needs aligned lengths)
-        self.depth = depth
-        self.pool = pool
-        self.bufs = [mmap.mmap(-1, block) for _ in range(depth)]  # page-aligned, as O_DIRECT wants
-        for b in self.bufs:
-            b.write(np.random.default_rng(1).bytes(block))  # incompressible, like fp32 state
-        self.direct = direct_io_works(directory)
-
-    def methods(self, write: bool) -> list[Method]:
-        """Every method of that kind this file system takes."""
-        directs = (False, True) if self.direct else (False,)
-        out = [Method(write, d, 1, fresh) for fresh in ((True, False) if write else (False,)) for d in directs]
-        if self.direct and self.depth > 1:
-            out += [Method(write, True, self.depth, fresh) for fresh in ((True, False) if write else (False,))]
-        return out
-
-    def run(self, method: Method, path: str | None = None) -> None:
-        path = path or (self.path if method.write else self.read_path)
-        transfer(method, path, self.size, self.block, lambda w, offset: self.bufs[w], self.pool)
-
-    def refresh(self) -> None:
-        """Rewrites the file the reads read (untimed, between rounds)."""
-        self.run(Method(True, self.direct, 1, False), self.read_path)
-
-    def close(self) -> None:
-        for b in self.bufs:
-            b.close()
-
-
-# ---- the perfect serial swap ----------------------------------------------------------------------------------------
-
-class PerfectSerialSwap:
-    """p, m, v in three plain files; an update reads them whole, updates them in RAM, writes them whole + fsync.
-
-    Reads and writes use the given methods (the raw probes' fastest), into and out of page-aligned buffers; the
-    update is ``adam(step)`` on those buffers in place. Nothing overlaps, so its time is what a swapper that does
-    not overlap I/O with compute could reach at best on this disk.
-    """
-
-    def __init__(self, directory: str, p0: np.ndarray, block: int, read: Method, write: Method,
-                 pool: ThreadPoolExecutor):
-        os.makedirs(directory, exist_ok=True)
-        self.paths = [os.path.join(directory, f"{name}.bin") for name in ("p", "m", "v")]
-        self.block = block
-        self.read, self.write, self.pool = read, write, pool
-        n = p0.size
-        self.nbytes = n * 4
-        assert self.nbytes % block == 0, "whole blocks only (O_DIRECT needs aligned lengths)"
-        self._maps = [mmap.mmap(-1, self.nbytes) for _ in range(3)]  # page-aligned
-        self.bufs = [np.frombuffer(m, np.float32) for m in self._maps]
-        self.bufs[0][:] = p0
-        self.version = 0
-        self.phases: dict[str, list[float]] = {"read": [], "compute": [], "write+fsync": []}
-        self.adam = None
-        self._all(self.write)
-
-    def _all(self, method: Method) -> None:
-        for path, m in zip(self.paths, self._maps):
-            view = memoryview(m)
-            transfer(method, path, self.nbytes, self.block, lambda w, offset, v=view: v[offset:offset + self.block],
-                     self.pool)
-
-    def __call__(self) -> None:
-        t0 = time.perf_counter()
-        self._all(self.read)
-        t1 = time.perf_counter()
-        self.version += 1
-        self.adam(self.version)
-        t2 = time.perf_counter()
-        self._all(self.write)
-        t3 = time.perf_counter()
-        self.phases["read"].append(t1 - t0)
-        self.phases["compute"].append(t2 - t1)
-        self.phases["write+fsync"].append(t3 - t2)
-
-    def close(self) -> None:
-        self.bufs = []
-        for m in self._maps:
-            try:
-                m.close()
-            except BufferError:  # a view still alive (torch's); the mapping goes with the process
-                pass
-
-
-def in_ram_adam(bufs: list[np.ndarray], grad: np.ndarray, threads: int):
-    """The fastest in-place Adam step on host arrays p, m, v that needs no copy: torch fused Adam on zero-copy
-    views when torch is installed (the fastest in-RAM kernel in bench/update_kernel.py's runs here), else nsp
-    fused_update under jit (which copies the arrays in and out). Returns (fn(step), description)."""
-    try:
-        import torch
-    except ImportError:
-        torch = None
-    if torch is not None:
-        torch.set_num_threads(threads)
-        views = [torch.from_numpy(b) for b in bufs]
-        param = torch.nn.Parameter(views[0])
-        param.grad = torch.from_numpy(grad)
-        assert param.data_ptr() == bufs[0].ctypes.data, "torch did not wrap the host buffer in place"
-        try:
-            opt = torch.optim.Adam([param], lr=LR, betas=(B1, B2), eps=EPS, fused=True)
-        except (RuntimeError, TypeError):
-            opt = None
-        if opt is not None:
-            step_t = torch.zeros((), dtype=torch.float32)
-            opt.state[param] = {"step": step_t, "exp_avg": views[1], "exp_avg_sq": views[2]}
-
-            def torch_step(step: int) -> None:
-                step_t.fill_(step - 1)  # the optimizer counts it up before the bias correction
-                opt.step()
-
-            return torch_step, f"torch {torch.__version__} fused Adam on zero-copy views, {threads} threads"
-
-    @functools.partial(jax.jit, donate_argnums=(0, 2, 3))
-    def step_fn(p, g, m, v, t):
-        return fused_update(p, g, m, v, kind="adam", step=t, lr=LR, b1=B1, b2=B2, eps=EPS)[:3]
-
-    g = jnp.asarray(grad)
-
-    def jax_step(step: int) -> None:
-        out = jax.block_until_ready(step_fn(jnp.asarray(bufs[0]), g, jnp.asarray(bufs[1]), jnp.asarray(bufs[2]),
-                                            step))
-        for b, o in zip(bufs, out):
-            np.copyto(b, np.asarray(o))
-
-    return jax_step, "nsp fused_update (copies the buffers in and out: torch is not installed)"
-
-
-# ---- main -----------------------------------------------------------------------------------------------------------
+# ---- main --------------------------------------------------------------------------------------------------------
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -419,14 +143,10 @@ def main() -> None:
                         help="params per DeepSpeed sub-group for its serial and pipelined rows besides its default "
                              "sub_group_size (default 4M = 4194304)")
     parser.add_argument("--no-deepspeed", action="store_true", help="leave DeepSpeed out even when installed")
-    parser.add_argument("--omp-wait-policy", choices=_wait_policy.POLICIES, default=None,
-                        help="OMP_WAIT_POLICY for torch's and DeepSpeed's OpenMP threads (default: the "
-                             "environment's, else PASSIVE)")
-    parser.add_argument("--pause", type=float, default=_wait_policy.DEFAULT_PAUSE_S,
-                        help="seconds slept after each contender's call, before the next one (default 0.2)")
+    wait_policy.add_arguments(parser)
     parser.add_argument("--json", default=None, help="where to write the JSON record")
     args = parser.parse_args()
-    args.omp_wait_policy = _wait_policy.set_omp_wait_policy(args.omp_wait_policy)  # before torch loads OpenMP
+    args.omp_wait_policy = wait_policy.set_omp_wait_policy(args.omp_wait_policy)  # before torch loads OpenMP
     repeats = args.repeats if args.repeats is not None else (5 if args.quick else 7)
     if repeats < 5:
         parser.error("--repeats must be >= 5 (the protocol reports a median of at least 5)")
@@ -446,7 +166,7 @@ def main() -> None:
     old_handlers = {s: signal.signal(s, _raise_interrupt) for s in (signal.SIGTERM, signal.SIGHUP)}
     work = Workdir(parent)
     try:
-        run(args, work, n, page_bytes, page_elems, repeats, warmup, threads)
+        run(args, work, n, page_bytes, repeats, warmup, threads)
     except KeyboardInterrupt as e:
         print("\ninterrupted; removing temporary files", file=sys.stderr)
         raise SystemExit(128 + getattr(e, "signum", signal.SIGINT)) from None
@@ -456,61 +176,11 @@ def main() -> None:
             signal.signal(s, h)
 
 
-def _count(x: int) -> str:
-    """4194304 -> '4M', 1000000000 -> '1e9' (how sub-group sizes are named in the rows)."""
-    if x % 10**9 == 0:
-        return f"{x // 10**9}e9"
-    if x % 2**20 == 0:
-        return f"{x // 2**20}M"
-    return str(x)
-
-
-def setup_deepspeed(args, work: Workdir, p0: np.ndarray, threads: int):
-    """DeepSpeed's optimizer swap in its three arrangements (name -> DeepSpeedOptimizerSwap), and what the record
-    says about it (available, reason when not, version, defaults, each variant's configuration)."""
-    if args.no_deepspeed:
-        return {}, {"available": False, "reason": "left out (--no-deepspeed)"}
-    print("DeepSpeed: loading its async_io and cpu_adam ops (the first use compiles them, minutes) ...", flush=True)
-    t0 = time.perf_counter()
-    info = _deepspeed_swap.status()
-    info["load_s"] = time.perf_counter() - t0
-    if not info["available"]:
-        return {}, info
-    n = p0.size
-    default = info["sub_group_size_default"]
-    small = int(args.ds_sub_group)
-    variants = [("serial", default, False), ("serial", small, False), ("pipelined", small, True)]
-    swaps: dict[str, Any] = {}
-    errors = {}
-    for label, sub_group, pipelined in variants:
-        groups = -(-n // sub_group)
-        name = (f"DeepSpeed {label}, sub-group {_count(sub_group)}{' (default)' if sub_group == default else ''}: "
-                f"{groups} x {_count(min(sub_group, n))}")
-        try:
-            swap = _deepspeed_swap.DeepSpeedOptimizerSwap(
-                os.path.join(work.path, f"deepspeed_{label}_{sub_group}"), p0, sub_group_numel=sub_group,
-                pipelined=pipelined, lr=LR, betas=(B1, B2), eps=EPS, threads=threads)
-        except Exception as e:  # noqa: BLE001  (what DeepSpeed raises varies; the record says what it was)
-            errors[name] = f"{type(e).__name__}: {e}"
-            continue
-        work.closers.append(swap.close)
-        swaps[name] = swap
-    info["variants"] = {name: swap.describe() for name, swap in swaps.items()}
-    if errors:
-        info["errors"] = errors
-    if not swaps:
-        info["available"] = False
-        info["reason"] = "; ".join(f"{k}: {v}" for k, v in errors.items())
-    return swaps, info
-
-
-def run(args, work: Workdir, n: int, page_bytes: int, page_elems: int, repeats: int, warmup: int,
-        threads: int) -> None:
+def run(args, work: Workdir, n: int, page_bytes: int, repeats: int, warmup: int, threads: int) -> None:
     rng = np.random.default_rng(0)
     p0 = rng.random(n, np.float32) - np.float32(0.5)
     grad = (rng.random(n, np.float32) - np.float32(0.5)) * np.float32(1e-2)  # made once, never timed
     spec = nsp.storage.OptimizerSpec("adam", b1=B1, b2=B2, eps=EPS)
-    used = list(spec.states_used())
     state_bytes = n * STATE_BYTES_PER_PARAM
     print(f"fp32 Adam store update of {n / 2**20:.0f}M params ({state_bytes / 2**20:.0f} MiB of p, m, v), "
           f"{threads} threads, ISA {kernel_isa()}, pages of {page_bytes / 2**20:g} MiB, "
@@ -526,12 +196,12 @@ def run(args, work: Workdir, n: int, page_bytes: int, page_elems: int, repeats: 
     store.initialize({"w": p0}, spec)
     assert store.layout.padded_total == n
 
-    rss_before = _status_kib("VmRSS")
-    can_reset = _reset_peak_rss()
+    rss_before = status_kib("VmRSS")
+    can_reset = reset_peak_rss()
     stats0 = store.stats()
     # The first update allocates the pipeline buffers; it is also the file tier's first warm-up round.
     store.update(grad, version=store.version, lr=LR, step=store.version + 1)
-    hwm = _status_kib("VmHWM")
+    hwm = status_kib("VmHWM")
     first_update_growth = (hwm - rss_before) * 1024 if can_reset and hwm and rss_before else None
     stats1 = store.stats()
     read_bytes = stats1["internal_read_bytes"] - stats0["internal_read_bytes"]
@@ -564,81 +234,10 @@ def run(args, work: Workdir, n: int, page_bytes: int, page_elems: int, repeats: 
     work.closers.append(probe.close)
     probe.refresh()
 
-    # -- memory tier and the kernel alone
-    mem = nsp.storage.open(None, tier="memory", page_bytes=page_bytes)
-    work.closers.append(mem.close)
-    mem.initialize({"w": p0}, spec)
+    # -- the memory group: the kernel alone, the memory tier three ways, its diagnostics
+    memory_fns = memory_contenders(work, p0, grad, spec, page_bytes)
 
-    def memory_tier() -> None:
-        mem.update(grad, version=mem.version, lr=LR, step=mem.version + 1)
-
-    # -- the memory tier as the nsp.optim transforms drive it with one shard: a jitted store_update_leaves whose
-    # new params are written over the donated gradient. Each round's params buffer is the next round's gradient
-    # (finite values; their size does not matter to the speed), so no round allocates or copies anything.
-    # Both memory layouts: two version slots (the default: replayable) and in place (one copy, no replay).
-    def jitted_memory_update(in_place: bool):
-        store = nsp.storage.open(None, tier="memory", page_bytes=page_bytes, in_place=in_place)
-        work.closers.append(store.close)
-        store.initialize({"w": p0}, spec)
-
-        @functools.partial(jax.jit, donate_argnums=0)
-        def leaves_step(g, version):
-            (new_p,), committed = store_update_leaves(store, [g], version=version, lr=LR, step=version + 1)
-            return new_p, committed
-
-        state = {"g": jnp.asarray(grad), "version": 0}
-
-        def run() -> None:
-            new_p, committed = leaves_step(state["g"], state["version"])
-            state["g"], state["version"] = new_p, int(committed)
-
-        return run
-
-    memory_jit, memory_jit_in_place = jitted_memory_update(False), jitted_memory_update(True)
-
-    kstate = {"p": jnp.asarray(p0), "m": jnp.zeros(n, jnp.float32), "v": jnp.zeros(n, jnp.float32), "t": 0}
-    kgrad = jnp.asarray(grad)
-
-    @functools.partial(jax.jit, donate_argnums=(0, 2, 3))
-    def kernel_step(p, g, m, v, t):
-        return fused_update(p, g, m, v, kind="adam", step=t, lr=LR, b1=B1, b2=B2, eps=EPS)[:3]
-
-    def kernel_alone() -> None:
-        kstate["t"] += 1
-        kstate["p"], kstate["m"], kstate["v"] = jax.block_until_ready(
-            kernel_step(kstate["p"], kgrad, kstate["m"], kstate["v"], kstate["t"]))
-
-    # -- diagnostics: the memory-tier engine itself, with a reused params_out, and with no param copy
-    diag = _nsp_ffi.ShardEngine("memory", "", n, page_elems, 2, used, False)
-    diag.write_state(0, 0, p0)
-    diag.write_state(0, 1, np.zeros(n, np.float32))
-    diag.write_state(0, 2, np.zeros(n, np.float32))
-    diag_out = np.zeros(n, np.float32)  # touched once, reused
-    diag_state = {"version": 0}
-
-    def diag_update(params_out) -> None:
-        v = diag_state["version"]
-        diag.update(v % 2, (v + 1) % 2, LR, v + 1, spec.hyper_attrs(), grad=grad, params_out=params_out)
-        diag_state["version"] = v + 1
-
-    methods = {f"raw disk {'write' if m.write else 'read'}: {m.label}": m
-               for m in probe.methods(write=True) + probe.methods(write=False)}
-    # Every probe call's duration, kept by the probe itself (calibration, warm-up and timed rounds alike).
-    probe_times: dict[str, list[float]] = {name: [] for name in methods}
-
-    def timed_probe(name: str):
-        def call() -> None:
-            c0 = time.perf_counter()
-            probe.run(methods[name])
-            probe_times[name].append(time.perf_counter() - c0)
-
-        return call
-
-    writers = {k: timed_probe(k) for k, m in methods.items() if m.write}
-    readers = {k: timed_probe(k) for k, m in methods.items() if not m.write}
-
-    def fastest(group) -> str:
-        return min(group, key=lambda k: median(probe_times[k]))
+    writers, readers = probe.contenders(write=True), probe.contenders(write=False)
 
     # -- the perfect serial swap reads and writes the way the raw probes found fastest so far in this run: by their
     # medians over CALIBRATION_CALLS interleaved calls before the timed rounds (their warm-up) and the rounds done
@@ -647,14 +246,14 @@ def run(args, work: Workdir, n: int, page_bytes: int, page_elems: int, repeats: 
     for _ in range(CALIBRATION_CALLS):
         for fn in {**writers, **readers}.values():
             fn()
-    perfect = PerfectSerialSwap(os.path.join(work.path, "perfect"), p0, page_bytes, methods[fastest(readers)],
-                                methods[fastest(writers)], io_pool)
+    perfect = PerfectSerialSwap(os.path.join(work.path, "perfect"), p0, page_bytes, probe.fastest(write=False),
+                                probe.fastest(write=True), io_pool)
     work.closers.append(perfect.close)
     perfect.adam, perfect_kernel = in_ram_adam(perfect.bufs, grad, threads)
     perfect_used: list[tuple[str, str]] = []
 
     def choose_perfect_methods() -> None:
-        perfect.read, perfect.write = methods[fastest(readers)], methods[fastest(writers)]
+        perfect.read, perfect.write = probe.fastest(write=False), probe.fastest(write=True)
         perfect_used.append((perfect.read.label, perfect.write.label))
 
     setup_s = t_cal - t0  # the calibration calls are warm-up, not setup
@@ -662,30 +261,18 @@ def run(args, work: Workdir, n: int, page_bytes: int, page_elems: int, repeats: 
     names = {
         "nsp": "nsp file tier (update + commit)",
         "perfect": "perfect serial swap (read all, Adam in RAM, write all + fsync)",
-        "kernel": "kernel alone (fused_update in place, donated)",
-        "mem_jit": "memory tier, jitted (params over the donated gradient)",
-        "mem_in_place": "memory tier in place (in_place=True), jitted",
-        "mem": "memory tier (store.update, numpy in and out)",
-        "diag_out": "  diag: memory engine, params_out reused",
-        "diag_none": "  diag: memory engine, no param copy",
+        **MEMORY_NAMES,
     }
     ds_fns = {name: functools.partial(swap.step, grad) for name, swap in ds_swaps.items()}
     # Two groups, each interleaved: the disk group, then the memory group (so that no contender in RAM shares a
     # round with the disk's write-back and page-cache work).
     disk_group = {**writers, **readers, names["nsp"]: nsp_file, names["perfect"]: perfect, **ds_fns}
-    memory_group = {
-        names["kernel"]: kernel_alone,
-        names["mem_jit"]: memory_jit,
-        names["mem_in_place"]: memory_jit_in_place,
-        names["mem"]: memory_tier,
-        names["diag_out"]: lambda: diag_update(diag_out),
-        names["diag_none"]: lambda: diag_update(None),
-    }
+    memory_group = {MEMORY_NAMES[key]: fn for key, fn in memory_fns.items()}
     # One warm-up call each (the file tier had its own above, the probes theirs in the calibration), then the rest
     # in time_interleaved.
     t0 = time.perf_counter()
     for name, fn in {**disk_group, **memory_group}.items():
-        if name != names["nsp"] and name not in methods:
+        if name != names["nsp"] and name not in probe.by_name:
             fn()
     # The read probe's file is rewritten right before each file-tier update (why: DiskProbe's docstring).
     idle_cpu: dict[str, list[float]] = {}
@@ -818,7 +405,7 @@ def run(args, work: Workdir, n: int, page_bytes: int, page_elems: int, repeats: 
           f"{mem_pct_adj:.1f}% of the kernel's bandwidth; through store.update (numpy arrays in and out): "
           f"{mem_api_pct:.1f}% of the kernel")
     print(f"  CPU ms in pause: CPU time this process used in the {args.pause:g} s after the call (threads still "
-          f"running, or the disk's write-back); {_wait_policy.NSP_POOL_NOTE}")
+          f"running, or the disk's write-back); {wait_policy.NSP_POOL_NOTE}")
 
     # -- memory
     buffer_bytes = store.stats()["buffer_bytes"]
@@ -881,7 +468,7 @@ def run(args, work: Workdir, n: int, page_bytes: int, page_elems: int, repeats: 
              "methods_per_round": [{"read": r, "write": w} for r, w in perfect_used],
              "nsp_reads_per_round": nsp_reads, "same_read_method": same_io,
              "calibration_calls": CALIBRATION_CALLS,
-             "probe_calibration_s": {k: v[:CALIBRATION_CALLS] for k, v in probe_times.items()},
+             "probe_calibration_s": {k: v[:CALIBRATION_CALLS] for k, v in probe.times.items()},
              "adam": perfect_kernel, "phases_s": perfect.phases},
          "nsp_vs_perfect_serial_swap_speedup": perfect_speedup,
          "params_max_abs_diff_vs_nsp": agree,
@@ -891,12 +478,13 @@ def run(args, work: Workdir, n: int, page_bytes: int, page_elems: int, repeats: 
          "buffer_bound_bytes": bound, "first_update_rss_growth_bytes": first_update_growth,
          "peak_rss_bytes": peak, "setup_s": setup_s, "timed_s": timed_s,
          "times_s": times, "median_s": med, "checks": checks,
-         **_wait_policy.record(args.omp_wait_policy, args.pause, idle_cpu)},
+         **wait_policy.record(args.omp_wait_policy, args.pause, idle_cpu)},
         args.json,
     )
     print(f"\nwrote {path}")
     print(f"file tier: {file_pct:.1f}% of raw disk bandwidth; nsp {perfect_speedup:.2f}x the perfect serial swap"
           + "".join(f"; {r['nsp_speedup']:.2f}x {k.split(':')[0]}" for k, r in ds_rows.items()))
+
 
 if __name__ == "__main__":
     main()

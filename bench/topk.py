@@ -31,8 +31,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # _common sits beside this script
-from _common import median, print_table, time_interleaved, write_json  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # common.py sits beside this script
+from common import median, print_table, time_interleaved, write_json  # noqa: E402
 
 from nsp.primitives import topk as topk_lib  # noqa: E402
 from nsp.primitives.topk import kept_count, topk_compress  # noqa: E402

@@ -4,15 +4,16 @@
     python bench/train_step.py --quick             # tiny and small only
     python bench/train_step.py --quick --engine-cpus 1   # the update on a CPU of its own (see below)
 
-Each contender runs the same jitted step (forward/backward of a Flax GPT, clipping, the optimizer) on the same
-batches; each timed call runs 8 consecutive steps and waits for every update to commit, calls are interleaved
-across contenders, median of >= 5 after a warm-up, reported per step. Next to each nsp row: the
-bytes its store moved over the shared link per step (gradients in, params out) and the Smart-Infinity Table I
-prediction (M = 2 bytes x params: SmartUpdate moves 2M in and 2M out with fp32 transport; SmartComp moves the
-kept fraction c of 2M in, plus 4-byte indices). The staleness-1 row overlaps step t+1's forward/backward with
-step t's update (params one step old); the share of the update time it hides is printed under the table, in
-steady state (each call's time less its final wait for the last update, the drain) and counting the drain; "wait ms"
-is the time a staleness-1 step held its caller (store.stats()["wait_ns"]: the previous update's tail, the copies).
+Each contender runs ``nsp train``'s jitted step (``nsp.train.trainer.make_train_step``: forward/backward of a Flax
+GPT, then the contender's optax chain of clipping and the optimizer) on the same batch; each timed call runs 8
+consecutive steps and waits for every update to commit, calls are interleaved across contenders, median of >= 5
+after a warm-up, reported per step. Next to each nsp row: the bytes its store moved over the shared link per step
+(gradients in, params out) and the Smart-Infinity Table I prediction (M = 2 bytes x params: SmartUpdate moves 2M in
+and 2M out with fp32 transport; SmartComp moves the kept fraction c of 2M in, plus 4-byte indices). The staleness-1
+row overlaps step t+1's forward/backward with step t's update (params one step old); the share of the update time it
+hides is printed under the table, in steady state (each call's time less its final wait for the last update, the
+drain) and counting the drain; "wait ms" is the time a staleness-1 step held its caller (store.stats()["wait_ns"]:
+the previous update's tail, the copies).
 
 By default every contender's forward/backward and nsp's update share all of this machine's cores, so a staleness-1
 update running beside the next forward/backward takes CPU from it. On a GPU host they would not compete: the
@@ -30,7 +31,6 @@ CPUs" and the "x optax all CPUs" column compares every contender with it, beside
 from __future__ import annotations
 
 import argparse
-import functools
 import os
 import shutil
 import subprocess
@@ -45,11 +45,13 @@ import optax
 from flax import nnx
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _common import disk_info, median, print_table, time_interleaved, write_json  # noqa: E402
+from common import disk_info, median, print_table, time_interleaved, write_json  # noqa: E402
 
 import nsp.optim  # noqa: E402
+import nsp.primitives  # noqa: E402
 import nsp.storage  # noqa: E402
-from nsp.models import GPT, cross_entropy_loss, get_config  # noqa: E402
+from nsp.models import GPT, get_config  # noqa: E402
+from nsp.train.trainer import make_train_step  # noqa: E402
 
 
 STEPS_PER_CALL = 8  # the last update of a call cannot overlap anything: 1/8 of them
@@ -85,17 +87,28 @@ def reexec_split(n_engine: int) -> None:
 
 
 def workload(model_name: str, batch: int, seq: int):
-    """(params, loss function of the params, param count): the same model and batch in every process."""
+    """(graphdef, params, tokens, param count): the same model and batch in every process."""
     cfg = get_config(model_name, vocab_size=256, block_size=max(seq, 64))
     graphdef, params = nnx.split(GPT(cfg, rngs=nnx.Rngs(0)), nnx.Param)
     n_params = sum(x.size for x in jax.tree_util.tree_leaves(params))
     rng = np.random.default_rng(0)
     tokens = jnp.asarray(rng.integers(0, 256, size=(batch, seq + 1)), jnp.int32)
+    return graphdef, params, tokens, n_params
 
-    def loss_fn(p):
-        return cross_entropy_loss(nnx.merge(graphdef, p)(tokens[:, :-1]), tokens[:, 1:])
 
-    return params, loss_fn, n_params
+def steps_of(graphdef, params, tokens, tx: optax.GradientTransformation):
+    """A call that runs ``STEPS_PER_CALL`` consecutive steps of ``nsp train``'s jitted step (forward/backward, then
+    ``tx``) on a copy of ``params`` and waits for the last one."""
+    step, _ = make_train_step(graphdef, tx)
+    box = {"p": jax.tree_util.tree_map(jnp.copy, params)}
+    box["s"] = tx.init(box["p"])
+
+    def run():
+        for _ in range(STEPS_PER_CALL):
+            box["p"], box["s"], loss = step(box["p"], box["s"], tokens)
+        jax.block_until_ready((box["p"], loss))
+
+    return run
 
 
 def optax_tx() -> optax.GradientTransformation:
@@ -103,18 +116,10 @@ def optax_tx() -> optax.GradientTransformation:
 
 
 def contenders_for(model_name: str, batch: int, seq: int, workdir: str):
-    params, loss_fn, n_params = workload(model_name, batch, seq)
+    graphdef, params, tokens, n_params = workload(model_name, batch, seq)
 
     def make(tx, store=None):
-        @functools.partial(jax.jit, donate_argnums=(0, 1))
-        def step(p, s):
-            loss, g = jax.value_and_grad(loss_fn)(p)
-            u, s = tx.update(g, s, p)
-            return optax.apply_updates(p, u), s, loss
-
-        box = {"p": jax.tree_util.tree_map(jnp.copy, params)}
-        box["s"] = tx.init(box["p"])
-
+        steps = steps_of(graphdef, params, tokens, tx)
         drains: list[float] = []
 
         def run():
@@ -122,9 +127,7 @@ def contenders_for(model_name: str, batch: int, seq: int, workdir: str):
             # staleness 1 included): each contender pays all of its own work inside its own timing, so
             # interleaving cannot hide one contender's update behind another's steps. The wait for that last
             # update (the drain) is timed too, to tell steady-state steps from the end of a run.
-            for _ in range(STEPS_PER_CALL):
-                box["p"], box["s"], loss = step(box["p"], box["s"])
-            jax.block_until_ready((box["p"], loss))
+            steps()
             if store is not None:
                 t0 = time.perf_counter()
                 store.barrier()
@@ -194,26 +197,15 @@ def optax_worker(spec: str) -> None:
     proto = os.fdopen(os.dup(1), "w")
     os.dup2(2, 1)  # anything else printed goes to stderr, not into the replies
     model_name, batch, seq = spec.split(",")
-    params, loss_fn, _ = workload(model_name, int(batch), int(seq))
-    tx = optax_tx()
-
-    @functools.partial(jax.jit, donate_argnums=(0, 1))
-    def step(p, s):
-        loss, g = jax.value_and_grad(loss_fn)(p)
-        u, s = tx.update(g, s, p)
-        return optax.apply_updates(p, u), s, loss
-
-    p = jax.tree_util.tree_map(jnp.copy, params)
-    s = tx.init(p)
+    graphdef, params, tokens, _ = workload(model_name, int(batch), int(seq))
+    steps = steps_of(graphdef, params, tokens, optax_tx())
     proto.write(f"ready {','.join(map(str, sorted(os.sched_getaffinity(0))))}\n")
     proto.flush()
     for line in sys.stdin:
         if line.strip() != "run":
             break
         t0 = time.perf_counter()
-        for _ in range(STEPS_PER_CALL):
-            p, s, loss = step(p, s)
-        jax.block_until_ready((p, loss))
+        steps()
         proto.write(f"{time.perf_counter() - t0!r}\n")
         proto.flush()
 

@@ -14,7 +14,7 @@ Contenders (all updating the same number of fp32 Adam parameters in place, inter
   torch fused Adam   torch.optim.Adam(fused=True) on CPU, when torch is installed (pip install ".[bench]")
   DeepSpeedCPUAdam   when deepspeed is installed (its cpu_adam op builds on first use)
   roofline probes    streaming loops reading p, g, m, v and writing p, m, v (28 B/param), same threads: nsp's
-                     stream probe (_nsp_ffi.stream_roofline) and numpy in place (p += g, m += g, v += g per
+                     stream probe (nsp.primitives.stream_roofline) and numpy in place (p += g, m += g, v += g per
                      64K-element chunk, so g is read from memory once; one Python thread per kernel thread)
 
 The memory roofline is an upper bound, so it is the best of several streaming probes: the two above and the
@@ -41,11 +41,11 @@ import numpy as np
 import optax
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import _wait_policy  # noqa: E402
-from _common import median, print_table, time_interleaved, write_json  # noqa: E402
+import wait_policy  # noqa: E402
+from adam_steps import nsp_adam_step, torch_fused_adam  # noqa: E402
+from common import median, print_table, time_interleaved, write_json  # noqa: E402
 
-from nsp import _nsp_ffi  # noqa: E402
-from nsp.primitives import fused_update, kernel_isa, set_num_threads  # noqa: E402
+from nsp.primitives import fused_update, kernel_isa, set_num_threads, stream_roofline  # noqa: E402
 
 LR = 1e-3
 NSP_PROBE = "roofline probe: nsp stream (28 B/param)"
@@ -74,13 +74,7 @@ def nsp_contenders(n: int, rng: np.random.Generator, ratio: float):
     idx = jnp.asarray(np.sort(rng.choice(n, size=k, replace=False)).astype(np.int32))
     vals = jnp.asarray(rng.standard_normal(k, np.float32))
 
-    @functools.partial(jax.jit, donate_argnums=(0, 2, 3))
-    def dense(p, g, m, v, t):
-        return fused_update(p, g, m, v, kind="adam", step=t, lr=LR)[:3]
-
-    @functools.partial(jax.jit, donate_argnums=(0, 3, 4))
-    def sparse(p, values, indices, m, v, t):
-        return fused_update(p, values, m, v, kind="adam", step=t, lr=LR, indices=indices)[:3]
+    step = nsp_adam_step(LR)
 
     # The eager contender steps a state of its own, as a user's eager loop would: the jitted calls donate (delete)
     # the arrays they are given, which would leave the eager calls no dropped arrays of their own to reuse.
@@ -99,10 +93,10 @@ def nsp_contenders(n: int, rng: np.random.Generator, ratio: float):
         return fused_update(s["p"], grad, s["m"], s["v"], kind="adam", step=t, lr=LR)[:3]
 
     return {
-        "nsp dense fp32": run(lambda t: dense(state["p"], grad, state["m"], state["v"], t)),
+        "nsp dense fp32": run(lambda t: step(state["p"], grad, state["m"], state["v"], t)),
         EAGER: run(eager, eager_state),
-        "nsp bf16 grads": run(lambda t: dense(state["p"], grad_bf16, state["m"], state["v"], t)),
-        f"nsp top-k {ratio:.0%}": run(lambda t: sparse(state["p"], vals, idx, state["m"], state["v"], t)),
+        "nsp bf16 grads": run(lambda t: step(state["p"], grad_bf16, state["m"], state["v"], t)),
+        f"nsp top-k {ratio:.0%}": run(lambda t: step(state["p"], vals, state["m"], state["v"], t, idx)),
     }, k
 
 
@@ -123,23 +117,18 @@ def optax_contender(n: int, rng: np.random.Generator):
     return fn
 
 
-def torch_contender(n: int, threads: int):
-    try:
-        import torch
-    except ImportError:
-        return None, "not installed (pip install '.[bench]')"
-    torch.set_num_threads(threads)
-    p = torch.nn.Parameter(torch.randn(n))
-    p.grad = torch.randn(n)
-    try:
-        opt = torch.optim.Adam([p], lr=LR, fused=True)
-    except (RuntimeError, TypeError) as e:  # older torch: no fused CPU Adam
-        return None, f"fused CPU Adam unavailable ({e})"
+def torch_contender(n: int, rng: np.random.Generator, threads: int):
+    p, g = (rng.standard_normal(n, np.float32) for _ in range(2))
+    step, note = torch_fused_adam(p, g, np.zeros(n, np.float32), np.zeros(n, np.float32), threads=threads, lr=LR)
+    if step is None:
+        return None, note
+    t = [0]
 
     def fn():
-        opt.step()
+        t[0] += 1
+        step(t[0])
 
-    return fn, f"torch {torch.__version__}, {threads} threads"
+    return fn, note
 
 
 def deepspeed_contender(n: int, threads: int):
@@ -165,7 +154,7 @@ def nsp_stream_probe(n: int):
     arrays = [np.zeros(n, np.float32) for _ in range(4)]
 
     def fn():
-        _nsp_ffi.stream_roofline(*arrays)
+        stream_roofline(*arrays)
 
     return fn
 
@@ -203,16 +192,12 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2, help="threads for nsp, torch and the roofline")
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--ratio", type=float, default=0.01, help="Top-K density of the compressed contender")
-    parser.add_argument("--omp-wait-policy", choices=_wait_policy.POLICIES, default=None,
-                        help="OMP_WAIT_POLICY for torch's and DeepSpeed's OpenMP threads (default: the "
-                             "environment's, else PASSIVE)")
-    parser.add_argument("--pause", type=float, default=_wait_policy.DEFAULT_PAUSE_S,
-                        help="seconds slept after each contender's call, before the next one (default 0.2)")
+    wait_policy.add_arguments(parser)
     parser.add_argument("--json", default=None, help="where to write the JSON record")
     args = parser.parse_args()
     if args.repeats < 5:
         parser.error("--repeats must be >= 5 (the protocol reports a median of at least 5)")
-    policy = _wait_policy.set_omp_wait_policy(args.omp_wait_policy)  # before torch loads its OpenMP runtime
+    policy = wait_policy.set_omp_wait_policy(args.omp_wait_policy)  # before torch loads its OpenMP runtime
     n = parse_size(args.size)
     set_num_threads(args.threads)
     rng = np.random.default_rng(0)
@@ -221,7 +206,7 @@ def main() -> None:
     notes = {}
     contenders["optax.adam (jit, donated)"] = optax_contender(n, rng)
     for name, (fn, note) in {
-        "torch fused Adam": torch_contender(n, args.threads),
+        "torch fused Adam": torch_contender(n, rng, args.threads),
         "DeepSpeedCPUAdam": deepspeed_contender(n, args.threads),
     }.items():
         notes[name] = note
@@ -266,8 +251,8 @@ def main() -> None:
         "Adam update throughput",
         rows,
         [("contender", "contender", ""), ("ms", "median ms", ".1f"), ("gparams", "Gparam/s", ".3f"),
-         ("bpp", "B/param", ""), ("gbs", "GB/s moved", ".1f"), ("vs_nsp", "speed vs nsp dense", ".2f"), ("roof", "roofline", ""),
-         ("idle", "CPU ms in pause", ".1f")],
+         ("bpp", "B/param", ""), ("gbs", "GB/s moved", ".1f"), ("vs_nsp", "speed vs nsp dense", ".2f"),
+         ("roof", "roofline", ""), ("idle", "CPU ms in pause", ".1f")],
     )
     nsp_pct = n * 28.0 / ref / 1e9 / roofline_gbs * 100
     print(f"\n  memory roofline = the best of {len(probes)} streaming probes: {roofline_gbs:.1f} GB/s "
@@ -278,7 +263,7 @@ def main() -> None:
         print(f"  note: {', '.join(above)} moved more GB/s than the best probe: the probes understate the memory "
               f"roofline in this run")
     print(f"  CPU ms in pause: CPU time this process used in the {args.pause:g} s after the contender's call "
-          f"(threads still running); {_wait_policy.NSP_POOL_NOTE}")
+          f"(threads still running); {wait_policy.NSP_POOL_NOTE}")
 
     checks = []
 
@@ -304,7 +289,7 @@ def main() -> None:
          "bytes_per_param": {name: bytes_per_param.get(name, 28.0) for name in med},
          "roofline_probes_gbs": probes, "roofline_probe": best_probe, "roofline_gbs": roofline_gbs,
          "nsp_dense_pct_of_roofline": nsp_pct, "faster_than_roofline": above,
-         **_wait_policy.record(policy, args.pause, idle_cpu)},
+         **wait_policy.record(policy, args.pause, idle_cpu)},
         args.json,
     )
     print(f"\nwrote {path}")

@@ -1,4 +1,4 @@
-"""Shared helpers for the benchmarks: interleaved timing, a side-by-side table and a JSON record.
+"""What every benchmark shares: interleaved timing, a side-by-side table and a JSON record.
 
 Every benchmark follows the same protocol: each contender is warmed up, then all contenders are run in turn
 (interleaved, so that drift in the machine's speed hits all of them alike) for ``repeats`` rounds, and the
@@ -187,11 +187,11 @@ def git_info(max_paths: int = 40) -> dict[str, Any]:
 def build_info() -> dict[str, Any]:
     """When nsp's C++ extension was built, and which C++ sources are newer than it (a stale build: the numbers
     would not be those of the code the commit holds). File times only."""
-    try:
-        from nsp import _nsp_ffi
+    import importlib.util
 
-        built = os.stat(_nsp_ffi.__file__).st_mtime
-    except Exception as e:  # noqa: BLE001
+    try:  # the compiled module's file, found without loading it
+        built = os.stat(importlib.util.find_spec("nsp._nsp_ffi").origin).st_mtime
+    except Exception as e:  # noqa: BLE001  (not installed, not built: the record says so)
         return {"extension": None, "error": f"{type(e).__name__}: {e}"}
     sources = [REPO / "CMakeLists.txt"] + sorted((REPO / "ffi").glob("*"))
     newer = [str(p.relative_to(REPO)) for p in sources if p.is_file() and p.stat().st_mtime > built]
@@ -226,19 +226,50 @@ def disk_info(path: str | os.PathLike) -> dict[str, Any]:
     return out
 
 
+def status_kib(field: str) -> int | None:
+    """A field of /proc/self/status in KiB (VmRSS: resident now; VmHWM: its peak); None when unreadable."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith(field + ":"):
+                    return int(line.split()[1])
+    except OSError:
+        pass
+    return None
+
+
+def reset_peak_rss() -> bool:
+    """Resets VmHWM to the current RSS (Linux >= 4.0), so that it then measures one phase; False when not
+    possible."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
+
+
+def peak_rss_bytes() -> int:
+    """ru_maxrss of this process (its peak RSS since it started), in bytes."""
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # kilobytes on Linux
+
+
 # The tree as the benchmark started (its modules were imported then): a record names this commit.
 START_GIT = git_info()
+
+
+def table_cell(value: Any, fmt: str) -> str:
+    """A table's cell: "-" for a missing value, a string as it is, anything else formatted with ``fmt``."""
+    return "-" if value is None else (value if isinstance(value, str) else format(value, fmt))
 
 
 def print_table(title: str, rows: list[dict[str, Any]], columns: list[tuple[str, str, str]]) -> None:
     """Prints ``rows`` as a table; ``columns`` holds (key, header, format) triples."""
     cells = [[header for _, header, _ in columns]]
     for row in rows:
-        line = []
-        for key, _, fmt in columns:
-            value = row.get(key)
-            line.append("-" if value is None else (value if isinstance(value, str) else format(value, fmt)))
-        cells.append(line)
+        cells.append([table_cell(row.get(key), fmt) for key, _, fmt in columns])
     widths = [max(len(str(r[i])) for r in cells) for i in range(len(columns))]
     print(f"\n{title}")
     for i, line in enumerate(cells):

@@ -37,6 +37,16 @@ def openmp_loaded() -> list[str]:
     return sorted(found)
 
 
+def add_arguments(parser) -> None:
+    """The options of an interleaved benchmark that keep contenders apart: --omp-wait-policy and --pause."""
+    parser.add_argument("--omp-wait-policy", choices=POLICIES, default=None,
+                        help="OMP_WAIT_POLICY for torch's and DeepSpeed's OpenMP threads (default: the "
+                             "environment's, else PASSIVE)")
+    parser.add_argument("--pause", type=float, default=DEFAULT_PAUSE_S,
+                        help=f"seconds slept after each contender's call, before the next one "
+                             f"(default {DEFAULT_PAUSE_S:g})")
+
+
 def set_omp_wait_policy(policy: str | None) -> str:
     """Sets OMP_WAIT_POLICY for the OpenMP runtimes loaded later in this process; returns the policy in force.
 

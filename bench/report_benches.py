@@ -1,0 +1,386 @@
+"""Section 3 of the report: each benchmark's JSON record in bench/results/ rendered as a table, its facts and a
+chart, under the line that names the record, its commit and machine (``BENCHES`` lists them, each with its title,
+its default command and its renderer). Renderers read a record tolerantly: a record of an older layout renders
+what it has, or is named unreadable with the command that regenerates it.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+
+from common import REPO
+from report_render import (PLACEMENT_OPTIONS, bar_chart, draw_bars, left_out, md_table, provenance_line, pyplot,
+                           save_figure, shown_command)
+
+
+def bench_header(record: dict, command: str, exact_command: bool, verdict: dict) -> str:
+    """The record's provenance line (file, commit, date, machine, fresh or STALE) and the command that made it."""
+    how = "Produced by" if exact_command else "Command (rebuilt from the parameters the JSON records)"
+    return (provenance_line(verdict, record.get("machine"), record.get("time")) + "\n"
+            + f"{how}: `{shown_command(command)}`")
+
+
+def render_update_kernel(d: dict, out: Path) -> tuple[str, str]:
+    med = d["median_s"]
+    names = list(med)
+    topk = next((k for k in names if k.startswith("nsp top-k ")), None)
+    ratio = float(topk.split()[-1].rstrip("%")) / 100 if topk else 0.01
+    command = f"python bench/update_kernel.py --size {d['size']} --threads {d['threads']} --repeats {d['repeats']}"
+    if abs(ratio - 0.01) > 1e-12:
+        command += f" --ratio {ratio:g}"
+    roof = {k for k in names if k.startswith("roofline")}
+    bpp = d.get("bytes_per_param", {})
+    rows = [{"name": k, "ms": v * 1e3, "gparams": d["size"] / v / 1e9,
+             "bpp": f"{bpp[k]:g}" if k in bpp else ""} for k, v in med.items()]
+    bar_chart(out / "update_kernel.png", names, [d["size"] / v / 1e9 for v in med.values()],
+              title=f"fp32 Adam update of {d['size'] / 2**20:.0f}M params, {d['threads']} threads, ISA {d['isa']} "
+                    f"(median of {d['repeats']}; {d['time']})", xlabel="Gparam/s (higher is better)", roofline=roof)
+    body = md_table(rows, [("name", "contender", ""), ("ms", "median ms", ".1f"), ("gparams", "Gparam/s", ".3f"),
+                           ("bpp", "B/param moved", "")])
+    notes = "; ".join(f"{k}: {v}" for k, v in d.get("notes", {}).items())
+    checks = "\n".join(f"- {c['check']}: {c['ratio']:.2f}x (target {c['target']:.2f}x, "
+                       f"{'met' if c['met'] else 'missed'})" for c in d.get("checks", []))
+    return command, f"{body}\n\n{notes}\n\n{checks}\n\n![update kernel](update_kernel.png)"
+
+
+def render_store_update(d: dict, out: Path) -> tuple[str, str]:
+    """Reads store_update.json tolerantly: its contenders are found by name (any whose name mentions DeepSpeed or
+    "baseline" is a baseline of the disk group) and each sentence of the facts appears only when the record has
+    its fields, so that a record with other or more baselines still renders."""
+    command = "python bench/store_update.py" + "".join(
+        f" {flag} {fmt(d[key])}" for flag, key, fmt in (
+            ("--state-mib", "state_bytes", lambda v: f"{v / 2**20:g}"), ("--repeats", "repeats", str),
+            ("--page-mib", "page_bytes", lambda v: f"{v / 2**20:g}"), ("--pages-in-flight", "pages_in_flight", str),
+            ("--threads", "threads", str), ("--dir", "directory", str)) if key in d)
+    med = d["median_s"]
+    moved = d["bytes_read_per_update"] + d["bytes_written_per_update"]
+    n = d["params"]
+
+    def find(prefix: str) -> str | None:
+        return next((k for k in med if k.strip().startswith(prefix)), None)
+
+    # The file tier and the baselines move the same page bytes; the perfect update is their disk roofline.
+    raw = [(k, v) for k, v in med.items() if k.startswith("raw disk")]
+    baselines = [k for k in med if "deepspeed" in k.lower() or "baseline" in k.lower()]
+    disk = ([("perfect update (disk roofline)", d["perfect_update_s"])] if "perfect_update_s" in d else [])
+    disk += [(find("nsp file tier"), med.get(find("nsp file tier")))] + [(k.strip(), med[k]) for k in baselines]
+    memory = [(k, med.get(k)) for k in [find("kernel alone")] + [k for k in med if k.startswith("memory tier")]]
+    memory += [(k.strip(), v) for k, v in med.items() if k.strip().startswith("diag")]
+    rows = [{"name": k, "ms": v * 1e3, "gbs": d["probe_bytes"] / v / 1e9 if "probe_bytes" in d else None}
+            for k, v in raw]
+    rows += [{"name": k, "ms": v * 1e3, "gbs": moved / v / 1e9} for k, v in disk if k]
+    rows += [{"name": k, "ms": v * 1e3, "gbs": n * (28 if "kernel" in k or "no param" in k else 32) / v / 1e9}
+             for k, v in memory if k]
+    listed = {r["name"].strip() for r in rows}
+    rows += [{"name": k.strip(), "ms": v * 1e3} for k, v in med.items() if k.strip() not in listed]  # the rest
+    plt = pyplot()
+    fig, axes = plt.subplots(1, 2, figsize=(12, 3.2))
+    for ax, group, title in ((axes[0], disk, "file tier vs disk (GB/s of pages moved)"),
+                             (axes[1], memory, "memory tier vs the kernel alone (Mparam/s)")):
+        group = [(k, v) for k, v in group if k]
+        vals = [moved / v / 1e9 if ax is axes[0] else n / v / 1e6 for _, v in group]
+        roof = ["roofline" in k or "kernel alone" in k for k, _ in group]
+        draw_bars(ax, [k for k, _ in group], vals, roof, fontsize=7)
+        ax.set_title(title, fontsize=9)
+        ax.margins(x=0.2)
+    save_figure(fig, out / "store_update.png",
+                f"store update, {n / 2**20:.0f}M params"
+                + (f" ({d['state_bytes'] / 2**20:.0f} MiB of p, m, v)" if "state_bytes" in d else "") + ", "
+                f"median of {d.get('repeats', '?')} ({d.get('time', '?')})")
+    body = md_table(rows, [("name", "contender", ""), ("ms", "median ms", ".1f"), ("gbs", "GB/s moved", ".3f")])
+
+    def fact(template: str, *keys: str) -> str:
+        return template.format(*(d[k] for k in keys)) if all(k in d for k in keys) else ""
+
+    probe = (f"fastest write: {d['probe_write'].split(': ')[-1]}; fastest read: {d['probe_read'].split(': ')[-1]}"
+             if "probe_write" in d and "probe_read" in d else d.get("probe_mode", "?"))
+    facts = " ".join(f for f in (
+        fact(f"Raw disk ({probe}): write {{:.3f}} GB/s, read {{:.3f}} GB/s.", "write_gbs", "read_gbs"),
+        fact("File tier at {:.1f}% of the perfect update.", "file_tier_pct_of_disk"),
+        fact("Baseline at {:.1f}% of the perfect update", "baseline_pct_of_disk")
+        + fact(" (nsp vs baseline: {:.2f}x", "nsp_vs_baseline_speedup")
+        + fact("; baseline Adam: {}", "baseline_adam")
+        + (")." if "nsp_vs_baseline_speedup" in d else "." if "baseline_pct_of_disk" in d else ""),
+        fact("Memory tier (jitted, as the transforms run it) at {:.1f}% of the kernel alone",
+             "memory_tier_pct_of_kernel")
+        + fact(" ({:.1f}% counting its 32 B/param against the kernel's 28)",
+               "memory_tier_pct_of_kernel_roofline_adjusted")
+        + ("." if "memory_tier_pct_of_kernel" in d else ""),
+        _perfect_swap_fact(d.get("perfect_serial_swap") or {}),
+    ) if f)
+    checks = "\n".join(f"- {c.get('check', '?')}: "
+                       + (f"{c['value']:.3g}" if isinstance(c.get("value"), (int, float)) else str(c.get("value")))
+                       + f" ({'met' if c.get('met') else 'missed'})" for c in d.get("checks", []))
+    return command, f"{body}\n\n{facts}\n\n{checks}\n\n![store update](store_update.png)"
+
+
+def _perfect_swap_fact(perfect: dict) -> str:
+    """The file tier against the perfect serial swap: overall, and in the rounds where both read their pages the
+    same way (direct or buffered), with how the file tier read each round."""
+    if "nsp_speedup" not in perfect:
+        return ""
+    text = f"Against the perfect serial swap: nsp {perfect['nsp_speedup']:.2f}x"
+    same = perfect.get("same_read_method")
+    if same:
+        text += (f"; in the {len(same['rounds'])} rounds where both read pages the same way, nsp "
+                 f"{same['nsp_s'] * 1e3:.0f} ms vs {same['perfect_s'] * 1e3:.0f} ms ({same['nsp_speedup']:.2f}x)")
+    if perfect.get("nsp_reads_per_round"):
+        text += f"; nsp read its pages per round: {', '.join(perfect['nsp_reads_per_round'])}"
+    return text + "."
+
+
+def _yes_no(value) -> str | None:
+    return None if value is None else value if isinstance(value, str) else ("yes" if value else "NO")
+
+
+def render_topk(d: dict, out: Path) -> tuple[str, str]:
+    command = f"python bench/topk.py --size {d['size']} --ratio {d['ratio']:g} --repeats {d['repeats']}"
+    inputs = list(dict.fromkeys(r["input"] for r in d["rows"]))
+    hard = [i for i in inputs if any(r.get("hard") for r in d["rows"] if r["input"] == i)]
+    if not hard:
+        command += " --easy-only" if "inputs" in d else ""
+    cols = min(3, len(inputs))
+    grid = -(-len(inputs) // cols)
+    plt = pyplot()
+    fig, axes = plt.subplots(grid, cols, figsize=(6 * cols, 3 * grid), squeeze=False)
+    for ax, inp in zip(axes.flat, inputs):
+        rows = [r for r in d["rows"] if r["input"] == inp]
+        roof = [r["method"].startswith("roofline") for r in rows]
+        draw_bars(ax, [r["method"] for r in rows], [r["median_ms"] for r in rows], roof, log=True,
+                  fmt="{:.3g} ms")
+        ax.set_title(f"{inp}{' (hard)' if inp in hard else ''}: median ms (log; lower is better)", fontsize=9)
+        ax.margins(x=0.3)
+    for ax in list(axes.flat)[len(inputs):]:
+        ax.axis("off")
+    save_figure(fig, out / "topk.png",
+                f"Top-K {d['ratio']:.0%} of {d['size']:,} entries (k = {d['k']:,}), median of {d['repeats']} "
+                 f"({d['time']})")
+    rows = [{**r, "input": r["input"] + (" (hard)" if r.get("hard") else ""), "correct": _yes_no(r.get("correct")),
+             "fallback": _yes_no(r.get("fallback"))} for r in d["rows"]]
+    columns = [("input", "input", ""), ("method", "method", ""), ("median_ms", "median ms", ".1f"),
+               ("speedup", "vs lax.top_k", ".2f"), ("l2_mass_pct", "L2 mass kept %", ".2f")]
+    if any("correct" in r for r in d["rows"]):
+        columns += [("correct", "correct", ""), ("fallback", "threshold fell back", "")]
+    body = md_table(rows, columns)
+    notes = []
+    if hard:
+        notes.append("Hard inputs (`bench/topk.py`'s docstring): many entries share the k-th largest magnitude, so "
+                     "no sampled threshold passes between k and 2k candidates; the threshold method then runs "
+                     "its exact fallback after the threshold pass (\"threshold fell back\": its candidate count "
+                     "missed). \"correct\": the output checked against numpy (k distinct ascending indices, the "
+                     "values at them, every kept magnitude at least the k-th largest and every larger one kept). "
+                     f"Threshold method, worst over the easy inputs: {d['threshold_speedup_min']:.2f}x lax.top_k; "
+                     f"over the hard ones: {d.get('threshold_speedup_min_hard', float('nan')):.2f}x.")
+    return command, body + "".join(f"\n\n{n}" for n in notes) + "\n\n![top-k](topk.png)"
+
+
+def render_train_step(d: dict, out: Path) -> tuple[str, str]:
+    models = d["models"]
+    first = next(iter(models.values()))
+    repeats = len(next(iter(first["times_s"].values())))
+    command = "python bench/train_step.py" + ("" if "gpt2-124m" in models else " --quick")
+    command += f" --repeats {repeats}" if repeats != 5 else ""
+    split = bool(d.get("engine_cpus"))
+    command += f" --engine-cpus {len(d['engine_cpus'])}" if split else ""
+    plt = pyplot()
+    fig, axes = plt.subplots(1, len(models), figsize=(6 * len(models), 3), squeeze=False)
+    parts = []
+    for ax, (model, m) in zip(axes[0], models.items()):
+        rows = m["rows"]
+        ax.barh(range(len(rows)), [r["ms"] for r in rows], color="#3a76af")
+        ax.set_yticks(range(len(rows)), [r["contender"] for r in rows], fontsize=8)
+        ax.invert_yaxis()
+        for i, r in enumerate(rows):
+            ax.text(r["ms"], i, f" {r['ms']:.3g}", va="center", fontsize=7)
+        ax.set_title(f"{model} ({m['params'] / 1e6:.2f}M params): ms per step", fontsize=9)
+        ax.margins(x=0.2)
+        steady = m.get("staleness_hidden_fraction_steady")
+        hides = (f"{steady:.0%} of the file tier's update in steady state, "
+                 f"{m.get('staleness_hidden_fraction', float('nan')):.0%} counting each call's final drain"
+                 if steady is not None else
+                 f"{m.get('staleness_hidden_fraction', float('nan')):.0%} of the file tier's update")
+        all_cores = [("ratio_all", "x optax all CPUs", ".2f")] if any("ratio_all" in r for r in rows) else []
+        parts.append(f"**{model}** ({m['params']:,} params; staleness 1 hides {hides})\n\n"
+                     + md_table(rows, [("contender", "contender", ""), ("ms", "step ms", ".1f"),
+                                       ("ratio", "x optax", ".2f"), *all_cores, ("update_ms", "update ms", ".1f"),
+                                       ("wait_ms", "wait ms", ".1f"), ("in", "link in B/step", ",.0f"),
+                                       ("table1_in", "Table I in", ",.0f"),
+                                       ("out", "link out B/step", ",.0f"), ("table1_out", "Table I out", ",.0f")]))
+    parts.append("*update ms*: a step's update, start to commit (in the background for staleness 1); *wait ms*: how "
+                 "long a staleness-1 step held its caller (the previous update's tail and the copies of gradient and "
+                 "params); the rest of what staleness 1 does not hide is the forward/backward slowed by the update "
+                 "running beside it.")
+    name = "train_step_split" if split else "train_step"
+    save_figure(fig, out / f"{name}.png", f"GPT train step (median of {repeats}; {d['time']})")
+    if split:
+        everywhere = d.get("optax_all_cpus")
+        parts.insert(0, f"The update ran on CPUs {d['engine_cpus']} (`NSP_ENGINE_CPUS`), every forward/backward on "
+                        f"CPUs {d['compute_cpus']}: a stand-in for a host whose forward/backward runs on an "
+                        f"accelerator, so that a staleness-1 update competes with it for memory and caches, not "
+                        f"for cores. Step times are those of fewer cores than the run above. "
+                        + (f"The nsp contenders use CPUs {everywhere} in all, the pinned optax only "
+                           f"{d['compute_cpus']}; so optax also ran on all of {everywhere}, in a process of its own "
+                           "driven round by round in the same interleaved rounds (the row \"all N CPUs\"): "
+                           "\"x optax all CPUs\" compares every contender with it at equal cores, beside the pinned "
+                           "run's \"x optax\"." if everywhere else
+                           "(This record has no optax run on all the CPUs; rerun the command to add it.)"))
+    return command, "\n\n".join(parts) + f"\n\n![train step]({name}.png)"
+
+
+def render_checkpoint(d: dict, out: Path) -> tuple[str, str]:
+    default_mib = 128 if d.get("quick") else 1024
+    mib = round(d["state_bytes"] / 2**20)
+    command = "python bench/checkpoint.py" + (" --quick" if d.get("quick") else "")
+    command += f" --state-mib {mib}" if mib != default_mib else ""
+    command += f" --repeats {d['repeats']} --num-shards {d['num_shards']} --page-mib {d['page_bytes'] / 2**20:g}"
+    rows = d["rows"]
+    bar_chart(out / "checkpoint.png", [r["name"] for r in rows], [r["median_s"] for r in rows],
+              title=f"checkpoint save of {d['state_bytes'] / 2**20:.0f} MiB of state, median of {d['repeats']} "
+                    f"({d['time']})", xlabel="seconds (log; lower is better)",
+              roofline={r["name"] for r in rows if r["name"].startswith("raw")}, log=True, fmt="{:.3g} s")
+    body = md_table(rows, [("name", "contender", ""), ("median_s", "median s", ".4f"),
+                           ("gbps", "state GB/s", ".2f"), ("ratio", "x nsp snapshot", ".1f")])
+    snap = d.get("snapshot", {})
+    facts = (f"nsp snapshot vs orbax StandardCheckpointer: {d['ratio_orbax_standard']:.1f}x (target "
+             f"{d['target_ratio']:.0f}x: {'met' if d['target_met'] else 'missed'}); snapshot method "
+             f"{snap.get('method')}, {snap.get('linked_files')} page files linked, {snap.get('copied_bytes')} "
+             "bytes copied. The raw write is the roofline of any checkpoint that copies the state.")
+    later = d.get("cost_later")
+    if later:
+        lrows = [{**r, "replaced": r.get("replaced", "-")} for r in later["rows"]]
+        facts += ("\n\n**The cost paid later.** A page file that a snapshot links is replaced, not rewritten in "
+                  "place, the next time the store writes it (a new file renamed over it). Versions alternate "
+                  "between two slots, so the first update after a snapshot writes the other slot and the second "
+                  "rewrites the snapshotted one. Both updates after a snapshot against two with none, the two "
+                  f"kinds of round alternating, median of {d['repeats']} (extra: median of the per-round "
+                  "differences; pages replaced: page files that got a new inode):\n\n"
+                  + md_table(lrows, [("name", "", ""), ("snapshot", "after a snapshot (s)", ".4f"),
+                                     ("none", "no snapshot (s)", ".4f"), ("extra", "extra (s)", "+.4f"),
+                                     ("replaced", "pages replaced (snapshot / none)", "")])
+                  + f"\n\nA checkpoint by snapshot costs its own time plus that extra: {later['snapshot_s']:.4f} + "
+                  f"{later['extra_s']:.4f} = **{later['total_s']:.4f} s**, against orbax Standard's "
+                  f"{later['total_s'] * later['ratio_orbax_standard']:.4f} s "
+                  f"(**{later['ratio_orbax_standard']:.1f}x**) and orbax from the store's "
+                  f"{later['total_s'] * later['ratio_orbax_from_store']:.4f} s "
+                  f"({later['ratio_orbax_from_store']:.1f}x), all in this run.")
+    else:
+        facts += " (This record predates the measurement of the cost a snapshot adds to the next updates.)"
+    return command, f"{body}\n\n{facts}\n\n![checkpoint](checkpoint.png)"
+
+
+def render_max_model(d: dict, out: Path) -> tuple[str, str]:
+    command = f"python bench/max_model.py --cap-gib {d['cap_gib']:g} --width {d['width']} --seq {d['seq']}"
+    rows = d["rows"]
+    bar_chart(out / "max_model.png", [r["contender"] for r in rows], [r["params_m"] for r in rows],
+              title=f"largest GPT (width {d['width']}) that trains under {d['cap_gib']:g} GiB of address space "
+                    f"({d['time']})", xlabel="params (M; higher is better)", fmt="{:.1f} M")
+    body = md_table(rows, [("contender", "contender", ""), ("layers", "layers", "d"), ("params_m", "params (M)", ".1f"),
+                           ("ratio", "vs optax", ".2f"), ("peak_rss_gib", "peak RSS GiB", ".2f"),
+                           ("step_s", "step s", ".1f")])
+    return command, f"{body}\n\n![max model](max_model.png)"
+
+
+def render_fault_campaign(d: dict, out: Path) -> tuple[str, str]:
+    trials = d["trials"]
+    command = f"python bench/fault_campaign.py --trials {len(trials)} --steps {d['steps']} --seed {d['seed']}"
+    modes = list(dict.fromkeys(t["mode"] for t in trials))
+    rows = []
+    for mode in modes:
+        ts = [t for t in trials if t["mode"] == mode]
+        rows.append({"mode": mode, "trials": len(ts), "killed": sum(t["killed"] for t in ts),
+                     "identical": sum(t["bit_identical"] for t in ts), "corrupt": sum(t["corrupt"] for t in ts),
+                     "lost": max(t["lost_steps"] for t in ts)})
+    plt = pyplot()
+    fig, ax = plt.subplots(figsize=(7, 2.6))
+    x = np.arange(len(rows))
+    ax.bar(x - 0.2, [r["trials"] for r in rows], 0.4, label="trials", color="#bbbbbb")
+    ax.bar(x + 0.2, [r["identical"] for r in rows], 0.4, label="bit-identical after resume", color="#3a76af")
+    ax.set_xticks(x, [r["mode"] for r in rows])
+    ax.legend(fontsize=8)
+    ax.set_title(f"fault campaign: {len(trials)} SIGKILLed runs of {d['steps']} steps ({d['time']})", fontsize=9)
+    save_figure(fig, out / "fault_campaign.png")
+    body = md_table(rows, [("mode", "kill point", ""), ("trials", "trials", "d"), ("killed", "killed", "d"),
+                           ("identical", "bit-identical", "d"), ("corrupt", "corrupt", "d"),
+                           ("lost", "max lost steps", "d")])
+    return command, f"{body}\n\n![fault campaign](fault_campaign.png)"
+
+
+BENCHES = {
+    "update_kernel": ("Update kernel: nsp fused Adam vs optax, torch and the memory roofline",
+                      "python bench/update_kernel.py", render_update_kernel),
+    "store_update": ("Store update: file tier vs the raw disk and DeepSpeed's optimizer swap; memory tier vs the "
+                     "kernel",
+                     "python bench/store_update.py", render_store_update),
+    "topk": ("Top-K compression: nsp methods vs jax.lax.top_k and a one-pass roofline", "python bench/topk.py",
+             render_topk),
+    "train_step": ("GPT train step: optax in RAM vs nsp tiers", "python bench/train_step.py", render_train_step),
+    "train_step_split": ("GPT train step, the update on a CPU of its own (an accelerator host's split)",
+                         "python bench/train_step.py --engine-cpus 1", render_train_step),
+    "checkpoint": ("Checkpoint save: nsp snapshot vs orbax and the raw-write roofline", "python bench/checkpoint.py",
+                   render_checkpoint),
+    "max_model": ("Largest model under a memory cap", "python bench/max_model.py", render_max_model),
+    "fault_campaign": ("Fault campaign: kill, resume, compare bit for bit", "python bench/fault_campaign.py",
+                       render_fault_campaign),
+}
+
+
+def read_records(results_dir: Path) -> dict[str, dict]:
+    """The benchmarks' records found in ``results_dir``, by name (an unreadable file is left to render_benches)."""
+    records = {}
+    for name in BENCHES:
+        path = results_dir / f"{name}.json"
+        try:
+            records[name] = json.loads(path.read_text())
+        except (OSError, ValueError):
+            pass
+    return records
+
+
+def render_benches(results_dir: Path, out: Path, ran: dict[str, dict], verdicts: dict[str, dict],
+                   allow_stale: bool) -> str:
+    """Section 3: every benchmark's record in ``results_dir`` rendered (its charts written to ``out``), or why it is
+    not: missing, unreadable, or stale and ``allow_stale`` not given. ``ran`` holds the exact commands of
+    ``--run-benches``, ``verdicts`` each record's freshness."""
+    where = results_dir.relative_to(REPO) if results_dir.is_relative_to(REPO) else results_dir
+    parts = [f"## 3. Kernel and tier throughput\n\nFrom the JSON records in `{where}/`, each with the benchmark's "
+             "own timestamp, commit and machine; rooflines are grey (hatched) bars measured in the same run. A record "
+             "whose command reads \"Produced by\" names the command line that wrote it (recorded by the "
+             "benchmark, or by this script's `--run-benches`), less the options that only place files ("
+             + ", ".join(f"`{o}`" for o in PLACEMENT_OPTIONS)
+             + "); for older records the command is rebuilt from the parameters they record.\n"]
+    records = read_records(results_dir)
+    for name, (title, default_command, render) in BENCHES.items():
+        path = results_dir / f"{name}.json"
+        if name in records and not verdicts[name]["fresh"] and not allow_stale:
+            record = records[name]
+            parts.append(left_out(f"### {title}", verdicts[name], shown_command(record.get("command")
+                                                                                 or default_command)))
+            continue
+        parts.append(f"### {title}\n")
+        if not path.exists():
+            parts.append(f"**Missing**: `{path.relative_to(REPO) if path.is_relative_to(REPO) else path}` does not "
+                         f"exist. Produce it with `{default_command}`, commit it, then rerun this report.\n")
+            continue
+        if name not in records:
+            parts.append(f"**Unreadable**: `{path.name}` is not JSON. Regenerate it with `{default_command}`.\n")
+            continue
+        record = records[name]
+        try:
+            command, body = render(record, out)
+        except (KeyError, TypeError, ValueError, ZeroDivisionError) as e:  # an older or foreign record layout
+            parts.append(f"**Unreadable**: `{path.name}` does not have the fields this report expects ({e!r}). "
+                         f"Regenerate it with `{default_command}`.\n")
+            continue
+        run = ran.get(name)
+        if run is not None and run.get("time") == record.get("time"):
+            command, exact_command = run["command"], True
+        elif record.get("command"):  # benchmarks record their own command line
+            command, exact_command = record["command"], True
+        else:
+            exact_command = False
+        parts.append(bench_header(record, command, exact_command, verdicts[name])
+                     + "\n\n" + body + "\n")
+    return "\n".join(parts)
