@@ -1,4 +1,5 @@
-"""The ``nsp`` command: ``nsp train``, ``nsp sample``, ``nsp ckpt list|show|export``, ``nsp store verify|copy|reidentify``.
+"""The ``nsp`` command: ``nsp train``, ``nsp sample``, ``nsp ckpt list|show|export``, ``nsp store verify|copy|reidentify``,
+``nsp plan``.
 
 ``nsp train`` with no arguments trains the ``small`` GPT on the Python standard library's source files with
 its optimizer state on disk (RUN_DIR/store), printing progress and writing metrics and checkpoints to
@@ -160,6 +161,32 @@ def _store(args: argparse.Namespace) -> int:
     return 0 if not report["problems"] else 1
 
 
+def _plan(args: argparse.Namespace) -> int:
+    from nsp.csd import LinkFigures, Setting, paper
+    from nsp.csd.plan import format_plan, plan
+
+    try:
+        if args.params is not None:
+            try:
+                params = int(float(args.params))
+            except ValueError:
+                raise ValueError(f"--params must be a number of parameters (e.g. 4e9), got {args.params!r}") from None
+        else:
+            from nsp.models import get_config
+
+            params = get_config(args.model).num_params()
+        figures = LinkFigures().with_overrides(**LinkFigures.parse_overrides(args.figure))
+        compute = args.compute_s if args.compute_s is not None else (
+            paper.compute_s(args.gpu, params) if args.gpu else 0.0)
+        setting = Setting(params=params, compute_s=compute, density=args.density, dataflow=args.dataflow)
+        result = plan(setting, args.devices, figures, max_devices=args.max_devices)
+    except ValueError as e:
+        print(f"nsp plan: error: {e}", file=sys.stderr)
+        return 2
+    print(format_plan(result))
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="nsp", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -193,6 +220,24 @@ def main(argv: list[str] | None = None) -> int:
     st.add_argument("path", help="the store directory")
     st.add_argument("dest", nargs="?", default=None, help="copy: the new store's directory")
     st.set_defaults(func=_store)
+
+    pl = sub.add_parser("plan", help="predict step time and traffic on N computational-storage devices (nsp.csd)")
+    size = pl.add_mutually_exclusive_group(required=True)
+    size.add_argument("--model", help="a model config name (as nsp train --model), sized with its own vocabulary")
+    size.add_argument("--params", help="a parameter count, e.g. 4e9")
+    pl.add_argument("--devices", type=int, default=1, help="storage devices, one store shard each (default 1)")
+    pl.add_argument("--max-devices", type=int, default=None,
+                    help="search the best scheme over 1..this many devices (default: --devices)")
+    pl.add_argument("--compute-s", type=float, default=None, help="forward + backward seconds per step")
+    pl.add_argument("--gpu", choices=["a5000", "a100"], default=None,
+                    help="forward + backward as derived for Smart-Infinity's GPUs (nsp.csd.paper)")
+    pl.add_argument("--density", type=float, default=0.01, help="Top-K kept fraction of SU+O+C (default 0.01)")
+    pl.add_argument("--dataflow", choices=["nsp", "paper"], default="nsp",
+                    help="nsp: gradients into the devices' buffers, params out of them; paper: both through the "
+                    "SSDs, as Smart-Infinity (default nsp)")
+    pl.add_argument("--figure", action="append", default=[], metavar="NAME=GBPS",
+                    help="override a link figure of nsp.csd.LinkFigures, e.g. shared_gbps=16 (repeatable)")
+    pl.set_defaults(func=_plan)
 
     args = parser.parse_args(argv)
     return args.func(args)

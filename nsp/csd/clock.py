@@ -1,0 +1,115 @@
+"""The model clock: how long a phase of a step takes on given links, from the bytes it moves on each.
+
+A phase is a set of transfers and computations that run together and end together (a step's backward pass, its
+update). Its bytes are charged to resources, each busy for bytes / bandwidth:
+
+  shared link     the host link all devices share: every device's host traffic, both directions, one pool
+                  (transfers on it contend: N devices moving X bytes each keep it busy N x X / bandwidth)
+  device link     each device's own link to the host (its host traffic only)
+  ssd             each device's SSD: host-path reads and writes at the SSD's figures, P2P ones at the P2P
+                  figures; reads and writes take turns except for the ``ssd_overlap`` fraction of the shorter
+                  of the two, which runs beside the longer: busy = read + write - overlap x min(read, write)
+  updater         each device's updater (bytes of state and gradient it takes in)
+  host updater    the host CPU's updater (the baseline's)
+  compute         the accelerator's forward/backward, in seconds (no bytes)
+
+Devices work in parallel, so a per-device resource counts as its busiest device. The phase streams its bytes in
+``subgroups`` equal units through all its resources at once (a pipeline: while one unit is read, the one before is
+updated and the one before that written), so it lasts as long as its busiest resource plus one unit's time on every
+other resource (the pipeline's fill and drain):
+
+    seconds = max(busy) + (sum(busy) - max(busy)) / subgroups
+
+Nothing else enters: no latencies, no randomness. The same phase on the same figures always takes the same time.
+
+    >>> from nsp.csd import LinkFigures
+    >>> from nsp.csd.clock import DeviceLoad, Phase, phase_time
+    >>> t = phase_time(Phase("update", devices=(DeviceLoad(p2p_read=2.36e9),)), LinkFigures())
+    >>> round(t.seconds, 6), t.bottleneck
+    (1.0, 'ssd')
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from nsp.csd.figures import GB, LinkFigures
+
+RESOURCES = ("compute", "shared link", "device link", "ssd", "updater", "host updater")
+
+
+@dataclasses.dataclass(frozen=True)
+class DeviceLoad:
+    """Bytes one device moves in a phase, by where they move."""
+
+    link: float = 0.0  # over the device's own host link, both directions
+    host_read: float = 0.0  # read from its SSD by the host
+    host_write: float = 0.0  # written to its SSD by the host
+    p2p_read: float = 0.0  # read from its SSD into its accelerator
+    p2p_write: float = 0.0  # written from its accelerator to its SSD
+    updater: float = 0.0  # taken in by its updater
+
+    def __add__(self, other: DeviceLoad) -> DeviceLoad:
+        return DeviceLoad(*(a + b for a, b in zip(dataclasses.astuple(self), dataclasses.astuple(other))))
+
+
+@dataclasses.dataclass(frozen=True)
+class Phase:
+    """What a phase does: seconds of compute, bytes on the shared link and the host updater, each device's load."""
+
+    name: str
+    compute_s: float = 0.0
+    shared_down: float = 0.0  # host -> devices over the shared link
+    shared_up: float = 0.0  # devices -> host over the shared link
+    host_updater: float = 0.0
+    devices: tuple[DeviceLoad, ...] = ()
+    subgroups: int = 1  # units the bytes stream in (see the module docstring)
+
+
+@dataclasses.dataclass(frozen=True)
+class PhaseTime:
+    """A phase's time on the model clock: ``seconds``, the resource that decided it, and every resource's busy
+    seconds (``busy``)."""
+
+    name: str
+    seconds: float
+    bottleneck: str
+    busy: dict[str, float]
+
+
+def busy_seconds(phase: Phase, figures: LinkFigures) -> dict[str, float]:
+    """Seconds each resource of ``RESOURCES`` is busy in ``phase`` (a per-device resource: its busiest device)."""
+    f = figures
+
+    def worst(per_device) -> float:
+        return max((per_device(d) for d in phase.devices), default=0.0)
+
+    def ssd(d: DeviceLoad) -> float:
+        read = (d.host_read / f.ssd_read_gbps + d.p2p_read / f.p2p_read_gbps) / GB
+        write = (d.host_write / f.ssd_write_gbps + d.p2p_write / f.p2p_write_gbps) / GB
+        return read + write - f.ssd_overlap * min(read, write)
+
+    return {
+        "compute": phase.compute_s,
+        "shared link": (phase.shared_down + phase.shared_up) / (f.shared_gbps * GB),
+        "device link": worst(lambda d: d.link / (f.device_link_gbps * GB)),
+        "ssd": worst(ssd),
+        "updater": worst(lambda d: d.updater / (f.updater_gbps * GB)),
+        "host updater": phase.host_updater / (f.host_updater_gbps * GB),
+    }
+
+
+def phase_time(phase: Phase, figures: LinkFigures) -> PhaseTime:
+    """``phase``'s time on ``figures``: its busiest resource plus one subgroup on the others (module docstring).
+
+        >>> from nsp.csd import LinkFigures
+        >>> phase_time(Phase("forward", compute_s=2.0), LinkFigures()).seconds
+        2.0
+    """
+    if phase.subgroups < 1:
+        raise ValueError(f"Phase.subgroups must be >= 1, got {phase.subgroups}")
+    busy = busy_seconds(phase, figures)
+    bottleneck = max(busy, key=busy.get)
+    peak = busy[bottleneck]
+    seconds = peak + (sum(busy.values()) - peak) / phase.subgroups
+    return PhaseTime(phase.name, seconds, bottleneck, busy)

@@ -1,0 +1,205 @@
+"""The computational-storage model: deterministic, Table I's bytes, the shared link's saturation, overrides, clear
+errors, the measured-traffic clock against a real store's counters, and ``nsp plan``."""
+
+from __future__ import annotations
+
+import doctest
+import importlib
+import math
+
+import numpy as np
+import pytest
+
+from nsp import storage
+from nsp.cli import main
+from nsp.csd import LinkFigures, Setting, paper, scaling, step_time, table_one, traffic
+from nsp.csd.measured import measured_update_s, model_update_time, phase_from_stats, shard_deltas
+
+GPT2_4B = Setting(params=4_000_000_000, compute_s=3.5)
+
+
+@pytest.mark.parametrize("scheme", ["baseline", "smartupdate", "smartcomp"])
+@pytest.mark.parametrize("dataflow", ["paper", "nsp"])
+def test_the_clock_is_deterministic(scheme, dataflow):
+    setting = Setting(params=1_234_567_891, compute_s=2.25, dataflow=dataflow)
+    figures = LinkFigures(shared_gbps=7.5, ssd_overlap=0.3)
+    first = [step_time(scheme, setting, n, figures) for n in range(1, 11)]
+    again = [step_time(scheme, setting, n, LinkFigures(shared_gbps=7.5, ssd_overlap=0.3)) for n in range(1, 11)]
+    assert first == again  # every phase's seconds, bottleneck and busy times, exactly
+
+
+@pytest.mark.parametrize("devices", [1, 8])
+@pytest.mark.parametrize("scheme", ["baseline", "smartupdate", "smartcomp"])
+@pytest.mark.parametrize("dataflow", ["paper", "nsp"])
+def test_shared_link_bytes_equal_table_one(scheme, devices, dataflow):
+    setting = Setting(params=3_000_000, density=0.01, dataflow=dataflow)
+    M = 2 * setting.params
+    got = traffic(scheme, setting, devices)
+    expected = {"baseline": (8 * M, 8 * M), "smartupdate": (2 * M, 2 * M), "smartcomp": (0.02 * 2 * M, 2 * M)}
+    assert (got["shared_down"], got["shared_up"]) == pytest.approx(expected[scheme], rel=1e-12)
+    assert got["shared_down"] == pytest.approx(table_one(scheme, setting)["shared_down"], rel=1e-12)
+    assert got["shared_up"] == pytest.approx(table_one(scheme, setting)["shared_up"], rel=1e-12)
+
+
+@pytest.mark.parametrize("devices", [1, 8])
+def test_internal_bytes_per_device(devices):
+    setting = Setting(params=3_000_000)
+    M = 2 * setting.params
+    # nsp's engine: each device reads and writes its 1/N of p, m, v (6M) and nothing else over its internal link.
+    nsp_flow = traffic("smartupdate", Setting(params=setting.params, dataflow="nsp"), devices)
+    assert nsp_flow["per_device_p2p_read"] == pytest.approx(6 * M / devices, rel=1e-12)
+    assert nsp_flow["per_device_p2p_write"] == pytest.approx(6 * M / devices, rel=1e-12)
+    assert nsp_flow["ssd_host_read"] == nsp_flow["ssd_host_write"] == 0
+    # The paper's: gradients staged on the SSD (written by the host, read P2P), params read back by the host.
+    paper_flow = traffic("smartupdate", setting, devices)
+    assert paper_flow["per_device_p2p_read"] == pytest.approx(8 * M / devices, rel=1e-12)
+    assert paper_flow["ssd_host_write"] == pytest.approx(2 * M, rel=1e-12)
+    assert paper_flow["ssd_host_read"] == pytest.approx(2 * M, rel=1e-12)
+    # The baseline moves everything over the host path: 8M read and 8M written on the SSDs, none P2P.
+    base = traffic("baseline", setting, devices)
+    assert (base["ssd_host_read"], base["ssd_host_write"]) == pytest.approx((8 * M, 8 * M), rel=1e-12)
+    assert base["p2p_read"] == base["p2p_write"] == 0
+
+
+def test_baseline_saturates_at_the_shared_link_while_near_storage_keeps_scaling():
+    rows = {r["devices"]: r for r in scaling(GPT2_4B, range(1, 11))}
+    base = [rows[n]["update_s"]["baseline"] for n in range(1, 11)]
+    # Scales until the shared link saturates (Smart-Infinity: near 4 SSDs), then stops.
+    assert base[3] < 0.5 * base[0]
+    assert base[9] > 0.95 * base[4]
+    assert rows[10]["bottleneck"]["baseline"] == "shared link"
+    for scheme in ("smartupdate", "smartcomp"):
+        near = [rows[n]["update_s"][scheme] for n in range(1, 11)]
+        assert all(b < a for a, b in zip(near, near[1:])), f"{scheme} must keep improving: {near}"
+        assert near[9] < 0.6 * near[4]
+        assert rows[10]["speedup"][scheme] > 1.5
+    # At 1 device SmartUpdate has no bandwidth to gain: it is at or slightly below the baseline.
+    assert 0.85 <= rows[1]["speedup"]["smartupdate"] <= 1.0
+    # A wider shared link moves the baseline's saturation point out: the flat part came from that link.
+    wide = {r["devices"]: r for r in scaling(GPT2_4B, [5, 10], LinkFigures(shared_gbps=4 * 5.78))}
+    assert wide[10]["update_s"]["baseline"] < 0.7 * wide[5]["update_s"]["baseline"]
+
+
+def test_overrides_take_effect():
+    default = step_time("baseline", GPT2_4B, 10)
+    faster_link = step_time("baseline", GPT2_4B, 10, LinkFigures().with_overrides(shared_gbps=2 * 5.78))
+    assert faster_link.phases[-1].busy["shared link"] == pytest.approx(default.phases[-1].busy["shared link"] / 2,
+                                                                       rel=1e-12)
+    assert faster_link.seconds < default.seconds - 8.0  # the update was the shared link's: ~19.4 s -> ~9.7 s
+    su = step_time("smartupdate", GPT2_4B, 10)
+    su_fast_write = step_time("smartupdate", GPT2_4B, 10, LinkFigures(p2p_write_gbps=2.08))
+    assert su_fast_write.seconds < su.seconds - 1.0
+    assert step_time("smartupdate", Setting(params=GPT2_4B.params, compute_s=10.0), 10).seconds == \
+        pytest.approx(su.seconds + 6.5, rel=1e-12)
+    assert LinkFigures.parse_overrides(["shared_gbps=16", "ssd_overlap=0.5"]) == {"shared_gbps": 16.0,
+                                                                                 "ssd_overlap": 0.5}
+    with pytest.raises(ValueError, match="unknown link figure.*nope.*valid: device_link_gbps"):
+        LinkFigures().with_overrides(nope=1.0)
+    with pytest.raises(ValueError, match="NAME=GBPS"):
+        LinkFigures.parse_overrides(["shared_gbps"])
+
+
+@pytest.mark.parametrize("field", ["device_link_gbps", "p2p_read_gbps", "p2p_write_gbps", "ssd_read_gbps",
+                                   "ssd_write_gbps", "updater_gbps", "host_updater_gbps", "shared_gbps"])
+@pytest.mark.parametrize("value", [0, -1.0, math.nan, math.inf, True, "5"])
+def test_bad_bandwidth_names_its_field(field, value):
+    with pytest.raises(ValueError, match=f"LinkFigures.{field} must be a positive finite bandwidth"):
+        LinkFigures(**{field: value})
+
+
+def test_bad_settings_name_their_field():
+    with pytest.raises(ValueError, match="ssd_overlap must be a fraction"):
+        LinkFigures(ssd_overlap=1.5)
+    with pytest.raises(ValueError, match="Setting.params"):
+        Setting(params=0)
+    with pytest.raises(ValueError, match="Setting.compute_s"):
+        Setting(params=10, compute_s=-1.0)
+    with pytest.raises(ValueError, match="Setting.density"):
+        Setting(params=10, density=0.0)
+    with pytest.raises(ValueError, match="Setting.dataflow"):
+        Setting(params=10, dataflow="magic")
+    for devices in (0, -2, 1.5):
+        with pytest.raises(ValueError, match="devices must be a positive integer"):
+            step_time("smartupdate", Setting(params=10), devices)
+    with pytest.raises(ValueError, match="unknown scheme"):
+        step_time("raid", Setting(params=10), 1)
+
+
+def test_compute_time_reproduces_the_papers_update_share():
+    # nsp.csd.paper derives the A5000's forward + backward from §VII-C's 75.57% (GPT-2 8.4B, 6 SSDs): fed back
+    # into the model, the baseline's update is that share of its step again.
+    setting = Setting(params=paper.UPDATE_SHARE_PARAMS, compute_s=paper.compute_s("a5000", paper.UPDATE_SHARE_PARAMS))
+    t = step_time("baseline", setting, paper.UPDATE_SHARE_DEVICES)
+    update = {p.name: p.seconds for p in t.phases}["update"]
+    assert update / t.seconds == pytest.approx(paper.UPDATE_SHARE, rel=1e-9)
+    assert paper.compute_s("a100", 10**9) == pytest.approx(paper.compute_s("a5000", 10**9) * 111.1 / 312, rel=1e-9)
+
+
+def _stats(shared_in, shared_out, read, write, pages, ns):
+    return {"shared_in_bytes": shared_in, "shared_out_bytes": shared_out, "internal_read_bytes": read,
+            "internal_write_bytes": write, "pages_read": pages, "update_ns": ns}
+
+
+def test_measured_clock_charges_each_shard_to_its_links():
+    before = [_stats(0, 0, 0, 0, 0, 0)] * 2
+    after = [_stats(1e9, 1e9, 3e9, 3e9, 300, 4_000_000_000), _stats(1e9, 1e9, 3e9, 3e9, 300, 5_000_000_000)]
+    figures = LinkFigures(p2p_read_gbps=3.0, p2p_write_gbps=1.5, shared_gbps=1.0, device_link_gbps=10.0,
+                          updater_gbps=8.0)
+    busy = model_update_time(before, after, figures).busy
+    assert busy["ssd"] == pytest.approx(3.0 / 3.0 + 3.0 / 1.5)
+    assert busy["shared link"] == pytest.approx(4.0 / 1.0)  # both shards' bytes in and out contend on it
+    assert busy["device link"] == pytest.approx(2.0 / 10.0)
+    assert busy["updater"] == pytest.approx(4.0 / 8.0)  # p, m, v read plus a dense gradient's worth
+    assert phase_from_stats(before, after).subgroups == 100
+    assert measured_update_s(before, after) == 5.0
+    with pytest.raises(ValueError, match="went backwards"):
+        shard_deltas(after, before)
+    with pytest.raises(ValueError, match="same shards"):
+        shard_deltas(before, after[:1])
+
+
+def test_a_real_stores_counted_traffic_is_table_ones(tmp_path):
+    n_shards, page = 2, 64 << 10
+    n = 2 * (page // 4) * 3  # three whole pages per shard
+    store = storage.open(tmp_path / "s", tier="file", num_shards=n_shards, page_bytes=page)
+    try:
+        store.initialize({"w": np.linspace(-1, 1, n, dtype=np.float32)}, storage.OptimizerSpec("adam"))
+        grad = np.full(n, 1e-3, np.float32)
+        store.update(grad, version=0, lr=1e-3, step=1)  # the first update also reads a few bytes of set-up, once
+        before = store.shard_stats()
+        store.update(grad, version=1, lr=1e-3, step=2)
+        after = store.shard_stats()
+    finally:
+        store.close()
+    phase = phase_from_stats(before, after)
+    model = traffic("smartupdate", Setting(params=n, dataflow="nsp"), n_shards)
+    assert phase.shared_down == model["shared_down"]
+    assert phase.shared_up == model["shared_up"]
+    # Each page file carries its CRC-32C (4 bytes) beside the state: bytes that moved, which Table I does not count.
+    for device, counted in zip(phase.devices, shard_deltas(before, after)):
+        assert counted["pages_read"] == 3 * 3  # p, m, v: three pages each
+        assert device.p2p_read == model["per_device_p2p_read"] + 4 * counted["pages_read"]
+        assert device.p2p_write == model["per_device_p2p_write"] + 4 * counted["pages_read"]
+    assert model_update_time(before, after, LinkFigures()).seconds > 0
+
+
+def test_nsp_plan_prints_a_prediction(capsys):
+    assert main(["plan", "--params", "4e9", "--devices", "10", "--gpu", "a5000", "--dataflow", "paper"]) == 0
+    out = capsys.readouterr().out
+    assert "SU+O+C" in out and "traffic per step" in out and "best over 1..10 devices: SU+O+C on 10" in out
+    assert main(["plan", "--model", "tiny", "--devices", "2", "--figure", "shared_gbps=16"]) == 0
+    assert "shared_gbps=16" in capsys.readouterr().out
+
+
+def test_nsp_plan_reports_bad_figures(capsys):
+    assert main(["plan", "--params", "1e9", "--figure", "p2p_write_gbps=-1"]) == 2
+    assert "LinkFigures.p2p_write_gbps must be a positive finite bandwidth" in capsys.readouterr().err
+    assert main(["plan", "--params", "1e9", "--devices", "0"]) == 2
+    assert "devices must be a positive integer" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("module", ["__init__", "clock", "figures", "model", "measured", "paper", "plan"])
+def test_docstring_examples_hold(module):
+    name = "nsp.csd" if module == "__init__" else f"nsp.csd.{module}"
+    result = doctest.testmod(importlib.import_module(name))
+    assert result.failed == 0 and result.attempted > 0
