@@ -150,8 +150,9 @@ class DiskProbe:
         self.depth = depth
         self.pool = pool
         self.bufs = [mmap.mmap(-1, block) for _ in range(depth)]  # page-aligned, as O_DIRECT wants
-        for b in self.bufs:
-            b.write(np.random.default_rng(1).bytes(block))  # incompressible, like fp32 state
+        for i, b in enumerate(self.bufs):
+            b.write(np.random.default_rng(1 + i).bytes(block))  # incompressible, like fp32 state
+        self.writes = 0  # write calls so far: part of each block's stamp
         self.direct = direct_io_works(directory)
         self.by_name = {f"raw disk {'write' if m.write else 'read'}: {m.label}": m
                         for m in self.methods(write=True) + self.methods(write=False)}
@@ -185,7 +186,20 @@ class DiskProbe:
 
     def run(self, method: Method, path: str | None = None) -> None:
         path = path or (self.path if method.write else self.read_path)
-        transfer(method, path, self.size, self.block, lambda w, offset: self.bufs[w], self.pool)
+        self.writes += method.write
+        transfer(method, path, self.size, self.block, self._stamped if method.write else self._buffer, self.pool)
+
+    def _buffer(self, worker: int, offset: int) -> mmap.mmap:
+        return self.bufs[worker]
+
+    def _stamped(self, worker: int, offset: int) -> mmap.mmap:
+        """The worker's buffer with every 4 KiB stamped with (offset, write call): no two blocks the probe writes
+        hold the same bytes, as no two pages of real state do (a virtual disk read a file of one repeated block
+        at about half the speed of unique data: a probe of such a file would understate the disk)."""
+        buf = self.bufs[worker]
+        stamps = np.frombuffer(buf, np.uint64)[:: 4096 // 8]
+        stamps[:] = (np.arange(stamps.size, dtype=np.uint64) + np.uint64(offset)) ^ np.uint64(self.writes << 40)
+        return buf
 
     def refresh(self) -> None:
         """Rewrites the file the reads read (untimed, between rounds)."""
