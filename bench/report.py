@@ -30,7 +30,7 @@ Re-rendering from fresh runs at a final commit (a quiet machine: `uptime` load b
     pip install -e .                             # the C++ extension built from this commit's ffi/
     python bench/update_kernel.py; python bench/store_update.py; python bench/topk.py
     python bench/train_step.py; python bench/train_step.py --engine-cpus 1; python bench/checkpoint.py
-    python bench/max_model.py; python bench/fault_campaign.py
+    python bench/max_model.py; python bench/fault_campaign.py; python bench/csd_scaling.py --calibrate
     git add bench/results/*.json && git commit -m "bench/results: records at <commit>"
     python bench/report.py                       # sections 1 and 2 measured now, section 3 from those records
     git add docs/results && git commit -m "docs/results: re-rendered at <commit>"
@@ -109,6 +109,7 @@ MEASURES = {
     "checkpoint": BUILD + SPEC + ("nsp/primitives/", "nsp/storage/", "bench/checkpoint.py") + PROTOCOL,
     "max_model": BUILD + ("nsp/", "models/", "bench/max_model.py") + PROTOCOL,
     "fault_campaign": BUILD + ("nsp/", "models/", "bench/fault_campaign.py") + PROTOCOL,
+    "csd_scaling": BUILD + SPEC + ("nsp/csd/", "nsp/primitives/", "nsp/storage/", "bench/csd_scaling.py") + PROTOCOL,
 }
 
 

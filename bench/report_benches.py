@@ -308,6 +308,42 @@ def render_fault_campaign(d: dict, out: Path) -> tuple[str, str]:
     return command, f"{body}\n\n![fault campaign](fault_campaign.png)"
 
 
+def render_csd_scaling(d: dict, out: Path) -> tuple[str, str]:
+    from csd_scaling import LABELS, SCHEMES, plot  # matplotlib only when this section renders
+
+    command = d.get("command") or "python bench/csd_scaling.py --calibrate"
+    plot(d["gpus"], out / "csd_scaling.png")
+    parts = []
+    for gpu, result in d["gpus"].items():
+        rows = [{"devices": r["devices"],
+                 **{f"{s}_s": r["step_s"][s] for s in SCHEMES},
+                 **{f"{s}_x": r["speedup"][s] for s in SCHEMES if s != "baseline"}} for r in result["rows"]]
+        columns = [("devices", "devices", "d")]
+        for s in SCHEMES:
+            columns.append((f"{s}_s", f"{LABELS[s]} step s", ".2f"))
+            if s != "baseline":
+                columns.append((f"{s}_x", f"{LABELS[s]} vs baseline", ".2f"))
+        parts.append(f"**{gpu.upper()}** (forward + backward {result['compute_s']:.2f} s, "
+                     f"{result['compute_source']}):\n\n" + md_table(rows, columns))
+    checks = md_table([{**c, "holds": "yes" if c["holds"] else "**no**"} for c in d["checks"]],
+                      [("gpu", "GPU", ""), ("check", "check", ""), ("value", "model", ""), ("target", "target", ""),
+                       ("holds", "holds", "")])
+    held = sum(c["holds"] for c in d["checks"])
+    facts = (f"A {d['params'] / 1e9:.1f}B-parameter state on nsp's CSD model clock (`nsp.csd`, {d['dataflow']} "
+             f"dataflow; link figures {', '.join(f'{k} {v:g}' for k, v in d['figures'].items())}). "
+             f"{held} of {len(d['checks'])} shape targets hold.")
+    cal = d.get("calibration")
+    if cal:
+        med = cal["median_s"]
+        facts += (f" Calibration on this machine: a {cal['params'] / 2**20:.0f}M-parameter one-shard file-tier "
+                  f"update, model {med['model_s']:.3f} s vs measured {med['measured_wall_s']:.3f} s (medians of "
+                  f"{cal['repeats']} rounds), model / measured {cal['ratio']:.2f}: the {cal['target']:.0%} target "
+                  + ("holds." if cal["holds"] else "is **missed**."))
+    else:
+        facts += " This record has no calibration (`--calibrate`)."
+    return command, "\n\n".join(parts) + f"\n\n{checks}\n\n{facts}\n\n![csd scaling](csd_scaling.png)"
+
+
 BENCHES = {
     "update_kernel": ("Update kernel: nsp fused Adam vs optax, torch and the memory roofline",
                       "python bench/update_kernel.py", render_update_kernel),
@@ -324,6 +360,8 @@ BENCHES = {
     "max_model": ("Largest model under a memory cap", "python bench/max_model.py", render_max_model),
     "fault_campaign": ("Fault campaign: kill, resume, compare bit for bit", "python bench/fault_campaign.py",
                        render_fault_campaign),
+    "csd_scaling": ("N computational-storage devices vs a host updater (the shape of Smart-Infinity Fig. 11(a)), "
+                    "on nsp's model clock", "python bench/csd_scaling.py --calibrate", render_csd_scaling),
 }
 
 
