@@ -34,6 +34,7 @@ Writes ``bench/results/csd_scaling.json`` (or ``--json``) and a PNG beside it (o
 from __future__ import annotations
 
 import argparse
+import contextlib
 import mmap
 import os
 import shutil
@@ -48,10 +49,8 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # common.py sits beside this script
-try:
-    from common import print_table, write_json  # noqa: E402
-except ImportError:  # the module's older name
-    from _common import print_table, write_json  # noqa: E402
+from common import print_table, write_json  # noqa: E402
+from store_contenders import direct_io_works  # noqa: E402
 
 from nsp.csd import LABELS, SCHEMES, LinkFigures, Setting, scaling, traffic  # noqa: E402
 from nsp.csd import paper  # noqa: E402
@@ -180,25 +179,6 @@ def plot(results: dict[str, dict], path: Path) -> None:
 
 # ---- calibration: one device's model against a real file-tier update ---------------------------------------------
 
-def _direct_io_works(directory: str) -> bool:
-    path = os.path.join(directory, "direct_check.bin")
-    buf = mmap.mmap(-1, mmap.PAGESIZE)
-    try:
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_DIRECT, 0o644)
-    except OSError:
-        buf.close()
-        return False
-    try:
-        os.write(fd, buf)
-        return True
-    except OSError:
-        return False
-    finally:
-        os.close(fd)
-        os.unlink(path)
-        buf.close()
-
-
 def _syncfs(fd: int) -> None:
     """Makes the file system of ``fd`` durable, as the file tier's commit does (syncfs(2): on a shared disk this
     also waits for other writers' dirty pages, and so does the commit)."""
@@ -307,21 +287,22 @@ def calibrate(args) -> dict:
     grad = (rng.random(n, np.float32) - np.float32(0.5)) * np.float32(1e-2)
     spec = nsp.storage.OptimizerSpec("adam", b1=B1, b2=B2, eps=EPS)
     work = tempfile.mkdtemp(prefix="nsp-bench-csd-", dir=args.dir)
-    closers = []
-    try:
+    with contextlib.ExitStack() as cleanup:  # closes what it opened, then removes `work`, however it ends
+        cleanup.callback(shutil.rmtree, work, ignore_errors=True)
         store = nsp.storage.open(os.path.join(work, "store"), tier="file", num_shards=1, page_bytes=page_bytes,
                                  pages_in_flight=depth)
-        closers.append(store.close)
+        cleanup.callback(store.close)
         store.initialize({"w": p0}, spec)
         memory = nsp.storage.open(None, tier="memory", page_bytes=page_bytes)
-        closers.append(memory.close)
+        cleanup.callback(memory.close)
         memory.initialize({"w": p0}, spec)
-        direct = _direct_io_works(work)
+        direct = direct_io_works(work)
         # Two files written in alternate rounds, so that a round reads the one written a round before: as old as
         # the state its update reads, with as many writes since. A third is written beside a read.
         probes = [DiskProbe(os.path.join(work, f"probe{seed}.bin"), n * STATE_BYTES_PER_PARAM, page_bytes, depth,
                             direct, seed) for seed in (1, 2, 3)]
-        closers += [p.close for p in probes]
+        for probe in probes:
+            cleanup.callback(probe.close)
         (writing, reading), other = probes[:2], probes[2]
         reading.write()
         other.write()
@@ -370,13 +351,6 @@ def calibrate(args) -> dict:
                            "pages_read_direct": after[0].get("pages_read_direct", 0)
                            - before[0].get("pages_read_direct", 0)})
         assert np.array_equal(out_file, out_memory), "the file and memory tiers disagree"
-    finally:
-        for close in reversed(closers):
-            try:
-                close()
-            except Exception:  # noqa: BLE001  (best effort on the way out)
-                pass
-        shutil.rmtree(work, ignore_errors=True)
 
     for r in rounds:
         r["ratio"] = r["model_s"] / r["measured_wall_s"]
