@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import mmap
 import os
 import shutil
@@ -50,11 +51,10 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # common.py sits beside this script
 from common import print_table, write_json  # noqa: E402
-from store_contenders import direct_io_works  # noqa: E402
 
 from nsp.csd import LABELS, SCHEMES, LinkFigures, Setting, scaling, traffic  # noqa: E402
 from nsp.csd import paper  # noqa: E402
-from nsp.csd.measured import measured_update_s, model_update_time  # noqa: E402
+from nsp.csd.measured import measured_update_s, model_update_time, shard_deltas  # noqa: E402
 
 GPUS = ("a5000", "a100")
 # Shape targets (module docstring), as numbers: the baseline's step at 10 devices is within FLAT of its step at 5;
@@ -170,7 +170,7 @@ def plot(results: dict[str, dict], path: Path) -> None:
         ax.set_xticks(list(paper.DEVICES))
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
-    fig.suptitle(f"GPT-2 4.0B-sized state on nsp's CSD model (the shape of Smart-Infinity Fig. 11(a))", fontsize=10)
+    fig.suptitle("GPT-2 4.0B-sized state on nsp's CSD model (the shape of Smart-Infinity Fig. 11(a))", fontsize=10)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
@@ -179,13 +179,19 @@ def plot(results: dict[str, dict], path: Path) -> None:
 
 # ---- calibration: one device's model against a real file-tier update ---------------------------------------------
 
+@functools.cache
+def _libc():
+    import ctypes
+
+    return ctypes.CDLL(None, use_errno=True)
+
+
 def _syncfs(fd: int) -> None:
     """Makes the file system of ``fd`` durable, as the file tier's commit does (syncfs(2): on a shared disk this
     also waits for other writers' dirty pages, and so does the commit)."""
-    import ctypes
+    if _libc().syncfs(fd) != 0:
+        import ctypes
 
-    libc = ctypes.CDLL(None, use_errno=True)
-    if libc.syncfs(fd) != 0:
         err = ctypes.get_errno()
         raise OSError(err, f"syncfs: {os.strerror(err)}")
 
@@ -277,6 +283,7 @@ class DiskProbe:
 def calibrate(args) -> dict:
     """The calibration of the module docstring; returns its record."""
     import nsp.storage
+    from store_contenders import direct_io_works  # here: that module loads jax and the contenders' libraries
 
     page_bytes = nsp.storage.PAGE_BYTES_DEFAULT
     page_elems = page_bytes // 4
@@ -342,10 +349,11 @@ def calibrate(args) -> dict:
                 device_link_gbps=grad.nbytes / copy_s / 1e9, shared_gbps=grad.nbytes / copy_s / 1e9,
                 updater_gbps=16 * n / memory_s / 1e9)  # p, m, v and the gradient, 4 B each per param
             model = model_update_time(before, after, figures)
+            delta = shard_deltas(before, after)[0]
             rounds.append({"figures": figures.as_dict(), "model_s": model.seconds, "bottleneck": model.bottleneck,
                            "busy_s": model.busy, "measured_wall_s": wall_s,
                            "measured_engine_s": measured_update_s(before, after),
-                           "bytes": {k: after[0][k] - before[0][k] for k in
+                           "bytes": {k: delta[k] for k in
                                      ("shared_in_bytes", "shared_out_bytes", "internal_read_bytes",
                                       "internal_write_bytes")},
                            "pages_read_direct": after[0].get("pages_read_direct", 0)

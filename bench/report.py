@@ -49,7 +49,8 @@ Sections:
      optax.adamw in RAM, nsp adamw dense and Top-K with and without error feedback, all stepped in lockstep
      (interleaved, so that drift in the machine's speed hits all of them alike) on the same batches.
   3. Kernel and tier throughput: charts and tables from bench/results/*.json, each with its own timestamp.
-  4. Scaling from the CSD emulator: not produced (the report says why).
+  4. Scaling from the CSD emulator: not produced (the report says why; section 3 holds the model clock's
+     scaling, bench/csd_scaling.py).
 
 The measurements of sections 1 and 2 are written to docs/results/report.json, so that --reuse and --skip-train
 can render them again; every number in the report comes from that file or from a benchmark's JSON.
@@ -109,7 +110,9 @@ MEASURES = {
     "checkpoint": BUILD + SPEC + ("nsp/primitives/", "nsp/storage/", "bench/checkpoint.py") + PROTOCOL,
     "max_model": BUILD + ("nsp/", "models/", "bench/max_model.py") + PROTOCOL,
     "fault_campaign": BUILD + ("nsp/", "models/", "bench/fault_campaign.py") + PROTOCOL,
-    "csd_scaling": BUILD + SPEC + ("nsp/csd/", "nsp/primitives/", "nsp/storage/", "bench/csd_scaling.py") + PROTOCOL,
+    "csd_scaling": BUILD + SPEC + ("nsp/csd/", "nsp/primitives/", "nsp/storage/", "bench/csd_scaling.py",
+                                   "bench/store_contenders.py", "bench/adam_steps.py", "bench/deepspeed_swap.py")
+    + PROTOCOL,
 }
 
 

@@ -468,12 +468,13 @@ def section_csd() -> str:
     return "\n".join([
         "## 4. Scaling from the CSD emulator",
         "",
-        "**Missing: there is no emulated computational-storage backend yet, so no scaling plot is produced.** "
-        "`nsp.storage.open(..., tier=\"csd\")` is for now the file tier with one engine worker per shard "
+        "**Missing: there is no emulated computational-storage backend yet, so no measured scaling plot is "
+        "produced.** `nsp.storage.open(..., tier=\"csd\")` is for now the file tier with one engine worker per shard "
         "(`nsp/storage/store.py`): every shard's pages go to the same disk through the same host CPU, with no "
-        "per-device bandwidth, internal link or compute of its own. A plot of update time against the number of "
-        "such \"devices\" would measure one disk shared by more and more shards, not the scaling of "
-        "computational storage, so none is drawn and no numbers stand in for it.",
+        "per-device bandwidth, internal link or compute of its own, so a plot of its update time against the number "
+        "of such \"devices\" would measure one disk shared by more and more shards, and none is drawn. What N "
+        "devices would give is modelled instead, on nsp's CSD model clock: section 3's \"N computational-storage "
+        "devices\" part (`bench/csd_scaling.py`), a model and not a measurement.",
         "",
     ])
 
