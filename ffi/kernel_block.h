@@ -55,6 +55,8 @@ void PortableStream(float* p, const float* g, float* m, float* v, int64_t n);
 // fp32 -> bf16, round to nearest even with NaN kept quiet: the rounding of the kernels' bf16 output, for params
 // handed back without an update (a skipped or stale step).
 void RoundToBf16(const float* in, uint16_t* out, int64_t n);
+// bf16 -> fp32 is exact: the bf16 bits are the fp32's upper half.
+float WidenBf16(uint16_t h);
 void Avx2Stream(float* p, const float* g, float* m, float* v, int64_t n);
 void Avx512Stream(float* p, const float* g, float* m, float* v, int64_t n);
 

@@ -14,12 +14,6 @@ constexpr int kAdamW = static_cast<int>(OptimizerKind::kAdamW);
 constexpr int kSgd = static_cast<int>(OptimizerKind::kSgd);
 constexpr int kAdagrad = static_cast<int>(OptimizerKind::kAdagrad);
 
-inline float Bf16ToF32(uint16_t h) {
-  uint32_t bits = static_cast<uint32_t>(h) << 16;
-  float f;
-  std::memcpy(&f, &bits, sizeof f);
-  return f;
-}
 
 // Round to nearest even, as jnp.astype(bfloat16) does; NaN stays a (quiet) NaN.
 inline uint16_t F32ToBf16(float f) {
@@ -36,7 +30,7 @@ bool PortableBlock(const Coefficients& c, const Block& b) {
   const uint16_t* gh = static_cast<const uint16_t*>(b.grad);
   uint32_t non_finite = 0;
   for (int64_t i = 0; i < b.n; ++i) {
-    float g = GRAD_BF16 ? Bf16ToF32(gh[i]) : gf[i];
+    float g = GRAD_BF16 ? WidenBf16(gh[i]) : gf[i];
     uint32_t g_bits;
     std::memcpy(&g_bits, &g, sizeof g_bits);
     non_finite |= (g_bits & 0x7f800000u) == 0x7f800000u;  // all exponent bits set: Inf or NaN
@@ -96,6 +90,13 @@ BlockKernel PortableKernel(int32_t kind, int grad_bf16, int lazy) {
     case kSgd: return Pick<kSgd>(grad_bf16, lazy);
     default: return Pick<kAdagrad>(grad_bf16, lazy);
   }
+}
+
+float WidenBf16(uint16_t h) {
+  const uint32_t bits = static_cast<uint32_t>(h) << 16;
+  float f;
+  std::memcpy(&f, &bits, sizeof f);
+  return f;
 }
 
 void RoundToBf16(const float* in, uint16_t* out, int64_t n) {

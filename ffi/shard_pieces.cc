@@ -25,24 +25,40 @@ void ForEachOverlap(const std::vector<int64_t>& starts, const std::vector<int64_
   }
 }
 
+// Lays leaves of `sizes` end to end from position `first`: (*starts)[i] is where leaf i starts, *end where the
+// last one ends. Returns "" or an error naming `what`.
+std::string PlaceLeaves(const std::vector<int64_t>& sizes, int64_t first, const char* what,
+                        std::vector<int64_t>* starts, int64_t* end) {
+  starts->resize(sizes.size());
+  int64_t at = first;
+  for (size_t i = 0; i < sizes.size(); ++i) {
+    if (sizes[i] < 0) return std::string(what) + ": negative size";
+    (*starts)[i] = at;
+    at += sizes[i];
+  }
+  *end = at;
+  return {};
+}
+
 }  // namespace
 
 std::string ShardPieces::Finalize(int64_t shard_size) {
   if (grad.size() != sizes.size() || out.size() != sizes.size()) {
     return "pieces: gradients, outputs and sizes differ in count";
   }
-  starts.resize(sizes.size());
   int64_t total = 0;
-  for (size_t i = 0; i < sizes.size(); ++i) {
-    if (sizes[i] < 0) return "pieces: negative size";
-    starts[i] = total;
-    total += sizes[i];
-  }
+  if (std::string err = PlaceLeaves(sizes, 0, "pieces", &starts, &total); !err.empty()) return err;
   if (total > shard_size) {
     return "the pieces hold " + std::to_string(total) + " elements, more than the shard's " +
            std::to_string(shard_size);
   }
   return {};
+}
+
+int64_t ShardPieces::Covered(const ShardPieces* pieces, int64_t begin, int64_t n) {
+  if (pieces == nullptr) return n;
+  const int64_t end = pieces->sizes.empty() ? 0 : pieces->starts.back() + pieces->sizes.back();
+  return std::max<int64_t>(0, std::min(n, end - begin));
 }
 
 void ShardPieces::GatherGrad(int64_t begin, int64_t n, char* dst) const {
@@ -67,14 +83,8 @@ void ShardPieces::ScatterParams(int64_t begin, int64_t n, const float* src) cons
 
 std::string ParamsIn::Finalize() {
   if (leaves.size() != sizes.size()) return "params: leaves and sizes differ in count";
-  starts.resize(sizes.size());
-  int64_t at = -offset;
-  for (size_t i = 0; i < sizes.size(); ++i) {
-    if (sizes[i] < 0) return "params: negative size";
-    starts[i] = at;
-    at += sizes[i];
-  }
-  return {};
+  int64_t end = 0;
+  return PlaceLeaves(sizes, -offset, "params", &starts, &end);
 }
 
 void ParamsIn::Gather(int64_t begin, int64_t n, float* dst) const {
@@ -85,10 +95,7 @@ void ParamsIn::Gather(int64_t begin, int64_t n, float* dst) const {
                   sizeof(float) * static_cast<size_t>(hi - lo));
     } else {
       const uint16_t* src = static_cast<const uint16_t*>(leaves[i]) + (lo - starts[i]);
-      for (int64_t k = 0; k < hi - lo; ++k) {
-        const uint32_t bits = static_cast<uint32_t>(src[k]) << 16;
-        std::memcpy(dst + (lo - begin) + k, &bits, sizeof(bits));
-      }
+      for (int64_t k = 0; k < hi - lo; ++k) dst[lo - begin + k] = internal::WidenBf16(src[k]);
     }
   });
 }

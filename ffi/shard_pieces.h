@@ -26,6 +26,9 @@ struct ShardPieces {
   void GatherGrad(int64_t begin, int64_t n, char* dst) const;
   // Writes fp32 params for elements [begin, begin + n) into the pieces, rounded to bf16 when type is bf16.
   void ScatterParams(int64_t begin, int64_t n, const float* src) const;
+  // How many of elements [begin, begin + n) come from the caller: those some piece covers (a shard's padding
+  // past the last piece comes from nobody), or all n when the shard is not given as pieces (`pieces` null).
+  static int64_t Covered(const ShardPieces* pieces, int64_t begin, int64_t n);
 };
 
 // The caller's params, for a step that starts from them instead of from the committed version's: the caller

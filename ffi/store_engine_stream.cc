@@ -108,7 +108,7 @@ std::string ShardEngine::UpdateStreamed(const ShardUpdate& u) {
     buffers_.resize(static_cast<size_t>(pages_in_flight_));
     for (auto& set : buffers_) {
       for (int s = 0; s < kNumStates; ++s) {
-        if (used_[s]) set[s] = AlignedBuffer(bytes);
+        if (used_[s]) set[s] = PageBuffer(bytes);
       }
     }
   }
@@ -195,8 +195,6 @@ std::string ShardEngine::UpdateStreamed(const ShardUpdate& u) {
   for (int r = 0; r < kWriters; ++r) writers.emplace_back(write_pages);
 
   // Compute on the calling thread (the kernel itself fans out over the thread pool).
-  const int64_t pieces_end =
-      u.pieces == nullptr || u.pieces->sizes.empty() ? 0 : u.pieces->starts.back() + u.pieces->sizes.back();
   int64_t computed = 0;
   Work w;
   while (ready.Pop(&w)) {
@@ -214,10 +212,7 @@ std::string ShardEngine::UpdateStreamed(const ShardUpdate& u) {
     if (used_[kNuState]) span.nu_in = span.nu_out = buffers_[w.set][kNuState].data;
     if (u.params_bf16_out != nullptr) span.param_bf16_out = u.params_bf16_out + begin;
     const PageGrad g = GradForPage(u, w.page);
-    // The gradient elements this page takes from the caller (a shard's padding past its pieces comes from none).
-    const int64_t from_caller = u.pieces == nullptr ? span.size
-                                                    : std::max<int64_t>(0, std::min(span.size, pieces_end - begin));
-    CountShared(u, g, from_caller, span);
+    CountShared(u, g, ShardPieces::Covered(u.pieces, begin, span.size), span);
     backend_->Compute(u.hp, span, g);
     if (u.pieces != nullptr) u.pieces->ScatterParams(begin, span.size, pbuf);
     writes.Push(w, kParamLane);

@@ -184,8 +184,6 @@ std::string ShardEngine::UpdateAddressable(const ShardUpdate& u) {
 }
 
 std::string ShardEngine::UpdateAddressableFromCaller(const ShardUpdate& u) {
-  const int64_t pieces_end =
-      u.pieces == nullptr || u.pieces->sizes.empty() ? size_ : u.pieces->starts.back() + u.pieces->sizes.back();
   for (int64_t begin = 0; begin < size_; begin += page_elems_) {
     const int64_t n = std::min(page_elems_, size_ - begin);
     StateSpan span = SlotSpan(u, begin, n);
@@ -193,7 +191,7 @@ std::string ShardEngine::UpdateAddressableFromCaller(const ShardUpdate& u) {
     if (u.params_out != nullptr) span.param_copy_out = u.params_out + begin;
     if (u.params_bf16_out != nullptr) span.param_bf16_out = u.params_bf16_out + begin;
     const PageGrad g = GradForPage(u, begin / page_elems_);
-    CountShared(u, g, std::max<int64_t>(0, std::min(n, pieces_end - begin)), span);
+    CountShared(u, g, ShardPieces::Covered(u.pieces, begin, n), span);
     CountInPlace(n, false);
     backend_->Compute(u.hp, span, g);
     if (u.pieces != nullptr) u.pieces->ScatterParams(begin, n, span.param_out);

@@ -196,11 +196,8 @@ Block SliceBlock(const StateSpan& s, int64_t begin, int64_t n, const void* grad)
 }
 
 float ValueAt(const void* values, GradType type, int64_t j) {
-  if (type == GradType::kF32) return static_cast<const float*>(values)[j];
-  const uint32_t bits = static_cast<uint32_t>(static_cast<const uint16_t*>(values)[j]) << 16;
-  float f;
-  std::memcpy(&f, &bits, sizeof f);
-  return f;
+  return type == GradType::kF32 ? static_cast<const float*>(values)[j]
+                                : internal::WidenBf16(static_cast<const uint16_t*>(values)[j]);
 }
 
 }  // namespace
