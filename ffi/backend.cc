@@ -1,7 +1,21 @@
-// What every backend shares: the state names and the host CPU update a backend runs unless it has its own.
+// What every backend shares: the state names, host-memory page buffers and the host CPU update a backend runs
+// unless it has its own.
 #include "backend.h"
 
+#include <cstdlib>
+#include <cstring>
+#include <new>
+
 namespace nsp {
+
+void* Backend::AllocPageBuffer(size_t bytes) {
+  void* p = nullptr;
+  if (::posix_memalign(&p, 4096, bytes) != 0) throw std::bad_alloc();
+  std::memset(p, 0, bytes);
+  return p;
+}
+
+void Backend::FreePageBuffer(void* buffer, size_t /*bytes*/) { std::free(buffer); }
 
 const char* StateName(int state) {
   static const char* const kNames[kNumStates] = {"param", "mu", "nu"};

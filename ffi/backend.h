@@ -7,6 +7,7 @@
 #include <cstdint>
 #include <memory>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "read_mode.h"
@@ -91,6 +92,15 @@ class Backend {
   // shard that has one): the last moment the version before is still the committed one. Real backends have
   // nothing to do here; the fault-injecting one may kill the process, as a crash at that moment would.
   virtual void BeforeCommit(int64_t /*version*/) {}
+
+  // A page buffer of `bytes` (PageBufferBytes), zero-filled and 4 KiB aligned (direct I/O), allocated near the
+  // state: the engine's streamed pages live in these. The default is host memory. Throws std::bad_alloc (or a
+  // std::runtime_error naming the problem) when it cannot.
+  virtual void* AllocPageBuffer(size_t bytes);
+  virtual void FreePageBuffer(void* buffer, size_t bytes);
+  // Named figures the backend reports about itself (a plugin's stats: the csd device's model clock); none for
+  // the built-in backends. Returns "" or an error.
+  virtual std::string Stats(std::vector<std::pair<std::string, double>>* /*out*/) const { return {}; }
 
   // Runs the update kernel on one page, near the state. The default runs the host CPU kernel.
   virtual void Compute(const UpdateHyperParams& hp, const StateSpan& span, const PageGrad& grad);

@@ -1,11 +1,14 @@
-// The Python extension module nsp._nsp_ffi: hands the XLA FFI handlers to JAX as capsules and exposes the
-// kernel's thread pool and the roofline loop used by the benchmarks.
+// The Python extension module nsp._nsp_ffi: hands the XLA FFI handlers to JAX as capsules, makes the store's shard
+// engines over their backends (built in, or loaded by name: plugin_backend.h), and exposes the kernel's thread
+// pool and the roofline loop used by the benchmarks.
 #include <nanobind/nanobind.h>
 #include <nanobind/ndarray.h>
 #include <nanobind/stl/array.h>
 #include <nanobind/stl/optional.h>
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/vector.h>
+
+#include <dlfcn.h>
 
 #include <array>
 #include <memory>
@@ -19,6 +22,7 @@
 #include "engine_cpus.h"
 #include "engine_registry.h"
 #include "hyper_params.h"
+#include "plugin_backend.h"
 #include "store_engine.h"
 #include "thread_pool.h"
 #include "update_kernel.h"
@@ -91,26 +95,99 @@ struct EngineRef {
   nsp::ShardEngine& get() const { return *engine_or_throw(); }
 };
 
-// Python face of a ShardEngine. Arrays are 1-D, C-contiguous host arrays; bf16 arrays travel as uint16 views.
-std::unique_ptr<nsp::Backend> MakeBackend(const std::string& tier, const std::string& root, int64_t size,
-                                          int64_t page_elems, std::array<bool, nsp::kNumStates> used,
-                                          bool checksum, bool in_place) {
-  if (size < 1 || page_elems < 1) throw nb::value_error("size and page_elems must be >= 1");
-  if (in_place && tier != "memory") throw nb::value_error("only the memory tier updates in place");
-  if (tier == "memory") {
-    return nsp::MakeMemoryBackend(size, page_elems, std::vector<bool>(used.begin(), used.end()), in_place);
+// nsp's own backends/ directory, beside this module's file: where backends shipped with the package (csd) live.
+// Found from the loaded module itself (its __file__ is set only after its initialisation).
+const std::string& PackageBackendDir() {
+  static const std::string dir = [] {
+    Dl_info info;
+    if (::dladdr(reinterpret_cast<void*>(&PackageBackendDir), &info) == 0 || info.dli_fname == nullptr) {
+      return std::string();
+    }
+    const std::string file = info.dli_fname;
+    const size_t slash = file.find_last_of('/');
+    return (slash == std::string::npos ? std::string(".") : file.substr(0, slash)) + "/backends";
+  }();
+  return dir;
+}
+
+bool BuiltIn(const std::string& backend) { return backend == "memory" || backend == "file"; }
+
+// What a shard engine's backend is made for: its shard, and the store around it.
+struct BackendSpec {
+  std::string name;     // "memory", "file", or a plugin's name
+  std::string root;     // the shard's directory ("" for memory)
+  int64_t size = 0, page_elems = 0;
+  std::array<bool, nsp::kNumStates> used{};
+  bool checksum = true;
+  bool in_place = false;
+  int64_t shard = 0, num_shards = 1;
+  int pages_in_flight = 8;
+  std::string options;  // a plugin's options string
+};
+
+std::unique_ptr<nsp::Backend> MakeBuiltInBackend(const BackendSpec& b) {
+  if (b.name == "memory") {
+    return nsp::MakeMemoryBackend(b.size, b.page_elems, std::vector<bool>(b.used.begin(), b.used.end()), b.in_place);
   }
-  if (tier == "file") {
-    // The file tier's I/O settings and its fault injection (tests, bench/fault_campaign.py: it wraps the file
-    // tier, whose page writes and commits are the ones a full disk or a crash interrupts) come from environment
-    // variables, read here, once per engine: a value the tier does not take fails the store's opening.
-    nsp::FileIoSettings io;
-    if (std::string err = nsp::FileIoSettingsFromEnv(&io); !err.empty()) throw nb::value_error(err.c_str());
-    std::unique_ptr<nsp::Backend> backend = nsp::MakeFileBackend(root, size, page_elems, checksum, io);
-    const nsp::FaultPlan faults = nsp::FaultPlanFromEnv();
-    return faults.any() ? nsp::MakeFaultInjectingBackend(std::move(backend), faults) : std::move(backend);
+  // The file tier's I/O settings and its fault injection (tests, bench/fault_campaign.py: it wraps the file
+  // tier, whose page writes and commits are the ones a full disk or a crash interrupts) come from environment
+  // variables, read here, once per engine: a value the tier does not take fails the store's opening.
+  nsp::FileIoSettings io;
+  if (std::string err = nsp::FileIoSettingsFromEnv(&io); !err.empty()) throw nb::value_error(err.c_str());
+  std::unique_ptr<nsp::Backend> backend = nsp::MakeFileBackend(b.root, b.size, b.page_elems, b.checksum, io);
+  const nsp::FaultPlan faults = nsp::FaultPlanFromEnv();
+  return faults.any() ? nsp::MakeFaultInjectingBackend(std::move(backend), faults) : std::move(backend);
+}
+
+// A plugin's device for the shard. Every reason it cannot be had (not found, not loadable, another ABI, its open
+// failing) raises RuntimeError("backend <name> not available: <why>"). Plugins inject their own faults (their
+// options), not the environment's.
+std::unique_ptr<nsp::PluginBackend> MakePluginBackend(const BackendSpec& b) {
+  nsp::LoadedPlugin plugin;
+  if (std::string err = nsp::LoadPlugin(b.name, nsp::PluginSearch::FromEnv(PackageBackendDir()), &plugin);
+      !err.empty()) {
+    throw std::runtime_error(err);
   }
-  throw nb::value_error(("unknown backend tier '" + tier + "' (expected 'memory' or 'file')").c_str());
+  nsp::PluginConfig config;
+  config.shard_dir = b.root;
+  config.shard_index = b.shard;
+  config.num_devices = b.num_shards;
+  config.size = b.size;
+  config.page_elems = b.page_elems;
+  config.states_used.assign(b.used.begin(), b.used.end());
+  config.checksum = b.checksum;
+  config.pages_in_flight = b.pages_in_flight;
+  config.options = b.options;
+  std::string err;
+  std::unique_ptr<nsp::PluginBackend> backend = nsp::PluginBackend::Open(plugin, config, &err);
+  if (!backend) throw std::runtime_error(err);
+  return backend;
+}
+
+// The engine of one shard over its backend.
+std::shared_ptr<nsp::ShardEngine> MakeEngine(const BackendSpec& b) {
+  if (b.size < 1 || b.page_elems < 1) throw nb::value_error("size and page_elems must be >= 1");
+  if (b.in_place && b.name != "memory") throw nb::value_error("only the memory tier updates in place");
+  if (b.shard < 0 || b.num_shards < 1 || b.shard >= b.num_shards) {
+    throw nb::value_error(("shard " + std::to_string(b.shard) + " of " + std::to_string(b.num_shards) +
+                           " shards does not exist").c_str());
+  }
+  if (BuiltIn(b.name)) {
+    return std::make_shared<nsp::ShardEngine>(MakeBuiltInBackend(b), b.size, b.page_elems, b.pages_in_flight,
+                                              b.used);
+  }
+  std::unique_ptr<nsp::PluginBackend> plugin = MakePluginBackend(b);
+  nsp::PluginBackend* adapter = plugin.get();
+  auto engine = std::make_shared<nsp::ShardEngine>(std::move(plugin), b.size, b.page_elems, b.pages_in_flight,
+                                                   b.used);
+  // The device is told each page's host-link bytes as the engine counts them (the engine owns the adapter, so it
+  // outlives every call of this reader).
+  nsp::ShardEngine* counted = engine.get();
+  adapter->SetHostTraffic([counted](int64_t* in, int64_t* out) {
+    *in = counted->stats().shared_in_bytes;
+    *out = counted->stats().shared_out_bytes;
+  });
+  return engine;
 }
 
 // The hyperparameters of one engine update: lr and step, and the rest from one Python dict with
@@ -249,6 +326,23 @@ NB_MODULE(_nsp_ffi, m) {
         return nsp::KernelIsa();
       },
       "Instruction set the update kernels use on this CPU (a bad NSP_KERNEL_ISA or NSP_CRC32C_ISA raises).");
+  m.def(
+      "find_backend",
+      [](const std::string& name) -> std::string {
+        if (BuiltIn(name)) return "";
+        nsp::LoadedPlugin plugin;
+        if (std::string err = nsp::LoadPlugin(name, nsp::PluginSearch::FromEnv(PackageBackendDir()), &plugin);
+            !err.empty()) {
+          throw std::runtime_error(err);
+        }
+        return plugin.path;
+      },
+      nb::arg("name"),
+      "Loads backend `name` (checking its library and ABI version, opening no device) and returns its library's "
+      "path ('' for the built-in memory and file). RuntimeError \"backend <name> not available: <why>\" when it "
+      "cannot be had.");
+  m.def("backend_dir", []() { return PackageBackendDir(); },
+        "nsp's own directory of backend libraries, searched after NSP_BACKEND_PATH.");
   m.def("get_num_threads", &nsp::GetNumThreads, "Threads the update kernels use.");
   m.def(
       "engine_cpus",
@@ -267,14 +361,20 @@ NB_MODULE(_nsp_ffi, m) {
   nb::class_<EngineRef> engine(m, "ShardEngine");
   engine
       .def("__init__",
-           [](EngineRef* self, const std::string& tier, const std::string& root, int64_t size, int64_t page_elems,
-              int pages_in_flight, std::array<bool, nsp::kNumStates> used, bool checksum, bool in_place) {
-             new (self) EngineRef{std::make_shared<nsp::ShardEngine>(
-                 MakeBackend(tier, root, size, page_elems, used, checksum, in_place), size, page_elems,
-                 pages_in_flight, used)};
+           [](EngineRef* self, const std::string& backend, const std::string& root, int64_t size, int64_t page_elems,
+              int pages_in_flight, std::array<bool, nsp::kNumStates> used, bool checksum, bool in_place,
+              const std::string& backend_options, int64_t shard, int64_t num_shards) {
+             BackendSpec b{backend, root, size, page_elems, used, checksum, in_place, shard, num_shards,
+                           pages_in_flight, backend_options};
+             new (self) EngineRef{MakeEngine(b)};
            },
-           nb::arg("tier"), nb::arg("root"), nb::arg("size"), nb::arg("page_elems"), nb::arg("pages_in_flight"),
-           nb::arg("states_used"), nb::arg("checksum"), nb::arg("in_place") = false)
+           nb::arg("backend"), nb::arg("root"), nb::arg("size"), nb::arg("page_elems"), nb::arg("pages_in_flight"),
+           nb::arg("states_used"), nb::arg("checksum"), nb::arg("in_place") = false, nb::arg("backend_options") = "",
+           nb::arg("shard") = 0, nb::arg("num_shards") = 1,
+           "An engine for one shard over `backend`: 'memory' and 'file' are built in; any other name is a backend "
+           "library (libnsp_backend_<name>.so, looked for in NSP_BACKEND_PATH, then nsp/backends/), opened for "
+           "shard `shard` of `num_shards` with `backend_options` (\"key=value;...\"). RuntimeError "
+           "\"backend <name> not available: <why>\" when it cannot be had.")
       .def("sync",
            [](EngineRef& ref, int slot) {
              nsp::ShardEngine& e = ref.get();
@@ -318,6 +418,15 @@ NB_MODULE(_nsp_ffi, m) {
              d["params_adopted"] = s.params_adopted;
              return d;
            })
+      .def("backend_stats",
+           [](EngineRef& ref) {
+             std::vector<std::pair<std::string, double>> stats;
+             Check(ref.get().backend().Stats(&stats));
+             nb::dict d;
+             for (const auto& [name, value] : stats) d[nb::str(name.c_str())] = value;
+             return d;
+           },
+           "The backend's own figures, name -> value (a plugin's stats call; empty for memory and file).")
       .def("wait",
            [](EngineRef& ref) {
              nsp::ShardEngine& e = ref.get();

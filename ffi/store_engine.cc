@@ -37,7 +37,18 @@ ShardEngine::AlignedBuffer::AlignedBuffer(size_t n) : bytes(n) {
   data = static_cast<float*>(p);
 }
 
-ShardEngine::AlignedBuffer::~AlignedBuffer() { std::free(data); }
+ShardEngine::AlignedBuffer::AlignedBuffer(Backend* backend, size_t n) : bytes(n), owner(backend) {
+  data = static_cast<float*>(backend->AllocPageBuffer(n));
+}
+
+ShardEngine::AlignedBuffer::~AlignedBuffer() {
+  if (data == nullptr) return;
+  if (owner != nullptr) {
+    owner->FreePageBuffer(data, bytes);
+  } else {
+    std::free(data);
+  }
+}
 
 int64_t ShardEngine::buffer_bytes() const {
   int64_t total = 0;
@@ -156,7 +167,7 @@ std::string ShardEngine::CommittedParamsOut(const ShardUpdate& u, int64_t versio
   }
   if (u.pieces != nullptr) {  // the committed params into the pieces, a page at a time
     const int slot = static_cast<int>(version % 2);
-    AlignedBuffer page_buffer(backend_->PageBufferBytes(page_elems_));
+    AlignedBuffer page_buffer = PageBuffer(backend_->PageBufferBytes(page_elems_));
     for (int64_t page = 0; page < num_pages_; ++page) {
       const int64_t begin = page * page_elems_;
       const int64_t n = std::min(page_elems_, size_ - begin);
@@ -179,7 +190,7 @@ std::string ShardEngine::CommittedParamsOut(const ShardUpdate& u, int64_t versio
 
 std::vector<std::string> ShardEngine::Verify(int slot, int state) {
   std::vector<std::string> problems;
-  AlignedBuffer buffer(backend_->PageBufferBytes(page_elems_));
+  AlignedBuffer buffer = PageBuffer(backend_->PageBufferBytes(page_elems_));
   for (int64_t page = 0; page < num_pages_; ++page) {
     const int64_t n = std::min(page_elems_, size_ - page * page_elems_);
     if (std::string e = backend_->ReadPage(slot, state, page, buffer.data, n, true); !e.empty()) {
@@ -193,7 +204,7 @@ std::string ShardEngine::ReadState(int slot, int state, float* out) {
   // Pages that are not addressable go through one aligned page buffer, so the backend can read them its
   // fastest way (direct I/O), then into `out` (a memcpy costs a fraction of the read).
   AlignedBuffer bounce;
-  if (backend_->PageAddress(slot, state, 0) == nullptr) bounce = AlignedBuffer(backend_->PageBufferBytes(page_elems_));
+  if (backend_->PageAddress(slot, state, 0) == nullptr) bounce = PageBuffer(backend_->PageBufferBytes(page_elems_));
   for (int64_t page = 0; page < num_pages_; ++page) {
     const int64_t n = std::min(page_elems_, size_ - page * page_elems_);
     float* dst = out + page * page_elems_;

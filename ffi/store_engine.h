@@ -186,20 +186,27 @@ class ShardEngine {
   int64_t size_, page_elems_, num_pages_;
   int pages_in_flight_;
   std::array<bool, kNumStates> used_;
-  // A page buffer: 4 KiB aligned (direct I/O), sized by the backend (page + checksum + padding).
+  // A page buffer: 4 KiB aligned (direct I/O), sized by the backend (page + checksum + padding). Host memory, or,
+  // when `owner` is set, the backend's own (Backend::AllocPageBuffer: near the state), given back to it.
   struct AlignedBuffer {
     float* data = nullptr;
     size_t bytes = 0;
+    Backend* owner = nullptr;
     AlignedBuffer() = default;
     explicit AlignedBuffer(size_t n);
-    AlignedBuffer(AlignedBuffer&& o) noexcept : data(o.data), bytes(o.bytes) { o.data = nullptr; }
+    AlignedBuffer(Backend* backend, size_t n);
+    AlignedBuffer(AlignedBuffer&& o) noexcept : data(o.data), bytes(o.bytes), owner(o.owner) { o.data = nullptr; }
     AlignedBuffer& operator=(AlignedBuffer&& o) noexcept {
       std::swap(data, o.data);
       std::swap(bytes, o.bytes);
+      std::swap(owner, o.owner);
       return *this;
     }
     ~AlignedBuffer();
   };
+  // A page buffer the engine hands to the backend's page I/O and kernel: allocated by the backend (declared
+  // after backend_, every such buffer is freed before the backend goes).
+  AlignedBuffer PageBuffer(size_t bytes) { return AlignedBuffer(backend_.get(), bytes); }
   // buffers_[set][state]: page buffers, allocated once (lazily, on the first streamed update).
   std::vector<std::array<AlignedBuffer, kNumStates>> buffers_;
   // One page of gradient gathered from pieces (allocated on the first update given pieces).

@@ -3,11 +3,15 @@
 A ``file``-tier store is a directory of JSON descriptions and zarr v3 arrays that plain ``tensorstore.open``
 reads: one chunk per page, raw little-endian fp32 plus a CRC-32C trailer::
 
-    ROOT/nsp_store.json                   store id, layout, optimizer, tier, shard paths (written once, atomically)
+    ROOT/nsp_store.json                   store id, layout, optimizer, tier, backend, shard paths (written once,
+                                          atomically)
     ROOT/LOCK, SHARD/LOCK                 held by the single writer (every shard is locked, wherever it lives)
     SHARD/SHARD.json                      {"store": id, "shard": i, "root": ROOT}: whose shard this is
     SHARD/MANIFEST.json                   {"store", "shard", "version": t, "checksums": each page's CRC-32C per slot}
     SHARD/slot{0,1}/{param,mu,nu}/        zarr v3 arrays (zarr.json + c/<page>)
+
+The ``csd`` tier, and any backend library a ``file`` or ``csd`` store names, keeps exactly these files too: its
+devices read and write the page files of their shard's directory.
 
 SHARD is ``ROOT/shards/00000`` (recorded relative to ROOT, so a copied or moved store opens its own shards) or a
 directory given as ``shard_paths[i]`` outside ROOT (recorded absolute). The C++ engine writes the pages and, on
@@ -33,6 +37,9 @@ MANIFEST = "MANIFEST.json"
 SHARD_ID = "SHARD.json"
 LOCK = "LOCK"
 TIERS = ("memory", "file", "csd")
+# The backend each tier runs unless the store names another (a backend library, libnsp_backend_<name>.so: see
+# docs/backends.md). memory and file are built in; csd is the emulated device shipped in nsp/backends/.
+TIER_BACKENDS = {"memory": "memory", "file": "file", "csd": "csd"}
 
 
 class StoreError(RuntimeError):
@@ -108,19 +115,47 @@ def recorded_path(shard: Path, root: Path) -> str:
 
 
 def store_metadata(*, store_id: str, tier: str, page_bytes: int, checksum: bool, shard_paths: list[str],
-                   layout: dict, optimizer: dict) -> dict:
-    """The content of ``nsp_store.json`` (``layout``: ``Layout.to_json()``, ``optimizer``: the spec's fields)."""
+                   layout: dict, optimizer: dict, backend: str | None = None) -> dict:
+    """The content of ``nsp_store.json`` (``layout``: ``Layout.to_json()``, ``optimizer``: the spec's fields;
+    ``backend``: what runs its shards, by default the tier's own, ``TIER_BACKENDS``)."""
     return {
         "format": "nsp-store",
         "format_version": FORMAT_VERSION,
         "store_id": store_id,
         "tier": tier,
+        "backend": backend or TIER_BACKENDS[tier],
         "page_bytes": page_bytes,
         "checksum": checksum,
         "shard_paths": shard_paths,
         "layout": layout,
         "optimizer": optimizer,
     }
+
+
+def store_backend(tier: str, recorded: str | None) -> str:
+    """The backend a store of ``tier`` runs, given the one its metadata records (None: none recorded, as in stores
+    written before backends were recorded). A tier's own backend follows the tier: a restore into another tier
+    keeps the snapshot's metadata but changes its tier. Any other name (a backend library) stays."""
+    if recorded is None or recorded in TIER_BACKENDS.values():
+        return TIER_BACKENDS[tier]
+    return recorded
+
+
+def backend_options_string(options: dict | None) -> str:
+    """``{"key": value}`` as the ``key=value;key=value`` string a backend library is opened with.
+
+    Raises:
+      ValueError: a key that is empty or holds ``=``, ``;`` or whitespace, or a value that holds ``;``.
+    """
+    items = []
+    for key, value in (options or {}).items():
+        key, text = str(key), str(value)
+        if not key or any(c in key for c in "=; \t\n"):
+            raise ValueError(f"backend option name {key!r} must be non-empty with no '=', ';' or whitespace")
+        if ";" in text or "\n" in text:
+            raise ValueError(f"backend option {key}={text!r}: a value must not hold ';' or a newline")
+        items.append(f"{key}={text}")
+    return ";".join(items)
 
 
 def write_shard_id(shard: Path, store_id: str, index: int, root: Path) -> None:

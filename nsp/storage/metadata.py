@@ -20,6 +20,7 @@ _MAX_PAGE_BYTES = 1 << 30  # 1 GiB pages: far past any sensible size, and a buff
 _MAX_ELEMENTS = 1 << 44    # 16 Ti parameters
 _DTYPES = ("float32", "bfloat16", "float16", "float64")
 _STORE_ID = re.compile(r"[0-9a-f]{32}")
+_BACKEND = re.compile(r"[A-Za-z0-9_-]{1,64}")  # a backend name is part of its library's file name
 
 
 def _field(where: str, name: str, problem: str) -> StoreError:
@@ -54,6 +55,9 @@ def check_metadata(meta: Any, where: str) -> dict:
     out["store_id"] = check_store_id(where, meta.get("store_id"), "store_id")
     if meta.get("tier") not in TIERS:
         raise _field(where, "tier", f"must be one of {TIERS}, got {meta.get('tier')!r}")
+    backend = meta.get("backend")  # absent in stores written before backends were recorded
+    if backend is not None and not (isinstance(backend, str) and _BACKEND.fullmatch(backend)):
+        raise _field(where, "backend", f"must be a backend name (letters, digits, '_', '-'), got {backend!r}")
     page_bytes = _int(where, "page_bytes", meta.get("page_bytes"), 4096, _MAX_PAGE_BYTES)
     if page_bytes % 4096:
         raise _field(where, "page_bytes", f"must be a multiple of 4096, got {page_bytes}")

@@ -10,10 +10,14 @@ from __future__ import annotations
 
 import os
 import warnings
+from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
-from nsp.storage.format import (LOCK, MANIFEST, METADATA, SHARD_ID, STATES, TIERS, StoreError, array_dir, inside,
-                                read_json, shard_dir, write_manifest, write_shard_id)
+from nsp import _nsp_ffi
+from nsp.storage.format import (LOCK, MANIFEST, METADATA, SHARD_ID, STATES, TIER_BACKENDS, TIERS, StoreError,
+                                array_dir, backend_options_string, inside, read_json, shard_dir, store_backend,
+                                write_manifest, write_shard_id)
 from nsp.storage.layout import PAGE_BYTES_DEFAULT, PAGES_IN_FLIGHT_DEFAULT, Layout, check_page_bytes
 from nsp.storage.metadata import check_manifest, check_metadata, check_shard_id
 from nsp.storage.store import OptimizerSpec, StateStore
@@ -29,14 +33,28 @@ def open(  # noqa: A001  (mirrors tensorstore.open / builtins.open on purpose)
     pages_in_flight: int = PAGES_IN_FLIGHT_DEFAULT,
     checksum: bool = True,
     in_place: bool = False,
+    backend: str | None = None,
+    backend_options: Mapping[str, Any] | None = None,
 ) -> StateStore:
     """Opens the store at ``path``, or creates an empty one there.
 
     Args:
       path: the store's directory (``file``/``csd`` tiers); ``None`` for the ``memory`` tier.
-      tier: ``"memory"`` (host RAM), ``"file"`` (NVMe/SSD) or ``"csd"`` (for now the file tier with one
-        engine worker per shard, like one computational-storage device per shard). Default: ``"file"`` with a
-        path, ``"memory"`` without.
+      tier: ``"memory"`` (host RAM), ``"file"`` (NVMe/SSD) or ``"csd"`` (one emulated computational-storage
+        device per shard: the ``csd`` backend, shipped with nsp, keeps the shard's pages as the file tier does
+        and runs the real update kernel on a worker of its own, so results are the file tier's bit for bit,
+        while a model clock charges every transfer to the device's links; see ``nsp.csd.device``). Default:
+        ``"file"`` with a path, ``"memory"`` without (``"csd"`` when ``backend="csd"``).
+      backend: what runs each shard, when not the tier's own: the name of a backend library
+        (``libnsp_backend_<name>.so``, looked for in ``NSP_BACKEND_PATH``, then in nsp's ``backends/``
+        directory; ``docs/backends.md`` describes its C ABI). Its devices keep the file tier's page files in
+        their shard's directory, so the store needs a path (tier ``"file"``, or ``"csd"`` for a device that
+        computes). The store records it; reopening uses it. When it cannot be loaded or opened, ``StoreError``
+        ``"backend <name> not available: <why>"``.
+      backend_options: settings handed to every device as ``key=value;...``. For ``csd``: overrides of
+        ``nsp.csd.LinkFigures`` (its model clock's figures, in GB/s; the defaults fill the rest) and faults for
+        tests (``fail_kernel_at``, ``fail_read_at``, ``fail_write_at``: the k-th such operation of each device
+        fails once). Given at each open, never recorded.
       num_shards: equal shards the flattened state is cut into (one per mesh device / storage device);
         default 1 for a new store.
       page_bytes: page (and zarr chunk) size; 4 MiB by default for a new store.
@@ -62,9 +80,10 @@ def open(  # noqa: A001  (mirrors tensorstore.open / builtins.open on purpose)
     """
     asked_tier = tier
     if tier is None:
-        tier = "file" if path is not None else "memory"
+        tier = "csd" if backend == "csd" else "file" if path is not None or backend else "memory"
     if tier not in TIERS:
         raise ValueError(f"unknown tier {tier!r}; expected one of {TIERS}")
+    _check_backend_for_tier(tier, backend, backend_options)
     if page_bytes is not None:
         check_page_bytes(page_bytes)
     if num_shards is not None and num_shards < 1:
@@ -77,6 +96,8 @@ def open(  # noqa: A001  (mirrors tensorstore.open / builtins.open on purpose)
     if tier == "memory":
         if path is not None or shard_paths:
             raise ValueError("the memory tier keeps its state in RAM: pass no path or shard_paths")
+        if backend_options:
+            raise ValueError("the memory backend takes no backend_options")
         return StateStore(None, tier, num_shards or 1, page_bytes or PAGE_BYTES_DEFAULT, [], pages_in_flight,
                           checksum, in_place)
     if path is None:
@@ -95,7 +116,11 @@ def open(  # noqa: A001  (mirrors tensorstore.open / builtins.open on purpose)
         raise StoreError(f"store directory {root} is not writable")
     meta_path = root / METADATA
     if meta_path.exists():
-        return _open_existing(root, asked_tier, num_shards, page_bytes, shard_paths, pages_in_flight)
+        return _open_existing(root, asked_tier, num_shards, page_bytes, shard_paths, pages_in_flight, backend,
+                              backend_options)
+    backend = backend or TIER_BACKENDS[tier]
+    options = _options_string(backend, backend_options)
+    _find_backend(backend)  # said now, not at the first initialize
     num_shards = num_shards or 1
     page_bytes = page_bytes or PAGE_BYTES_DEFAULT
     if shard_paths is not None:
@@ -106,7 +131,8 @@ def open(  # noqa: A001  (mirrors tensorstore.open / builtins.open on purpose)
             raise ValueError(f"shard_paths names one directory twice: {[str(p) for p in shards]}")
     else:
         shards = [shard_dir(root, i) for i in range(num_shards)]
-    store = StateStore(root, tier, num_shards, page_bytes, shards, pages_in_flight, checksum)
+    store = StateStore(root, tier, num_shards, page_bytes, shards, pages_in_flight, checksum, backend=backend,
+                       backend_options=options)
     for i, shard in enumerate(shards):
         _claim_shard(store, i, shard)
     try:
@@ -118,6 +144,39 @@ def open(  # noqa: A001  (mirrors tensorstore.open / builtins.open on purpose)
         raise
     _say_external(store)
     return store
+
+
+def _check_backend_for_tier(tier: str, backend: str | None, options: Mapping[str, Any] | None) -> None:
+    """The built-in backends run only their own tier; a backend library runs a store on disk."""
+    if backend is None:
+        return
+    if backend in ("memory", "file") and backend != tier:
+        raise ValueError(f"backend {backend!r} is the {backend} tier's own; it cannot run a {tier} store")
+    if tier == "memory" and backend != "memory":
+        raise ValueError(f"backend {backend!r} keeps its pages in each shard's directory: open the store with a "
+                         "path (tier 'file', or 'csd' for a device that computes)")
+    if options and backend in ("memory", "file"):
+        raise ValueError(f"the {backend} backend takes no backend_options")
+
+
+def _options_string(backend: str, options: Mapping[str, Any] | None) -> str:
+    """The options string each device of ``backend`` is opened with: for csd, every figure (``nsp.csd.device``)."""
+    if backend == "csd":
+        from nsp.csd.device import store_device_options
+
+        return store_device_options(options)
+    if options and backend in ("memory", "file"):
+        raise ValueError(f"the {backend} backend takes no backend_options")
+    return backend_options_string(dict(options or {}))
+
+
+def _find_backend(backend: str) -> None:
+    """Loads a backend library (no device is opened yet): one that cannot be had fails the open, not a later
+    initialize."""
+    try:
+        _nsp_ffi.find_backend(backend)
+    except RuntimeError as e:
+        raise StoreError(str(e)) from None
 
 
 def _say_external(store: StateStore) -> None:
@@ -149,11 +208,16 @@ def _claim_shard(store: StateStore, index: int, shard: Path) -> None:
         raise StoreError(f"cannot create store {store.root}: shard directory {shard} is not empty")
 
 
-def _open_existing(root: Path, tier, num_shards, page_bytes, shard_paths, pages_in_flight) -> StateStore:
+def _open_existing(root: Path, tier, num_shards, page_bytes, shard_paths, pages_in_flight, backend,
+                   backend_options) -> StateStore:
     # Everything read from disk is checked before anything is opened for writing.
     meta = check_metadata(read_json(root / METADATA, "store metadata"), str(root / METADATA))
     layout = meta["layout"]
     tier = meta["tier"] if tier is None else tier
+    held_backend = store_backend(meta["tier"], meta.get("backend"))
+    if backend is not None and backend != held_backend:
+        raise StoreError(f"store {root} runs on backend {held_backend!r}, opened with backend={backend!r}")
+    options = _options_string(held_backend, backend_options)
     num_shards = layout.num_shards if num_shards is None else num_shards
     page_bytes = meta["page_bytes"] if page_bytes is None else page_bytes
     for name, asked, held in (("tier", tier, meta["tier"]), ("num_shards", num_shards, layout.num_shards),
@@ -176,7 +240,7 @@ def _open_existing(root: Path, tier, num_shards, page_bytes, shard_paths, pages_
         check_shard_id(read_json(ident, "shard identity"), str(ident), store_id, i, root,
                        external=not inside(shard, root))
     store = StateStore(root, tier, num_shards, page_bytes, shards, pages_in_flight, meta["checksum"],
-                       store_id=store_id)
+                       store_id=store_id, backend=held_backend, backend_options=options)
     try:
         store.acquire_locks()
         version, checksums = _recover_version(store, layout, optimizer)

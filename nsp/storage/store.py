@@ -7,8 +7,10 @@ commits ``t+1`` (an atomic manifest rename per shard). A crash therefore leaves 
 replaying an update from ``t`` gives the same bytes. A ``memory`` store opened with ``in_place=True`` keeps one
 copy instead (both slots name it): updates run in place, in half the RAM, and cannot be replayed.
 
-On disk (``file`` tier) every state array of every slot is a zarr v3 array that plain ``tensorstore.open``
-reads; ``format.py`` describes the files. Every shard knows its store: a shard of another store is refused at open
+On disk (``file`` and ``csd`` tiers) every state array of every slot is a zarr v3 array that plain
+``tensorstore.open`` reads; ``format.py`` describes the files. Each shard's engine runs on a backend: ``memory`` or
+``file``, built in, or a backend library loaded by name (the ``csd`` tier's emulated device, or a vendor's), whose
+devices keep the same files in their shard's directory. Every shard knows its store: a shard of another store is refused at open
 (``opening.py``, which also creates new stores and recovers existing ones), and the manifest ties each page's
 checksum to its store, shard, state, page and version, so a valid page put in another page's place is reported as
 damage. Snapshots, restores and identity changes use only this module's public API.
@@ -28,8 +30,8 @@ import numpy as np
 import tensorstore as ts
 
 from nsp import _nsp_ffi
-from nsp.storage.format import (MANIFEST, METADATA, STATES, StoreError, array_dir, atomic_write_json, inside,
-                                lock_store, recorded_path, store_metadata, zarr_spec)
+from nsp.storage.format import (MANIFEST, METADATA, STATES, TIER_BACKENDS, StoreError, array_dir, atomic_write_json,
+                                inside, lock_store, recorded_path, store_metadata, zarr_spec)
 from nsp.storage.handle import StoreHandle
 from nsp.storage.layout import Layout
 from nsp.storage.lifetime import Lifetime
@@ -43,10 +45,14 @@ class StateStore:
 
     def __init__(self, root: Path | None, tier: str, num_shards: int, page_bytes: int,
                  shard_paths: list[Path], pages_in_flight: int, checksum: bool, in_place: bool = False,
-                 store_id: str | None = None):
+                 store_id: str | None = None, backend: str | None = None, backend_options: str = ""):
         self.root = root
         self.store_id = store_id or uuid.uuid4().hex  # whose shards these are (SHARD.json, every manifest)
         self.tier = tier
+        # What runs each shard: the tier's own backend, or a backend library by name, opened with these options
+        # ("key=value;..."; for csd, nsp.csd.device_options). Options are given at each open, never recorded.
+        self.backend = backend or TIER_BACKENDS[tier]
+        self.backend_options = backend_options
         self.num_shards = num_shards
         self.page_bytes = page_bytes
         self.shard_paths = shard_paths
@@ -224,8 +230,8 @@ class StateStore:
 
     def metadata(self) -> dict:
         """What ``nsp_store.json`` holds for this store (a memory store writes none; its snapshots do)."""
-        return store_metadata(store_id=self.store_id, tier=self.tier, page_bytes=self.page_bytes,
-                              checksum=self.checksum,
+        return store_metadata(store_id=self.store_id, tier=self.tier, backend=self.backend,
+                              page_bytes=self.page_bytes, checksum=self.checksum,
                               shard_paths=[recorded_path(p, self.root) for p in self.shard_paths],
                               layout=self.layout.to_json(), optimizer=dataclasses.asdict(self.optimizer))
 
@@ -260,15 +266,21 @@ class StateStore:
         """One engine per shard at committed ``version``; ``checksums``: each shard's page checksums per slot
         and state, from its manifest (reads then check every page against them)."""
         used = list(self.optimizer.states_used())
-        backend = "memory" if self.tier == "memory" else "file"
-        if backend == "file" and create:
+        if self.tier != "memory" and create:  # every backend on disk keeps the file tier's arrays
             for shard in self.shard_paths:
                 self._create_arrays(shard, used)
         self._engines = []
         for i, shard in enumerate(self.shard_paths or [None] * self.num_shards):
-            engine = _nsp_ffi.ShardEngine(backend, str(shard) if shard else "", self.layout.shard_size,
-                                          self.layout.page_elems, self.pages_in_flight, used, self.checksum,
-                                          in_place=self.in_place)
+            try:
+                engine = _nsp_ffi.ShardEngine(self.backend, str(shard) if shard else "", self.layout.shard_size,
+                                              self.layout.page_elems, self.pages_in_flight, used, self.checksum,
+                                              in_place=self.in_place, backend_options=self.backend_options,
+                                              shard=i, num_shards=self.num_shards)
+            except RuntimeError as e:  # "backend <name> not available: <why>"
+                for made in self._engines:
+                    made.release()
+                self._engines = []
+                raise StoreError(str(e)) from None
             engine.set_manifest(str(shard / MANIFEST) if shard else "", version, self.store_id, i)
             for slot, states in (checksums[i] if checksums else {}).items():
                 for state, crcs in states.items():
@@ -466,18 +478,24 @@ class StateStore:
         totals: dict[str, int] = {}
         for shard in per_shard:
             for key, value in shard.items():
-                totals[key] = totals.get(key, 0) + value
+                if key != "backend":  # each device's own figures stay per shard
+                    totals[key] = totals.get(key, 0) + value
         # Shards update in parallel: a step takes as long as its slowest shard, and counts once, not per shard.
         for key in ("updates", "update_ns", "skipped", "wait_ns"):
             totals[key] = max((shard[key] for shard in per_shard), default=0)
         totals["buffer_bytes"] = sum(e.buffer_bytes for e in self._engines)
         return totals
 
-    def shard_stats(self) -> list[dict[str, int]]:
+    def shard_stats(self) -> list[dict[str, Any]]:
         """``stats()`` of each shard on its own (its engine's counters: bytes on the shared link and on that
         shard's internal link, pages, updates, time), in shard order: what a per-device model charges to each
-        device's links."""
-        return [engine.stats() for engine in self._engines]
+        device's links. ``"backend"``: the figures the shard's backend reports about itself, name -> float (empty
+        for ``memory`` and ``file``). A ``csd`` device's, since it was opened (``reset_stats`` leaves them):
+        ``model_seconds_last_update`` and ``model_seconds_total`` (its model clock: the updates' page pipelines on
+        its link figures, never wall time), ``busy_seconds_*`` and ``bytes_*`` per resource (``read_link``,
+        ``write_link``, ``updater``, ``shared_link``/``device_link``; ``host_in``/``host_out`` bytes), its
+        figures, and the ``page_reads``, ``page_writes`` and ``kernels`` it ran (what its faults count)."""
+        return [{**engine.stats(), "backend": engine.backend_stats()} for engine in self._engines]
 
     def reset_stats(self) -> None:
         for engine in self._engines:
@@ -486,6 +504,8 @@ class StateStore:
     def __repr__(self) -> str:
         where = self.root or "memory"
         tier = self.tier + (", in place" if self.in_place else "")
+        if self.backend != TIER_BACKENDS[self.tier]:
+            tier += f", backend={self.backend}"
         return (f"StateStore({where}, tier={tier}, shards={self.num_shards}, version={self.version}, "
                 f"optimizer={self.optimizer.kind if self.optimizer else None})")
 
