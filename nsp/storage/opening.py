@@ -173,6 +173,8 @@ def _options_string(backend: str, options: Mapping[str, Any] | None) -> str:
 def _find_backend(backend: str) -> None:
     """Loads a backend library (no device is opened yet): one that cannot be had fails the open, not a later
     initialize."""
+    if backend in ("memory", "file"):
+        return
     try:
         _nsp_ffi.find_backend(backend)
     except RuntimeError as e:

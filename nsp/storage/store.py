@@ -271,11 +271,13 @@ class StateStore:
                 self._create_arrays(shard, used)
         self._engines = []
         for i, shard in enumerate(self.shard_paths or [None] * self.num_shards):
+            # A backend library's device is told its shard, the store's device count and its options.
+            device = {} if self._built_in else dict(backend_options=self.backend_options, shard=i,
+                                                    num_shards=self.num_shards)
             try:
                 engine = _nsp_ffi.ShardEngine(self.backend, str(shard) if shard else "", self.layout.shard_size,
                                               self.layout.page_elems, self.pages_in_flight, used, self.checksum,
-                                              in_place=self.in_place, backend_options=self.backend_options,
-                                              shard=i, num_shards=self.num_shards)
+                                              in_place=self.in_place, **device)
             except RuntimeError as e:  # "backend <name> not available: <why>"
                 for made in self._engines:
                     made.release()
@@ -495,7 +497,13 @@ class StateStore:
         its link figures, never wall time), ``busy_seconds_*`` and ``bytes_*`` per resource (``read_link``,
         ``write_link``, ``updater``, ``shared_link``/``device_link``; ``host_in``/``host_out`` bytes), its
         figures, and the ``page_reads``, ``page_writes`` and ``kernels`` it ran (what its faults count)."""
-        return [{**engine.stats(), "backend": engine.backend_stats()} for engine in self._engines]
+        return [{**engine.stats(), "backend": {} if self._built_in else engine.backend_stats()}
+                for engine in self._engines]
+
+    @property
+    def _built_in(self) -> bool:
+        """Whether the shards run on a built-in backend (memory, file) rather than a backend library."""
+        return self.backend in ("memory", "file")
 
     def reset_stats(self) -> None:
         for engine in self._engines:
