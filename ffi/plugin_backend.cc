@@ -45,11 +45,11 @@ bool EndsWith(const std::string& s, const std::string& tail) {
   return s.size() >= tail.size() && s.compare(s.size() - tail.size(), tail.size(), tail) == 0;
 }
 
-// The paths to try for `file`, in search order. A direct path in NSP_BACKEND_PATH counts only for the backend
-// whose file name it has (it stands for that backend's library, wherever it was built); it is listed either way.
-std::vector<std::string> Candidates(const std::string& file, const PluginSearch& search,
-                                    std::vector<std::string>* skipped) {
-  std::vector<std::string> out;
+// The paths to try for `file`, in search order, each with whether it may be that backend's library. A direct path
+// in NSP_BACKEND_PATH counts only for the backend whose file name it has (it stands for that backend's library,
+// wherever it was built); another is listed as passed over.
+std::vector<std::pair<std::string, bool>> Candidates(const std::string& file, const PluginSearch& search) {
+  std::vector<std::pair<std::string, bool>> out;
   size_t begin = 0;
   const std::string& env = search.env_path;
   while (begin <= env.size() && !env.empty()) {
@@ -58,16 +58,12 @@ std::vector<std::string> Candidates(const std::string& file, const PluginSearch&
     begin = end + 1;
     if (entry.empty()) continue;
     if (EndsWith(entry, ".so") || IsFile(entry)) {
-      if (BaseName(entry) == file) {
-        out.push_back(entry);
-      } else {
-        skipped->push_back(entry + " (a library of another name)");
-      }
-      continue;
+      out.emplace_back(entry, BaseName(entry) == file);
+    } else {
+      out.emplace_back(entry + "/" + file, true);
     }
-    out.push_back(entry + "/" + file);
   }
-  if (!search.package_dir.empty()) out.push_back(search.package_dir + "/" + file);
+  if (!search.package_dir.empty()) out.emplace_back(search.package_dir + "/" + file, true);
   return out;
 }
 
@@ -154,7 +150,11 @@ std::string LoadPlugin(const std::string& name, const PluginSearch& search, Load
   }
   const std::string file = PluginFileName(name);
   std::vector<std::string> looked;
-  for (const std::string& path : Candidates(file, search, &looked)) {
+  for (const auto& [path, usable] : Candidates(file, search)) {
+    if (!usable) {
+      looked.push_back(path + " (a library of another name)");
+      continue;
+    }
     if (!IsFile(path)) {
       looked.push_back(path);
       continue;

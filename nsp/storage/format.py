@@ -134,8 +134,9 @@ def store_metadata(*, store_id: str, tier: str, page_bytes: int, checksum: bool,
 
 def store_backend(tier: str, recorded: str | None) -> str:
     """The backend a store of ``tier`` runs, given the one its metadata records (None: none recorded, as in stores
-    written before backends were recorded). A tier's own backend follows the tier: a restore into another tier
-    keeps the snapshot's metadata but changes its tier. Any other name (a backend library) stays."""
+    written before backends were recorded). A tier's own backend (``TIER_BACKENDS``) runs only that tier, so it
+    follows the tier: a restore into another tier keeps the snapshot's metadata but changes its tier. Any other
+    name (a backend library) stays."""
     if recorded is None or recorded in TIER_BACKENDS.values():
         return TIER_BACKENDS[tier]
     return recorded

@@ -150,7 +150,7 @@ def _check_backend_for_tier(tier: str, backend: str | None, options: Mapping[str
     """The built-in backends run only their own tier; a backend library runs a store on disk."""
     if backend is None:
         return
-    if backend in ("memory", "file") and backend != tier:
+    if backend in TIER_BACKENDS.values() and backend != TIER_BACKENDS[tier]:
         raise ValueError(f"backend {backend!r} is the {backend} tier's own; it cannot run a {tier} store")
     if tier == "memory" and backend != "memory":
         raise ValueError(f"backend {backend!r} keeps its pages in each shard's directory: open the store with a "
