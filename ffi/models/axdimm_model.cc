@@ -400,7 +400,8 @@ int nspAxdimmRunAdamAsync(nspAxdimmHandle h, const nspAxdimmAdamArgs* args, int 
   Channel& c = mod->channels[channel];
   if (c.mode != NSP_AXDIMM_MODE_ACCELERATION) {
     return Fail(NSP_AXDIMM_EMODE, "nspAxdimmRunAdamAsync: channel " + std::to_string(channel) +
-                                      " is in normal mode; its kernel cannot reach DRAM (nspAxdimmSetArbiterAcc first)");
+                                      " is in normal mode; its kernel cannot reach DRAM "
+                                      "(nspAxdimmSetArbiterAcc first)");
   }
   if (c.kernel.joinable()) {
     return Fail(NSP_AXDIMM_EBUSY, "nspAxdimmRunAdamAsync: channel " + std::to_string(channel) +

@@ -154,7 +154,9 @@ int ValidateRun(const Run& r) {
     if (need == 0) continue;
     const Buffer* bo = r.buffers[arg];
     if (bo == nullptr) return Fail(EINVAL, std::string("argument ") + kArgNames[arg] + " has no buffer set");
-    if (bo->dev != r.kernel->dev) return Fail(EINVAL, std::string("argument ") + kArgNames[arg] + " is on another device");
+    if (bo->dev != r.kernel->dev) {
+      return Fail(EINVAL, std::string("argument ") + kArgNames[arg] + " is on another device");
+    }
     if (bo->size < need) {
       return Fail(EINVAL, std::string("argument ") + kArgNames[arg] + " holds " + std::to_string(bo->size) +
                               " bytes, the run needs " + std::to_string(need));
@@ -197,9 +199,13 @@ void ExecuteRun(Run* r, bool inject_fault, int64_t run_number) {
 int TransferFile(Buffer* bo, int fd, size_t size, size_t bo_offset, off_t file_offset, bool to_buffer) {
   const char* what = to_buffer ? "nspXrtP2PRead" : "nspXrtP2PWrite";
   if (bo == nullptr) return Fail(EINVAL, std::string(what) + ": null buffer");
-  if (!(bo->flags & NSP_XRT_BO_FLAGS_P2P)) return Fail(EINVAL, std::string(what) + ": the buffer was not allocated P2P");
+  if (!(bo->flags & NSP_XRT_BO_FLAGS_P2P)) {
+    return Fail(EINVAL, std::string(what) + ": the buffer was not allocated P2P");
+  }
   if (int err = CheckRange(bo, size, bo_offset, what)) return err;
-  if (InjectedDmaFault(bo->dev)) return Fail(EIO, std::string(what) + ": injected DMA fault (NSP_XRT_MODEL_FAIL_DMA_AT)");
+  if (InjectedDmaFault(bo->dev)) {
+    return Fail(EIO, std::string(what) + ": injected DMA fault (NSP_XRT_MODEL_FAIL_DMA_AT)");
+  }
   char* mem = bo->device_mem + bo_offset;
   size_t done = 0;
   while (done < size) {
@@ -223,7 +229,9 @@ extern "C" {
 // ---- Device ----
 
 xrtDeviceHandle xrtDeviceOpen(unsigned int index) {
-  if (index != 0) return FailNull<void>(ENODEV, "device " + std::to_string(index) + " does not exist (the model has one)");
+  if (index != 0) {
+    return FailNull<void>(ENODEV, "device " + std::to_string(index) + " does not exist (the model has one)");
+  }
   auto* dev = new Device;
   dev->capacity = static_cast<size_t>(EnvInt("NSP_XRT_MODEL_DDR_BYTES", int64_t{4} << 30));
   dev->fail_run_at = EnvInt("NSP_XRT_MODEL_FAIL_RUN_AT", 0);

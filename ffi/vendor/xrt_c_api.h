@@ -7,7 +7,7 @@
 // compiles next to XRT's own or without it.
 //
 // Which calls, and why:
-//   xrtDeviceOpen / xrtDeviceClose          one handle per SmartSSD's FPGA (index = the card's position in xbutil's list)
+//   xrtDeviceOpen / xrtDeviceClose          one handle per SmartSSD's FPGA (index: the card's place in xbutil's list)
 //   xrtDeviceLoadXclbinFile                 program the updater bitstream (the xclbin built from ffi/hls)
 //   xrtDeviceGetXclbinUUID                  the uuid xrtPLKernelOpen needs
 //   xrtPLKernelOpen / xrtKernelClose        the kernel "nsp_update_page"
