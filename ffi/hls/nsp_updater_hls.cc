@@ -8,7 +8,8 @@
 //
 // The per-element arithmetic (UpdateElement) is ffi/kernel_portable.cc's PortableBlock in the same operation order,
 // so C simulation -- and the hardware, whose fp32 cores round as IEEE-754 does -- matches nsp's CPU kernel bit for
-// bit. Vitis HLS reads the pragmas; g++ ignores them (build with -Wno-unknown-pragmas).
+// bit. Vitis HLS reads the pragmas; g++ ignores them (build with -Wno-unknown-pragmas). Loop labels name the loops in
+// the synthesis reports (-Wno-unused-label under -Wall).
 #include "nsp_updater_hls.h"
 
 #include <cmath>
