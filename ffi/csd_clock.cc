@@ -62,22 +62,63 @@ void ModelClock::BeginUpdate() {
   pages_.clear();
 }
 
-double ModelClock::Pipeline() const {
-  const size_t window = static_cast<size_t>(pages_in_flight_);
-  std::vector<std::array<double, kStages>> end;  // end[i][k]: when page i (in page order) leaves stage k
-  end.reserve(pages_.size());
-  for (const auto& [page, bytes] : pages_) {
-    const size_t i = end.size();
-    std::array<double, kStages> e{};
-    for (int k = 0; k < kStages; ++k) {
-      // A page enters the first stage once a buffer set is free: the page F before it has left the last stage.
-      const double ready = k == 0 ? (i >= window ? end[i - window][kWrite] : 0.0) : e[k - 1];
-      const double free = i > 0 ? end[i - 1][k] : 0.0;
-      e[k] = std::max(ready, free) + Seconds(static_cast<Stage>(k), bytes[k]);
-    }
-    end.push_back(e);
+double ModelClock::StageSeconds(Stage stage, const PageBytes& bytes) const {
+  double s = Seconds(stage, bytes[stage]);
+  // Reads and writes share the SSD, except the overlap fraction of the shorter of the page's two, which runs
+  // beside the longer (nsp.csd.clock's ssd resource, page by page).
+  if (stage == kRead || stage == kWrite) {
+    const double read = Seconds(kRead, bytes[kRead]), write = Seconds(kWrite, bytes[kWrite]);
+    const bool shorter = stage == kRead ? read < write : write <= read;
+    if (shorter) s *= 1.0 - figures_.ssd_overlap;
   }
-  return end.empty() ? 0.0 : end.back()[kWrite];
+  return s;
+}
+
+double ModelClock::Pipeline() const {
+  // The resource each stage occupies: the SSD (reads and writes), the host link (gradient in, params out: both
+  // directions draw on one link, as nsp.csd.clock counts it), the updater.
+  constexpr int kSsd = 0, kHost = 1, kUpdater = 2;
+  constexpr int kResourceOf[kStages] = {kSsd, kHost, kUpdater, kHost, kSsd};
+  const size_t n = pages_.size(), window = static_cast<size_t>(pages_in_flight_);
+  std::vector<std::array<double, kStages>> seconds;
+  seconds.reserve(n);
+  for (const auto& entry : pages_) {
+    std::array<double, kStages> d{};
+    for (int k = 0; k < kStages; ++k) d[k] = StageSeconds(static_cast<Stage>(k), entry.second);
+    seconds.push_back(d);
+  }
+  // List scheduling: each stage takes pages in page order; of the operations that could start next (the next
+  // page of each stage, once its previous stage is done and, for a read, a buffer set is free), the one that can
+  // start earliest on its resource goes first (ties: the later stage, which frees a buffer set sooner).
+  std::vector<std::array<double, kStages>> end(n);
+  std::array<size_t, kStages> next{};
+  std::array<double, 3> free_at{};
+  while (next[kWrite] < n) {
+    int pick = -1;
+    double pick_start = 0;
+    for (int k = kStages - 1; k >= 0; --k) {
+      const size_t i = next[k];
+      if (i >= n) continue;
+      double ready;
+      if (k == 0) {
+        if (i >= window && next[kWrite] <= i - window) continue;  // no buffer set free yet
+        ready = i >= window ? end[i - window][kWrite] : 0.0;
+      } else {
+        if (next[k - 1] <= i) continue;  // the page has not left the stage before
+        ready = end[i][k - 1];
+      }
+      const double start = std::max(ready, free_at[kResourceOf[k]]);
+      if (pick < 0 || start < pick_start) {
+        pick = k;
+        pick_start = start;
+      }
+    }
+    const size_t i = next[pick];
+    end[i][pick] = pick_start + seconds[i][pick];
+    free_at[kResourceOf[pick]] = end[i][pick];
+    ++next[pick];
+  }
+  return n == 0 ? 0.0 : end[n - 1][kWrite];
 }
 
 void ModelClock::EndUpdate(bool ok) {
@@ -117,6 +158,7 @@ std::vector<std::pair<std::string, double>> ModelClock::Stats() const {
       {"p2p_write_gbps", figures_.p2p_write_gbps},
       {"updater_gbps", figures_.updater_gbps},
       {"shared_gbps", figures_.shared_gbps},
+      {"ssd_overlap", figures_.ssd_overlap},
   };
 }
 

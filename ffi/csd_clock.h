@@ -2,25 +2,25 @@
 // the given link figures. Model seconds only, never wall time: the same configuration and the same sequence of
 // pages always give the same seconds.
 //
-// Each operation is charged as it happens, to the resource that would carry it:
+// Each operation is charged as it happens, to the link that carries it:
 //   read link     page reads, storage -> the device's buffers (p2p_read_gbps)
 //   write link    page writes, buffers -> storage (p2p_write_gbps)
 //   updater       the kernel's intake: the page's state bytes and a dense gradient's (updater_gbps)
 //   host link     the page's gradient coming in and its params going out. It passes the device's own link
 //                 (device_link_gbps) and the link all N devices of the store share, of which this device gets a
 //                 fair share (shared_gbps / N); the slower of the two sets its rate.
-// A resource's busy seconds are its bytes over its rate (the shared link: this device's bytes over its fair
-// share).
+// A link's busy seconds are its bytes over its rate (the shared link: this device's bytes over its fair share).
 //
-// An update streams its pages through these stages, in page order, as a pipeline (a flow shop):
+// An update streams its pages through five stages, in page order:
 //   read -> gradient in -> update -> params out -> write
-// A stage takes one page at a time; a page enters a stage once it has left the one before and the page before
-// it has left this one; and at most `pages_in_flight` pages (the host's buffer sets) are between the first stage
-// and the end of the last. So, with d[i][k] page i's seconds in stage k and F = pages_in_flight:
-//   end[i][0] = max(end[i-1][0], end[i-F][4]) + d[i][0]
-//   end[i][k] = max(end[i-1][k], end[i][k-1]) + d[i][k]          (k = 1..4)
-// and the update takes end[last][4] model seconds. Operations outside an update (initialisation, whole-state
-// reads, verification) are charged to the links' bytes and busy seconds, not to any update's time.
+// on three resources, as nsp.csd.clock counts them: the SSD serves reads and writes in turn (but for the
+// `ssd_overlap` fraction of the shorter of a page's read and write, which runs beside the longer), the host link
+// carries both directions, the updater computes. Each stage takes pages in order; a page enters a stage once it
+// has left the one before; a read waits for a free buffer set (at most `pages_in_flight` pages between the
+// first stage and the end of the last); and whichever operation can start earliest on its resource goes first
+// (ties: the later stage). The update takes as long as its last page's write ends. Operations outside an update
+// (initialisation, whole-state reads, verification) are charged to the links' bytes and busy seconds, not to any
+// update's time.
 #pragma once
 
 #include <array>
@@ -62,7 +62,8 @@ class ModelClock {
   using PageBytes = std::array<int64_t, kStages>;
   void AddToPage(int64_t page, Stage stage, int64_t bytes);
   double Seconds(Stage stage, int64_t bytes) const;
-  double Pipeline() const;  // end[last][write] of pages_ (mutex held)
+  double StageSeconds(Stage stage, const PageBytes& bytes) const;  // a page's seconds in `stage`
+  double Pipeline() const;  // when the last page of pages_ leaves the write stage (mutex held)
 
   const Figures figures_;
   const int64_t num_devices_;

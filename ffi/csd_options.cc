@@ -21,6 +21,8 @@ constexpr FigureKey kFigures[] = {
     {"shared_gbps", &Figures::shared_gbps},
 };
 
+constexpr const char* kOverlap = "ssd_overlap";  // a fraction, not a bandwidth
+
 struct FaultKey {
   const char* name;
   int64_t Faults::*field;
@@ -37,6 +39,7 @@ std::string Trim(const std::string& s) {
 std::string ValidKeys() {
   std::string out;
   for (const FigureKey& k : kFigures) out += std::string(out.empty() ? "" : ", ") + k.name;
+  out += std::string(", ") + kOverlap;
   for (const FaultKey& k : kFaults) out += std::string(", ") + k.name;
   return out;
 }
@@ -77,7 +80,7 @@ std::string ParseOptions(const std::string& text, Options* out) {
   std::map<std::string, std::string> items;
   if (std::string err = Split(text, &items); !err.empty()) return err;
   for (const auto& [key, value] : items) {
-    bool known = false;
+    bool known = key == kOverlap;
     for (const FigureKey& k : kFigures) known = known || key == k.name;
     for (const FaultKey& k : kFaults) known = known || key == k.name;
     if (!known) return "unknown option '" + key + "' (the csd device takes " + ValidKeys() + ")";
@@ -93,6 +96,13 @@ std::string ParseOptions(const std::string& text, Options* out) {
       return std::string("figure '") + k.name + "' must be a positive number of GB/s, got '" + it->second + "'";
     }
     out->figures.*k.field = value;
+  }
+  if (auto it = items.find(kOverlap); it == items.end()) {
+    return std::string("figure '") + kOverlap + "' is missing (nsp.csd.device_options gives every figure of " +
+           "nsp.csd.LinkFigures)";
+  } else if (!ParseDouble(it->second, &out->figures.ssd_overlap) || !(out->figures.ssd_overlap >= 0) ||
+             out->figures.ssd_overlap > 1) {
+    return std::string("figure '") + kOverlap + "' must be a fraction in [0, 1], got '" + it->second + "'";
   }
   for (const FaultKey& k : kFaults) {
     auto it = items.find(k.name);

@@ -15,6 +15,9 @@ struct Figures {
   double p2p_write_gbps = 0;    // the device's buffers -> storage (its internal write link)
   double updater_gbps = 0;      // bytes of state and gradient the device's updater takes in per second
   double shared_gbps = 0;       // the host link all devices of the store share
+  // Not a bandwidth: the fraction of the shorter of a page's SSD read and write that runs beside the longer
+  // (0: the SSD serves them in turn; 1: both at once), as nsp.csd.LinkFigures.ssd_overlap.
+  double ssd_overlap = 0;
 };
 
 // The k-th operation of a kind (1-based, counted from the device's open) fails once; 0: none.

@@ -217,7 +217,7 @@ def test_any_backend_library_by_name_is_recorded_and_reopened(tmp_path, plugins)
     they are, the store recording the name and reopening on it."""
     shutil.copy(Path(_nsp_ffi.backend_dir()) / "libnsp_backend_csd.so", plugins / "libnsp_backend_vendorx.so")
     figures = {"device_link_gbps": 4, "p2p_read_gbps": 2, "p2p_write_gbps": 1, "updater_gbps": 7,
-               "shared_gbps": 6}
+               "shared_gbps": 6, "ssd_overlap": 0}
     spec = storage.OptimizerSpec("adam")
     rng = np.random.default_rng(2)
     with storage.open(tmp_path / "s", tier="csd", backend="vendorx", backend_options=figures, num_shards=2,

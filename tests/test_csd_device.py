@@ -149,14 +149,34 @@ def test_link_bytes_are_the_bytes_moved_and_table_one(tmp_path, devices):
 
 
 def flow_shop(pages: list[list[float]], window: int) -> float:
-    """The pipeline the device's clock runs (read, gradient in, update, params out, write), worked out here."""
-    end: list[list[float]] = []
-    for i, d in enumerate(pages):
-        e = []
+    """The pipeline the device's clock runs, worked out here: stages read, gradient in, update, params out, write
+    on the SSD, host link, updater, host link and SSD; each stage in page order; a read needs a free buffer set (the
+    page ``window`` before written); the operation that can start first goes first (ties: the later stage)."""
+    resource = (0, 1, 2, 1, 0)
+    n = len(pages)
+    end = [[None] * 5 for _ in range(n)]
+    nxt, free = [0] * 5, [0.0] * 3
+    while nxt[4] < n:
+        options = []
         for k in range(5):
-            ready = (end[i - window][4] if i >= window else 0.0) if k == 0 else e[k - 1]
-            e.append(max(ready, end[i - 1][k] if i else 0.0) + d[k])
-        end.append(e)
+            i = nxt[k]
+            if i >= n:
+                continue
+            if k == 0:
+                if i >= window and end[i - window][4] is None:
+                    continue
+                ready = end[i - window][4] if i >= window else 0.0
+            else:
+                if end[i][k - 1] is None:
+                    continue
+                ready = end[i][k - 1]
+            options.append((max(ready, free[resource[k]]), -k))
+        start, k = min(options)
+        k = -k
+        i = nxt[k]
+        end[i][k] = start + pages[i][k]
+        free[resource[k]] = end[i][k]
+        nxt[k] += 1
     return end[-1][4]
 
 
@@ -189,9 +209,10 @@ def test_model_clock_is_the_page_pipeline_deterministic_and_follows_its_figures(
     assert a["model_seconds_last_update"] == pytest.approx(want, rel=1e-12)
     assert a["model_seconds_total"] == pytest.approx(2 * want, rel=1e-12)
     assert a["model_updates"] == 2 and a["pages_in_flight"] == window
-    # (The recurrence itself: one buffer set runs pages one after another; three overlap a page's write with the
-    # next one's read.)
-    assert flow_shop([[1, 0, 0, 0, 1]] * 3, 1) == 6 and flow_shop([[1, 0, 0, 0, 1]] * 3, 3) == 4
+    # (The schedule itself: reads and writes share the SSD, so buffer sets cannot overlap them; the updater and
+    # the host link run beside the SSD when there are buffer sets to spare.)
+    assert flow_shop([[1, 0, 0, 0, 1]] * 3, 1) == 6 and flow_shop([[1, 0, 0, 0, 1]] * 3, 3) == 6
+    assert flow_shop([[1, 0, 1, 0, 0]] * 3, 1) == 6 and flow_shop([[1, 0, 1, 0, 0]] * 3, 2) == 4
     slower = device_stats("c", p2p_write_gbps=0.5)
     assert slower["model_seconds_last_update"] > a["model_seconds_last_update"]
     assert slower["busy_seconds_write_link"] == pytest.approx(2 * a["busy_seconds_write_link"])
@@ -200,7 +221,7 @@ def test_model_clock_is_the_page_pipeline_deterministic_and_follows_its_figures(
 
 def test_device_options_are_every_figure_and_checked(tmp_path):
     text = device_options(LinkFigures(), faults={"fail_kernel_at": 2})
-    assert text.count("=") == 6 and "shared_gbps=5.78" in text and text.endswith("fail_kernel_at=2")
+    assert text.count("=") == 7 and "shared_gbps=5.78" in text and text.endswith("fail_kernel_at=2")
     with pytest.raises(ValueError, match="unknown csd option"):
         csd(tmp_path / "a", backend_options={"p2p_speed": 1})
     with pytest.raises(ValueError, match="shared_gbps must be a positive"):
@@ -213,7 +234,9 @@ def test_device_options_are_every_figure_and_checked(tmp_path):
     for options, why in (("p2p_read_gbps=1", "figure 'device_link_gbps' is missing"),
                          (device_options().replace("updater_gbps=7.0", "updater_gbps=-7"),
                           "figure 'updater_gbps' must be a positive number of GB/s, got '-7'"),
-                         (device_options() + ";speed=3", "unknown option 'speed'")):
+                         (device_options() + ";speed=3", "unknown option 'speed'"),
+                         (device_options().replace("ssd_overlap=0.0", "ssd_overlap=1.5"),
+                          "figure 'ssd_overlap' must be a fraction in \\[0, 1\\], got '1.5'")):
         with pytest.raises(RuntimeError, match=rf"^backend csd not available: .*csd device 0 \({root}\): {why}"):
             _nsp_ffi.ShardEngine("csd", str(root), 4096, 1024, 2, [True, True, True], True,
                                  backend_options=options)

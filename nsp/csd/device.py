@@ -8,7 +8,7 @@ clock's figures are ``LinkFigures``'; the device holds no defaults of its own, s
 from: every figure is always sent.
 
     >>> from nsp.csd import LinkFigures
-    >>> device_options(LinkFigures(shared_gbps=8.0)).split(";")[-1]
+    >>> device_options(LinkFigures(shared_gbps=8.0)).split(";")[-2]
     'shared_gbps=8.0'
     >>> device_options(LinkFigures(), faults={"fail_read_at": 3}).endswith("fail_read_at=3")
     True
@@ -23,7 +23,8 @@ from typing import Any
 from nsp.csd.figures import LinkFigures
 
 # The figures the device's model clock uses (the others describe the host-updater baseline).
-DEVICE_FIGURES = ("device_link_gbps", "p2p_read_gbps", "p2p_write_gbps", "updater_gbps", "shared_gbps")
+DEVICE_FIGURES = ("device_link_gbps", "p2p_read_gbps", "p2p_write_gbps", "updater_gbps", "shared_gbps",
+                  "ssd_overlap")
 # Faults for tests: the k-th (1-based, counted from the device's open) kernel, page read or page write of a device
 # fails once, with an error naming the device, the page, the state and the cause.
 FAULTS = ("fail_kernel_at", "fail_read_at", "fail_write_at")
