@@ -184,7 +184,29 @@ def _plan(args: argparse.Namespace) -> int:
         print(f"nsp plan: error: {e}", file=sys.stderr)
         return 2
     print(format_plan(result))
-    return 0
+    return 0 if args.check is None else _plan_check(args, setting, figures)
+
+
+def _plan_check(args: argparse.Namespace, setting, figures) -> int:
+    """``nsp plan --check DIR``: the prediction for a smaller state beside one real update of it on emulated
+    devices (nsp.csd.emulate). Times scale with the bytes, so a few pages per device tell whether the formulas
+    describe the engine; exit status 1 when a scheme differs by more than the tolerance."""
+    import dataclasses
+
+    from nsp.csd.emulate import EMULATED, PLAN_TOLERANCE, check_plan
+    from nsp.csd.model import LABELS
+
+    small = dataclasses.replace(setting, params=args.check_params_per_device * args.devices)
+    print(f"\ncheck: {small.params:.3g} params ({args.check_params_per_device:.3g} per device) on {args.devices} "
+          f"emulated csd devices in {args.check}, one update, nsp's dataflow")
+    print(f"{'scheme':<8} {'plan s':>9} {'emulated s':>11} {'plan/emu':>9}")
+    ok = True
+    for scheme in EMULATED:
+        row = check_plan(scheme, small, args.devices, figures, args.check)
+        ok &= row["holds"]
+        print(f"{LABELS[scheme]:<8} {row['predicted_s']:>9.4f} {row['emulated_s']:>11.4f} {row['ratio']:>9.3f}")
+    print(f"plan within {PLAN_TOLERANCE:.0%} of the emulator: {'yes' if ok else 'NO'}")
+    return 0 if ok else 1
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -237,6 +259,11 @@ def main(argv: list[str] | None = None) -> int:
                     "SSDs, as Smart-Infinity (default nsp)")
     pl.add_argument("--figure", action="append", default=[], metavar="NAME=GBPS",
                     help="override a link figure of nsp.csd.LinkFigures, e.g. shared_gbps=16 (repeatable)")
+    pl.add_argument("--check", metavar="DIR", default=None,
+                    help="also run one update of a smaller state on --devices emulated csd devices in DIR and "
+                    "print the plan beside it (exit status 1 when they differ by more than 10%%)")
+    pl.add_argument("--check-params-per-device", type=int, default=1 << 23,
+                    help="params per emulated device for --check (default 8388608: 8 pages of 4 MiB per state)")
     pl.set_defaults(func=_plan)
 
     args = parser.parse_args(argv)
