@@ -2,7 +2,7 @@
 (HPCA'24) Fig. 11(a), and the model's calibration against a real file-tier update on this machine.
 
     python bench/csd_scaling.py                       # the scaling table, PNG and JSON record (model only, ~1 s)
-    python bench/csd_scaling.py --calibrate           # + one device's model vs a real update here (~1 min)
+    python bench/csd_scaling.py --calibrate           # + the model vs a real update here, and vs the emulator (~2 min)
     python bench/csd_scaling.py --figure shared_gbps=16 --compute-a5000 6.0
 
 Scaling. For 1..10 devices, one optimizer step of a GPT-2 4.0B-sized state (``nsp.csd.paper.GPT2_4B_PARAMS``)
@@ -27,6 +27,12 @@ counted in its update (``store.shard_stats()``) is put on the model clock (``nsp
 predicted time is printed beside the measured wall time of ``store.update``, per round and as the median of the
 rounds' ratios; the target is agreement within 15%. The disk of a shared virtual machine drifts within and
 between runs; the rounds pair each update with probes taken next to it.
+
+Plan against the emulator (``--emulate``, on with ``--calibrate``). For 1, 2, 4 and 10 devices, SU+O and SU+O+C
+run one real update on a ``csd`` store of that many emulated devices (``--emulate-params`` per device, in a
+temporary folder under ``--dir``; each device's model clock schedules its pages on its SSD, host link and updater,
+``ffi/csd_clock.h``), on the same link figures, and the model's prediction for the same state (nsp's dataflow) is
+printed beside it; the target is agreement within 10% (``nsp.csd.emulate``).
 
 Writes ``bench/results/csd_scaling.json`` (or ``--json``) and a PNG beside it (or ``--png``).
 """
@@ -385,6 +391,34 @@ def calibrate(args) -> dict:
             "target": CALIBRATION_TARGET, "holds": holds}
 
 
+# ---- the plan against the emulated devices --------------------------------------------------------------------
+
+EMULATED_DEVICES = (1, 2, 4, 10)
+
+
+def emulate(args, figures: LinkFigures) -> dict:
+    """The plan-against-emulator comparison of the module docstring; returns its record."""
+    from nsp.csd.emulate import EMULATED, PLAN_TOLERANCE, check_plan
+
+    rows = []
+    for n in EMULATED_DEVICES:
+        setting = Setting(params=args.emulate_params * n, density=args.density)
+        for scheme in EMULATED:
+            r = check_plan(scheme, setting, n, figures, args.dir)
+            rows.append({"devices": n, "scheme": LABELS[scheme], "params": setting.params,
+                         "predicted_s": r["predicted_s"], "emulated_s": r["emulated_s"], "ratio": r["ratio"],
+                         "bottleneck": r["bottleneck"], "holds": r["holds"]})
+    print_table(f"the plan vs the emulator: one update, {args.emulate_params / 2**20:.0f}M params per device, nsp "
+                f"dataflow, same figures", rows,
+                [("devices", "devices", "d"), ("scheme", "scheme", ""), ("predicted_s", "plan s", ".4f"),
+                 ("emulated_s", "emulated s", ".4f"), ("ratio", "plan / emulated", ".3f"),
+                 ("bottleneck", "plan's bottleneck", ""), ("holds", f"within {PLAN_TOLERANCE:.0%}", "")])
+    held = all(r["holds"] for r in rows)
+    print(f"\nplan vs emulator: {sum(r['holds'] for r in rows)} of {len(rows)} within {PLAN_TOLERANCE:.0%} "
+          f"(ratios {min(r['ratio'] for r in rows):.3f}-{max(r['ratio'] for r in rows):.3f})")
+    return {"params_per_device": args.emulate_params, "tolerance": PLAN_TOLERANCE, "rows": rows, "holds": held}
+
+
 # ---- main --------------------------------------------------------------------------------------------------------
 
 def main(argv: list[str] | None = None) -> int:
@@ -404,7 +438,11 @@ def main(argv: list[str] | None = None) -> int:
                         help="MiB of Adam state in the calibration store (default 576: 48M params)")
     parser.add_argument("--repeats", type=int, default=7, help="calibration rounds (>= 5)")
     parser.add_argument("--warmup", type=int, default=2, help="calibration warm-up rounds")
-    parser.add_argument("--dir", default="/var/tmp", help="where the calibration's temporary folder goes")
+    parser.add_argument("--emulate", action="store_true",
+                        help="also compare the plan with one update on emulated csd devices (on with --calibrate)")
+    parser.add_argument("--emulate-params", type=int, default=1 << 23,
+                        help="params per emulated device (default 8388608: 8 pages of 4 MiB per state)")
+    parser.add_argument("--dir", default="/var/tmp", help="where the temporary folders go")
     parser.add_argument("--json", default=None, help="where to write the JSON record")
     parser.add_argument("--png", default=None, help="where to write the chart (default: beside the record)")
     args = parser.parse_args(argv)
@@ -435,6 +473,8 @@ def main(argv: list[str] | None = None) -> int:
     record = {"params": args.params, "density": args.density, "dataflow": args.dataflow,
               "figures": figures.as_dict(), "gpus": results, "checks": checks, "traffic_bytes": per_link,
               "published": paper.PUBLISHED_10_DEVICES}
+    if args.calibrate or args.emulate:
+        record["emulator"] = emulate(args, figures)
     if args.calibrate:
         record["calibration"] = calibrate(args)
     out = write_json("csd_scaling", record, args.json)

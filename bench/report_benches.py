@@ -341,6 +341,15 @@ def render_csd_scaling(d: dict, out: Path) -> tuple[str, str]:
                   + ("holds." if cal["holds"] else "is **missed**."))
     else:
         facts += " This record has no calibration (`--calibrate`)."
+    emu = d.get("emulator")
+    if emu:
+        table = md_table(emu["rows"], [("devices", "devices", "d"), ("scheme", "scheme", ""),
+                                       ("predicted_s", "plan s", ".4f"), ("emulated_s", "emulated s", ".4f"),
+                                       ("ratio", "plan / emulated", ".3f"), ("bottleneck", "plan's bottleneck", "")])
+        held = sum(r["holds"] for r in emu["rows"])
+        parts.append(f"`nsp plan` against the emulated devices (one real update on a `csd` store of N devices, "
+                     f"{emu['params_per_device'] / 2**20:.0f}M params each, the same figures, nsp's dataflow): "
+                     f"{held} of {len(emu['rows'])} within {emu['tolerance']:.0%}.\n\n{table}")
     return command, "\n\n".join(parts) + f"\n\n{checks}\n\n{facts}\n\n![csd scaling](csd_scaling.png)"
 
 
