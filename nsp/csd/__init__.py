@@ -4,7 +4,8 @@ devices, and the time a real store's measured traffic would take on such devices
 One module per job: ``figures`` (the links' bandwidths, cited defaults), ``clock`` (a phase's time from the bytes
 it moves on each resource), ``model`` (baseline, SmartUpdate and SmartComp steps, Table I traffic), ``measured``
 (a store's counted traffic on the model clock), ``paper`` (the paper's settings and published numbers), ``device``
-(the options of the emulated device a ``tier="csd"`` store runs each shard on: its figures and faults).
+(the options of the emulated device a ``tier="csd"`` store runs each shard on: its figures and faults),
+``emulate`` (one real update on N emulated devices, beside the plan), ``plan`` (``nsp plan``'s prediction).
 
     >>> from nsp.csd import LinkFigures, Setting, step_time
     >>> round(step_time("smartupdate", Setting(params=1_000_000_000), 4, LinkFigures()).seconds, 1) > 0
