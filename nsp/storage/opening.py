@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import os
 import warnings
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -35,6 +35,7 @@ def open(  # noqa: A001  (mirrors tensorstore.open / builtins.open on purpose)
     in_place: bool = False,
     backend: str | None = None,
     backend_options: Mapping[str, Any] | None = None,
+    shards: Sequence[int] | None = None,
 ) -> StateStore:
     """Opens the store at ``path``, or creates an empty one there.
 
@@ -55,6 +56,9 @@ def open(  # noqa: A001  (mirrors tensorstore.open / builtins.open on purpose)
         ``nsp.csd.LinkFigures`` (its model clock's figures, in GB/s; the defaults fill the rest) and faults for
         tests (``fail_kernel_at``, ``fail_read_at``, ``fail_write_at``: the k-th such operation of each device
         fails once). Given at each open, never recorded.
+      shards: the shards this process opens, locks, updates and snapshots (default: all). One process of several
+        (``nsp.distributed``) holds those of its own devices; the other processes hold the rest, and nothing
+        here reads or checks their directories.
       num_shards: equal shards the flattened state is cut into (one per mesh device / storage device);
         default 1 for a new store.
       page_bytes: page (and zarr chunk) size; 4 MiB by default for a new store.
@@ -99,7 +103,7 @@ def open(  # noqa: A001  (mirrors tensorstore.open / builtins.open on purpose)
         if backend_options:
             raise ValueError("the memory backend takes no backend_options")
         return StateStore(None, tier, num_shards or 1, page_bytes or PAGE_BYTES_DEFAULT, [], pages_in_flight,
-                          checksum, in_place)
+                          checksum, in_place, local_shards=shards)
     if path is None:
         raise ValueError(f"the {tier} tier needs a directory path")
     root = Path(path).absolute()
@@ -117,7 +121,7 @@ def open(  # noqa: A001  (mirrors tensorstore.open / builtins.open on purpose)
     meta_path = root / METADATA
     if meta_path.exists():
         return _open_existing(root, asked_tier, num_shards, page_bytes, shard_paths, pages_in_flight, backend,
-                              backend_options)
+                              backend_options, shards)
     backend = backend or TIER_BACKENDS[tier]
     options = _options_string(backend, backend_options)
     _find_backend(backend)  # said now, not at the first initialize
@@ -126,19 +130,19 @@ def open(  # noqa: A001  (mirrors tensorstore.open / builtins.open on purpose)
     if shard_paths is not None:
         if len(shard_paths) != num_shards:
             raise ValueError(f"got {len(shard_paths)} shard_paths for {num_shards} shards")
-        shards = [Path(p).absolute() for p in shard_paths]
-        if len(set(shards)) != len(shards):
-            raise ValueError(f"shard_paths names one directory twice: {[str(p) for p in shards]}")
+        shard_list = [Path(p).absolute() for p in shard_paths]
+        if len(set(shard_list)) != len(shard_list):
+            raise ValueError(f"shard_paths names one directory twice: {[str(p) for p in shard_list]}")
     else:
-        shards = [shard_dir(root, i) for i in range(num_shards)]
-    store = StateStore(root, tier, num_shards, page_bytes, shards, pages_in_flight, checksum, backend=backend,
-                       backend_options=options)
-    for i, shard in enumerate(shards):
-        _claim_shard(store, i, shard)
+        shard_list = [shard_dir(root, i) for i in range(num_shards)]
+    store = StateStore(root, tier, num_shards, page_bytes, shard_list, pages_in_flight, checksum, backend=backend,
+                       backend_options=options, local_shards=shards)
+    for i in store.local_shards:
+        _claim_shard(store, i, shard_list[i])
     try:
         store.acquire_locks()
-        for i, shard in enumerate(shards):
-            write_shard_id(shard, store.store_id, i, root)
+        for i in store.local_shards:
+            write_shard_id(shard_list[i], store.store_id, i, root)
     except BaseException:
         store.close()
         raise
@@ -211,7 +215,7 @@ def _claim_shard(store: StateStore, index: int, shard: Path) -> None:
 
 
 def _open_existing(root: Path, tier, num_shards, page_bytes, shard_paths, pages_in_flight, backend,
-                   backend_options) -> StateStore:
+                   backend_options, local_shards) -> StateStore:
     # Everything read from disk is checked before anything is opened for writing.
     meta = check_metadata(read_json(root / METADATA, "store metadata"), str(root / METADATA))
     layout = meta["layout"]
@@ -234,7 +238,9 @@ def _open_existing(root: Path, tier, num_shards, page_bytes, shard_paths, pages_
     if shard_paths is not None and [Path(p).absolute() for p in shard_paths] != shards:
         raise StoreError(f"store {root} keeps its shards at {[str(s) for s in shards]}")
     store_id = meta["store_id"]
-    for i, shard in enumerate(shards):
+    local = range(num_shards) if local_shards is None else local_shards
+    for i in local:
+        shard = shards[i]
         ident = shard / SHARD_ID
         if not ident.is_file():
             raise StoreError(f"{root / METADATA}: field 'shard_paths' names {shard} as shard {i}, but it holds no "
@@ -242,7 +248,7 @@ def _open_existing(root: Path, tier, num_shards, page_bytes, shard_paths, pages_
         check_shard_id(read_json(ident, "shard identity"), str(ident), store_id, i, root,
                        external=not inside(shard, root))
     store = StateStore(root, tier, num_shards, page_bytes, shards, pages_in_flight, meta["checksum"],
-                       store_id=store_id, backend=held_backend, backend_options=options)
+                       store_id=store_id, backend=held_backend, backend_options=options, local_shards=local_shards)
     try:
         store.acquire_locks()
         version, checksums = _recover_version(store, layout, optimizer)
@@ -260,7 +266,7 @@ def _check_pages_present(store: StateStore, layout: Layout, optimizer: Optimizer
     """Every page of the committed version must exist (a version is committed only once all its pages are
     durable): a manifest naming a version whose slot lacks pages is a damaged store, said at open."""
     pages = layout.pages_per_shard
-    for shard in store.shard_paths:
+    for shard in store.local_shard_paths:
         for state, used in zip(STATES, optimizer.states_used()):
             if not used:
                 continue
@@ -276,7 +282,7 @@ def _check_checksums_recorded(store: StateStore, optimizer: OptimizerSpec, versi
     """Each manifest records the checksum of every page of the committed version, for the version its slot
     holds (a manifest naming a version its slot does not hold is damage)."""
     used = optimizer.states_used()
-    for shard, tables in zip(store.shard_paths, checksums):
+    for shard, tables in zip(store.local_shard_paths, checksums):
         recorded = tables.get(version % 2, {})
         missing = [s for s, u in zip(STATES, used) if u and s not in recorded]
         if store.checksum and missing:
@@ -293,7 +299,7 @@ def _recover_version(store: StateStore, layout: Layout, optimizer: OptimizerSpec
     every shard's commit first), so their other slot still holds the older version whole: they roll back to it."""
     used = optimizer.states_used()
     manifests = []
-    for i, shard in enumerate(store.shard_paths):
+    for i, shard in zip(store.local_shards, store.local_shard_paths):
         path = shard / MANIFEST
         manifests.append(check_manifest(read_json(path, "shard manifest"), str(path), store.store_id, i,
                                         layout.pages_per_shard, used))
@@ -301,7 +307,7 @@ def _recover_version(store: StateStore, layout: Layout, optimizer: OptimizerSpec
     low, high = min(versions), max(versions)
     if high - low > 1:
         raise StoreError(f"shard versions {versions} differ by more than one step: the store is inconsistent")
-    for shard, m in zip(store.shard_paths, manifests):
+    for shard, m in zip(store.local_shard_paths, manifests):
         if m["version"] != low:
             tables = {str(slot): states for slot, states in m["checksums"].items()}
             write_manifest(shard, store.store_id, store.shard_paths.index(shard), low, tables)

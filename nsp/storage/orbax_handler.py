@@ -4,6 +4,11 @@
 (``snapshot.py``: hard links into the step directory) and restores it by ``restore.py``. Keep-N deletes old step
 directories, i.e. only their links; the live store's files are untouched. ``make_checkpoint_manager``,
 ``save_checkpoint`` and ``restore_checkpoint`` put the three items together.
+
+In a multi-process run (``nsp.distributed``) every process saves the shards it holds into its own part of the
+item, ``store/process-NNNNN``, and orbax ties the parts into one step: it finalises the step only once every
+process has saved, and writes the small items (train state, meta) from the primary process, as it does for any
+multi-process checkpoint. Each process restores its own part.
 """
 
 from __future__ import annotations
@@ -39,21 +44,40 @@ class StoreCheckpointHandler(ocp.CheckpointHandler):
         return "nsp.storage.checkpoint.StoreCheckpointHandler"
 
     def save(self, directory, args: StoreSave) -> None:
-        self.last_info = snapshot_store(args.store, Path(str(directory)), mode=args.mode)
+        dest = process_part(Path(str(directory)))
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        self.last_info = snapshot_store(args.store, dest, mode=args.mode)
 
     def restore(self, directory, args: StoreRestore | None = None) -> StateStore:
         if args is None:
             raise StoreError("restoring a store item needs StoreRestore(store_path=...): where to rebuild it")
-        return restore_store(Path(str(directory)), args.store_path, tier=args.tier, shard_paths=args.shard_paths,
+        snap = process_part(Path(str(directory)))
+        if args.shards is not None:
+            from nsp.distributed.local_restore import restore_local
+
+            if not snap.exists():
+                raise StoreError(f"{directory} holds no part for this process ({snap.name}): the checkpoint was "
+                                 "written by a run with another process count")
+            return restore_local(snap, args.store_path, args.shards, tier=args.tier, overwrite=args.overwrite,
+                                 mode=args.mode, pages_in_flight=args.pages_in_flight)
+        return restore_store(snap, args.store_path, tier=args.tier, shard_paths=args.shard_paths,
                              overwrite=args.overwrite, mode=args.mode, pages_in_flight=args.pages_in_flight)
 
     def metadata(self, directory) -> dict | None:
         try:
-            info = load_snapshot_info(Path(str(directory)), check_files=False)
+            info = load_snapshot_info(process_part(Path(str(directory))), check_files=False)
         except StoreError:
             return None
         info.pop("files", None)
         return info
+
+
+def process_part(item_dir: Path) -> Path:
+    """Where this process's snapshot lives in a store item: the item itself for a lone process,
+    ``process-NNNNN`` inside it for one process of several."""
+    import jax
+
+    return item_dir if jax.process_count() == 1 else item_dir / f"process-{jax.process_index():05d}"
 
 
 @ocp.args.register_with_handler(StoreCheckpointHandler, for_save=True)
@@ -76,6 +100,10 @@ class StoreRestore(ocp.args.CheckpointArgs):
     overwrite: bool = False
     mode: str = "auto"
     pages_in_flight: int = PAGES_IN_FLIGHT_DEFAULT
+    # The shards this process restores (one process of several: those of its devices); None = a whole snapshot.
+    shards: list[int] | None = None
+
+
 def make_checkpoint_manager(directory: str | os.PathLike, max_to_keep: int | None = 3, *,
                             enable_async_checkpointing: bool = True, **options: Any) -> ocp.CheckpointManager:
     """An ``ocp.CheckpointManager`` with items ``store`` (tier snapshot), ``train_state`` (pytree), ``meta``
@@ -109,7 +137,7 @@ def save_checkpoint(manager: ocp.CheckpointManager, step: int, store: StateStore
         manager.wait_until_finished()
     out = {"step": step, "saved": bool(saved), "version": version, "snapshot": None}
     if saved:
-        snap = Path(str(manager.directory)) / str(step) / "store"
+        snap = process_part(Path(str(manager.directory)) / str(step) / "store")
         if (snap / SNAPSHOT).exists():
             info = load_snapshot_info(snap, check_files=False)
             info.pop("files", None)
@@ -120,11 +148,12 @@ def save_checkpoint(manager: ocp.CheckpointManager, step: int, store: StateStore
 def restore_checkpoint(manager: ocp.CheckpointManager, step: int | None, store_path: str | os.PathLike | None,
                        train_state_template: Any = None, *, tier: str = "file",
                        shard_paths: list[str | os.PathLike] | None = None, overwrite: bool = False,
-                       mode: str = "auto",
-                       pages_in_flight: int = PAGES_IN_FLIGHT_DEFAULT) -> tuple[StateStore, Any, dict | None]:
+                       mode: str = "auto", pages_in_flight: int = PAGES_IN_FLIGHT_DEFAULT,
+                       shards: list[int] | None = None) -> tuple[StateStore, Any, dict | None]:
     """Restores ``(store, train_state, meta)`` of ``step`` (``None``: the latest). The store is rebuilt at
     ``store_path`` (see ``restore_store``); ``train_state`` follows ``train_state_template`` (arrays or
-    ``jax.ShapeDtypeStruct`` leaves; ``None`` restores what was saved as is). Missing items come back as None."""
+    ``jax.ShapeDtypeStruct`` leaves; ``None`` restores what was saved as is). Missing items come back as None.
+    ``shards``: the shards this process restores, one process of several (its part of the step's store item)."""
     if step is None:
         step = manager.latest_step()
         if step is None:
@@ -140,7 +169,7 @@ def restore_checkpoint(manager: ocp.CheckpointManager, step: int | None, store_p
         items["meta"] = ocp.args.JsonRestore()
     small = manager.restore(step, args=ocp.args.Composite(**items)) if items else {}
     store_args = StoreRestore(store_path, tier=tier, shard_paths=shard_paths, overwrite=overwrite, mode=mode,
-                              pages_in_flight=pages_in_flight)
+                              pages_in_flight=pages_in_flight, shards=shards)
     store = manager.restore(step, args=ocp.args.Composite(store=store_args))["store"]
     return store, small.get("train_state"), small.get("meta")
 

@@ -120,7 +120,7 @@ def _snapshot_files(store: StateStore, dest: Path, mode: str) -> tuple[list[dict
     version = store.version
     slot = version % 2
     used = store.optimizer.states_used()
-    for shard in store.shard_paths:
+    for shard in store.local_shard_paths:
         held = read_json(shard / MANIFEST, "shard manifest").get("version")
         # A shard may have committed one version ahead of the others (a failed multi-shard update); its slot
         # `version % 2` still holds `version` whole. Anything else means someone else wrote this store.
@@ -130,7 +130,7 @@ def _snapshot_files(store: StateStore, dest: Path, mode: str) -> tuple[list[dict
     placer = Placer(mode)
     files: list[dict] = []
     made_dirs: list[Path] = [dest / "shards"]
-    for i, shard in enumerate(store.shard_paths):
+    for i, shard in zip(store.local_shards, store.local_shard_paths):
         shard_dest = shard_dir(dest, i)
         made_dirs.append(shard_dest)
         for state, is_used in zip(STATES, used):
@@ -173,13 +173,12 @@ def _snapshot_memory(store: StateStore, dest: Path) -> tuple[list[dict], dict]:
     for state, is_used in zip(STATES, store.optimizer.states_used()):
         if not is_used:
             continue
-        flat = store.read(state, version)
-        for i in range(store.num_shards):
+        for i in store.local_shards:
             path = shard_dir(dest, i) / state
             # Written without per-file syncs (made durable below, once, with fsync).
             spec = zarr_spec(path, size, layout.page_elems, store.checksum, state, version % 2, sync=False)
             arr = ts.open(spec, create=True).result()
-            arr.write(flat[i * size:(i + 1) * size]).result()
+            arr.write(store.read_shard(state, i, version)).result()
             for name, fsize in [("zarr.json", (path / "zarr.json").stat().st_size)] + [
                     (f"c/{n}", s) for n, s in page_files(path)]:
                 fsync_file(path / name)
@@ -188,8 +187,7 @@ def _snapshot_memory(store: StateStore, dest: Path) -> tuple[list[dict], dict]:
             if (path / "c").exists():
                 fsync_dir(path / "c")
             fsync_dir(path)
-        del flat
-    for i in range(store.num_shards):
+    for i in store.local_shards:
         fsync_dir(shard_dir(dest, i))
     fsync_dir(dest / "shards")
     atomic_write_json(dest / METADATA, store.metadata())
@@ -212,6 +210,8 @@ def _finish_snapshot(store: StateStore, dest: Path, files: list[dict], placer_in
         "optimizer": dataclasses.asdict(store.optimizer),
         "states": [s for s, u in zip(STATES, used) if u],
         "arrays": "shards/{shard:05d}/{state}",
+        # The shards this snapshot holds: all, or one process's part of a multi-process checkpoint.
+        **({"local_shards": list(store.local_shards)} if store.is_partial else {}),
         **placer_info,
         "num_files": len(files),
         "total_bytes": sum(f["bytes"] for f in files),

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
+from collections.abc import Sequence
 import uuid
 import weakref
 from pathlib import Path
@@ -45,7 +46,8 @@ class StateStore:
 
     def __init__(self, root: Path | None, tier: str, num_shards: int, page_bytes: int,
                  shard_paths: list[Path], pages_in_flight: int, checksum: bool, in_place: bool = False,
-                 store_id: str | None = None, backend: str | None = None, backend_options: str = ""):
+                 store_id: str | None = None, backend: str | None = None, backend_options: str = "",
+                 local_shards: Sequence[int] | None = None):
         self.root = root
         self.store_id = store_id or uuid.uuid4().hex  # whose shards these are (SHARD.json, every manifest)
         self.tier = tier
@@ -56,6 +58,11 @@ class StateStore:
         self.num_shards = num_shards
         self.page_bytes = page_bytes
         self.shard_paths = shard_paths
+        # The shards this process opens, locks, updates and snapshots: all of them, or (one process of several,
+        # nsp.distributed) those of its own devices. The others' engines live in the other processes.
+        self.local_shards = tuple(range(num_shards)) if local_shards is None else tuple(sorted(local_shards))
+        if not self.local_shards or not all(0 <= i < num_shards for i in self.local_shards):
+            raise ValueError(f"local_shards must name some of the {num_shards} shards, got {local_shards}")
         self.pages_in_flight = pages_in_flight
         self.checksum = checksum
         self.in_place = in_place  # memory tier only: one copy of the state, updated in place (no replay)
@@ -68,7 +75,7 @@ class StateStore:
         self._closed = False
         # Engines, handles, locks and threads live in their own object, released by close() or, for a store
         # dropped without close(), by a finalizer that runs only once the steps already dispatched are done.
-        self._life = Lifetime(num_shards)
+        self._life = Lifetime(len(self.local_shards))
         weakref.finalize(self, self._life.release_dropped)
 
     @property
@@ -88,13 +95,28 @@ class StateStore:
     def acquire_locks(self) -> None:
         """Takes the writer locks of the store and of every shard it will write, wherever the shard lives
         (``format.lock_store``); ``close`` drops them. ``nsp.storage.open`` calls it: a second writer is refused."""
-        self._life.lock_fds += lock_store(self.root, self.shard_paths)
+        self._life.lock_fds += lock_store(self.root, self.local_shard_paths)
+
+    @property
+    def is_partial(self) -> bool:
+        """Whether this process holds only some of the shards (one process of several)."""
+        return len(self.local_shards) != self.num_shards
+
+    @property
+    def local_shard_paths(self) -> list[Path]:
+        """The directories of the shards this process holds (``local_shards``; empty for the memory tier)."""
+        return [self.shard_paths[i] for i in self.local_shards] if self.shard_paths else []
+
+    def _check_whole(self, what: str) -> None:
+        if self.is_partial:
+            raise StoreError(f"{what} needs every shard; this process holds shards {list(self.local_shards)} of "
+                             f"{self.num_shards} (the others live in the other processes)")
 
     @property
     def external_shards(self) -> list[Path]:
         """Shards that live outside the store's directory (on another disk, say): a copy of the directory does
         not include them."""
-        return [p for p in self.shard_paths if self.root is not None and not inside(p, self.root)]
+        return [p for p in self.local_shard_paths if self.root is not None and not inside(p, self.root)]
 
     def close(self) -> None:
         """Waits for the steps already dispatched to this store, then releases its engines, their buffers and
@@ -163,7 +185,12 @@ class StateStore:
             raise StoreError("the store holds no state yet: call initialize(params, optimizer) first")
         if not self._life.handles:
             self._life.handles = [e.register() for e in self._engines]
-        return StoreHandle(tuple(self._life.handles), self.layout, self.optimizer, self._staleness)
+        # Position i names shard i's engine. Another process's shard gets 0 (no engine): the update's custom call
+        # looks an engine up by its device's axis index, and runs only on this process's devices.
+        engines = [0] * self.num_shards
+        for i, handle in zip(self.local_shards, self._life.handles):
+            engines[i] = handle
+        return StoreHandle(tuple(engines), self.layout, self.optimizer, self._staleness)
 
     # ---- creation --------------------------------------------------------------------------------------------
 
@@ -200,8 +227,8 @@ class StateStore:
         # Written a few pages at a time, straight from the leaves: no flat copy of the model is ever made.
         chunk = layout.page_elems * max(1, _INIT_CHUNK_BYTES // (4 * layout.page_elems))
 
-        def init_shard(i):
-            engine = self._engines[i]
+        def init_shard(local):
+            engine, i = self._engines[local], self.local_shards[local]
             begin = i * layout.shard_size
             size = min(chunk, layout.shard_size)
             mu0, nu0 = np.zeros(size, np.float32), np.full(size, optimizer.initial_nu, np.float32)
@@ -216,7 +243,7 @@ class StateStore:
             engine.sync(0)
 
         try:
-            list(self._pool.map(init_shard, range(self.num_shards)))
+            list(self._pool.map(init_shard, range(len(self.local_shards))))
             for engine in self._engines:
                 engine.commit(0)
             if self.root is not None:
@@ -260,17 +287,20 @@ class StateStore:
             raise StoreError("the store holds no state yet")
         if self.tier != "memory":
             raise StoreError("load_state fills a memory store; a file store is restored by placing its files")
-        self._engines[shard].write_state(self.version % 2, STATES.index(state), values)
+        if shard not in self.local_shards:
+            raise StoreError(f"shard {shard} is not one of this process's shards {list(self.local_shards)}")
+        self._engines[self.local_shards.index(shard)].write_state(self.version % 2, STATES.index(state), values)
 
     def _make_engines(self, create: bool, version: int = 0, checksums: list[dict] | None = None) -> None:
         """One engine per shard at committed ``version``; ``checksums``: each shard's page checksums per slot
         and state, from its manifest (reads then check every page against them)."""
         used = list(self.optimizer.states_used())
         if self.tier != "memory" and create:  # every backend on disk keeps the file tier's arrays
-            for shard in self.shard_paths:
+            for shard in self.local_shard_paths:
                 self._create_arrays(shard, used)
         self._engines = []
-        for i, shard in enumerate(self.shard_paths or [None] * self.num_shards):
+        for i in self.local_shards:
+            shard = self.shard_paths[i] if self.shard_paths else None
             # A backend library's device is told its shard, the store's device count and its options.
             device = {} if self._built_in else dict(backend_options=self.backend_options, shard=i,
                                                     num_shards=self.num_shards)
@@ -284,7 +314,7 @@ class StateStore:
                 self._engines = []
                 raise StoreError(str(e)) from None
             engine.set_manifest(str(shard / MANIFEST) if shard else "", version, self.store_id, i)
-            for slot, states in (checksums[i] if checksums else {}).items():
+            for slot, states in (checksums[len(self._engines)] if checksums else {}).items():
                 for state, crcs in states.items():
                     if state != "version":
                         engine.set_page_checksums(slot, STATES.index(state), crcs)
@@ -331,6 +361,7 @@ class StateStore:
         self._check_open()
         if not self.initialized:
             raise StoreError("the store holds no state yet: call initialize(params, optimizer) first")
+        self._check_whole("update() outside jit")
         if version not in self.held_versions():
             raise StoreError(f"the store no longer holds version {version}: it holds {self.held_versions()} "
                              f"(committed: {self.version})")
@@ -436,6 +467,7 @@ class StateStore:
             raise StoreError("the store holds no state yet")
         if state not in STATES or not self.optimizer.states_used()[STATES.index(state)]:
             raise ValueError(f"{self.optimizer.kind} keeps no state {state!r}")
+        self._check_whole("read()")
         version = self.version if version is None else version
         if version not in self.held_versions():
             raise StoreError(f"the store no longer holds version {version} (it holds {self.held_versions()})")
@@ -444,6 +476,20 @@ class StateStore:
         list(self._pool.map(
             lambda i: self._engines[i].read_state(version % 2, STATES.index(state), out[i * size:(i + 1) * size]),
             range(self.num_shards)))
+        return out
+
+    def read_shard(self, state: str, shard: int, version: int | None = None) -> np.ndarray:
+        """Shard ``shard``'s fp32 ``state`` at ``version`` (default: the committed one); a shard this process holds."""
+        self._check_open()
+        if not self.initialized:
+            raise StoreError("the store holds no state yet")
+        if shard not in self.local_shards:
+            raise StoreError(f"shard {shard} is not one of this process's shards {list(self.local_shards)}")
+        version = self.version if version is None else version
+        if version not in self.held_versions():
+            raise StoreError(f"the store no longer holds version {version} (it holds {self.held_versions()})")
+        out = np.empty(self.layout.shard_size, np.float32)
+        self._engines[self.local_shards.index(shard)].read_state(version % 2, STATES.index(state), out)
         return out
 
     def verify(self) -> dict[str, Any]:

@@ -82,9 +82,11 @@ class Batcher:
         rng = np.random.default_rng([self.seed, int(step)])
         return rng.integers(0, self.num_windows, size=self.batch_size, dtype=np.int64)
 
-    def batch(self, step: int) -> np.ndarray:
-        """The windows of ``step`` as ``int32``, shape ``(batch_size, seq_len + 1)``."""
-        index = self.starts(step)[:, None] + self._offsets[None, :]
+    def batch(self, step: int, rows: slice | None = None) -> np.ndarray:
+        """The windows of ``step`` as ``int32``, shape ``(batch_size, seq_len + 1)``; with ``rows``, only those rows
+        of it (one process's part of a global batch: the same windows, no tokens read for the other rows)."""
+        starts = self.starts(step)
+        index = (starts if rows is None else starts[rows])[:, None] + self._offsets[None, :]
         return np.asarray(self.tokens[index], dtype=np.int32)
 
     def iter_from(self, step: int) -> Iterator[np.ndarray]:

@@ -73,6 +73,13 @@ class TrainConfig:
     keep_checkpoints: int = 3
     # Continue the run in RUN_DIR from its latest checkpoint.
     resume: bool = False
+    # Multi-process runs (nsp.distributed): process 0's coordination service as host:port (empty = the
+    # JAX_COORDINATOR_ADDRESS variable or what JAX detects: SLURM, Open MPI, Kubernetes; none = one process).
+    coordinator: str = ""
+    # Processes of a multi-process run (0 = from the environment).
+    num_processes: int = 0
+    # This process's index in a multi-process run (-1 = from the environment).
+    process_id: int = -1
     # Stop early, checkpointed and resumable, after this many steps (0 = run to --steps; the schedule still
     # spans --steps).
     stop_after: int = 0

@@ -5,6 +5,11 @@ compression, the nsp storage optimizer) whose update runs in the store's C++ eng
 store holds the fp32 master params and moments; the model's params come back from it every step. Checkpoints
 are snapshots of the store (hard links) plus the small train state, through an orbax CheckpointManager.
 
+One process of several (``nsp.distributed``: ``--coordinator``/``--num-processes``/``--process-id`` or what JAX
+detects) builds the same mesh over every process's devices, holds only the store shards of its own devices (in
+``STORE_DIR/process-NNNNN``), reads only its rows of each global batch, and checkpoints its shards into its part of
+each step; the processes agree on the committed version before every checkpoint.
+
 The pieces a run is built from are public, so that other loops (the benchmarks, a user's own) step exactly as
 ``nsp train`` does: ``load_data`` (the batches), ``init_model`` (graphdef and params), ``make_optimizer`` (the
 optax chain on a store), ``make_train_step`` (the jitted train and eval steps), ``put_batch`` and ``loss_fn``.
@@ -29,6 +34,7 @@ import orbax.checkpoint as ocp
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
+import nsp.distributed
 import nsp.optim
 import nsp.storage
 from nsp.models import GPT, cross_entropy_loss, get_config
@@ -56,6 +62,7 @@ class Run:
     mesh: Any
     step: int
     tokens_per_step: int
+    agree_s: float = 0.0  # time spent agreeing on the committed version (multi-process), in total
 
 
 def learning_rate_schedule(config: TrainConfig) -> optax.Schedule:
@@ -122,7 +129,7 @@ def _beside_earlier_default_runs(config: TrainConfig, log: Callable[[str], None]
     """``nsp train`` run again with the default run directory starts a new run beside the earlier ones
     (``runs/default-2``, ...) instead of refusing; a run directory given on purpose is never switched."""
     default = TrainConfig.run_dir
-    if config.resume or config.store_dir or config.run_dir != default or not _holds_files(Path(default)):
+    if config.resume or jax.process_count() > 1 or config.store_dir or config.run_dir != default or not _holds_files(Path(default)):
         return config
     n = 2
     while _holds_files(Path(f"{default}-{n}")):
@@ -147,8 +154,36 @@ def _has_complete_checkpoint(ckpt_dir: Path) -> bool:
         manager.close()
 
 
+def _store_path(config: TrainConfig) -> Path:
+    """This process's store directory: ``config.store_path``, or its ``process-NNNNN`` in a multi-process run."""
+    if jax.process_count() == 1:
+        return config.store_path
+    return config.store_path / f"process-{jax.process_index():05d}"
+
+
+def _together(what: str, fn: Callable[[], Any]) -> Any:
+    """``fn()`` on every process; when it fails on any, every process raises ``TrainError`` naming which and why
+    (a lone process raises its own error as before)."""
+    if jax.process_count() == 1:
+        return fn()
+    result, error = None, None
+    try:
+        result = fn()
+    except (nsp.storage.StoreError, TrainError, OSError, ValueError) as e:
+        error = e
+    try:
+        nsp.distributed.all_succeed(what, error)
+    except nsp.distributed.DistributedError as e:
+        if result is not None and hasattr(result, "close"):
+            result.close()
+        raise TrainError(str(e)) from None
+    return result
+
+
 def _build(config: TrainConfig, log: Callable[[str], None]) -> Run:
     run_dir = Path(config.run_dir)
+    store_path = _store_path(config)
+    primary = jax.process_index() == 0
     ckpt_dir = run_dir / "ckpt"
     has_checkpoints = _has_complete_checkpoint(ckpt_dir)
     resume = config.resume
@@ -158,16 +193,18 @@ def _build(config: TrainConfig, log: Callable[[str], None]) -> Run:
         # The run stopped before its first checkpoint completed: nothing was saved, so start it afresh (its
         # store holds no checkpointed state; it is rebuilt).
         log(f"{run_dir} has no complete checkpoint: starting the run afresh")
-        if config.tier != "memory" and config.store_path.exists():
-            shutil.rmtree(config.store_path)
-        if ckpt_dir.exists():
+        if config.tier != "memory" and store_path.exists():
+            shutil.rmtree(store_path)
+        nsp.distributed.barrier("nsp-fresh-start")  # every process has looked before the directory goes
+        if ckpt_dir.exists() and primary:
             shutil.rmtree(ckpt_dir)
+        nsp.distributed.barrier("nsp-fresh-start-done")
         resume = False
     elif not resume and (has_checkpoints or (ckpt_dir.exists() and any(ckpt_dir.iterdir()))):
         raise TrainError(f"{run_dir} already holds a run (checkpoints in {ckpt_dir}); pass --resume to continue "
                          "it or choose another --run-dir")
-    if not resume and config.tier != "memory" and (config.store_path / nsp.storage.store.METADATA).exists():
-        raise TrainError(f"{config.store_path} already holds a store; pass --resume or choose another --store-dir")
+    if not resume and config.tier != "memory" and (store_path / nsp.storage.store.METADATA).exists():
+        raise TrainError(f"{store_path} already holds a store; pass --resume or choose another --store-dir")
 
     block_size = get_config(config.model).block_size  # checks the model name before any data work
     if config.seq > block_size:
@@ -178,47 +215,71 @@ def _build(config: TrainConfig, log: Callable[[str], None]) -> Run:
         raise TrainError(str(e)) from None
     tokens = data.tokens
 
-    devices = jax.devices()
+    # Every process's devices, each process's contiguous: store shard i lives on the process of device i.
+    devices = nsp.distributed.global_devices()
     mesh = None
     if len(devices) > 1:
         if config.batch % len(devices):
             raise TrainError(f"--batch {config.batch} must be a multiple of the {len(devices)} devices")
-        mesh = jax.make_mesh((len(devices),), ("data",), axis_types=(jax.sharding.AxisType.Auto,))
+        mesh = jax.make_mesh((len(devices),), ("data",), axis_types=(jax.sharding.AxisType.Auto,), devices=devices)
     num_shards = len(devices)
+    shards = list(nsp.distributed.local_shards(num_shards, devices)) if jax.process_count() > 1 else None
 
     graphdef, params = init_model(config, tokens.vocab_size)
     run_dir.mkdir(parents=True, exist_ok=True)
-    store_kw = dict(tier=config.tier, num_shards=num_shards, page_bytes=config.page_bytes)
+    if shards is not None:
+        store_path.parent.mkdir(parents=True, exist_ok=True)
+    store_kw = dict(tier=config.tier, num_shards=num_shards, page_bytes=config.page_bytes, shards=shards)
     step = 0
     if resume:
         manager = ckpt.make_checkpoint_manager(ckpt_dir, max_to_keep=config.keep_checkpoints)
+        # orbax finalises a multi-process step only once every process saved its part: the latest step is the
+        # newest version every process holds.
         step = manager.latest_step()
         meta = manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
         if meta.get("config", {}).get("model") != config.model:
             raise TrainError(f"the checkpoint is of model {meta.get('config', {}).get('model')!r}, "
                              f"not {config.model!r}")
+        saved_processes = meta.get("process_count", 1)
+        if saved_processes != jax.process_count() or meta.get("num_shards", num_shards) != num_shards:
+            raise TrainError(f"the checkpoint at step {step} was written by {saved_processes} process(es) with "
+                             f"{meta.get('num_shards', '?')} store shards; this run has {jax.process_count()} "
+                             f"with {num_shards}: resume with the same process and device counts (each process "
+                             "restores only its own shards)")
         # The store goes back to the checkpoint's version (steps after it are redone, bit for bit).
-        store, _, _ = ckpt.restore_checkpoint(manager, step, None if config.tier == "memory" else config.store_path,
-                                              tier=config.tier, overwrite=True)
+        store, _, _ = _together("restoring this process's store shards", lambda: ckpt.restore_checkpoint(
+            manager, step, None if config.tier == "memory" else store_path, tier=config.tier, overwrite=True,
+            shards=shards))
         tx = make_optimizer(config, store, mesh)
         template = {"params": params, "opt_state": tx.init(params)}  # checks the layout; writes nothing
+        if mesh is not None and jax.process_count() > 1:  # restored straight onto the mesh, replicated
+            replicated = NamedSharding(mesh, P())
+            template = jax.tree_util.tree_map(
+                lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=replicated), template)
         state = manager.restore(step, args=ocp.args.Composite(train_state=ocp.args.StandardRestore(template)))
         params, opt_state = state["train_state"]["params"], state["train_state"]["opt_state"]
         manager.close()
         log(f"resumed {run_dir} at step {step} (store version {store.version})")
     else:
-        store = nsp.storage.open(None if config.tier == "memory" else config.store_path, **store_kw)
+        store = _together("opening this process's store shards", lambda: nsp.storage.open(
+            None if config.tier == "memory" else store_path, **store_kw))
         tx = make_optimizer(config, store, mesh)
-        opt_state = tx.init(params)
-        (run_dir / "config.json").write_text(config.to_json())
+        try:
+            opt_state = _together("writing the initial state into the store shards", lambda: tx.init(params))
+        except BaseException:
+            store.close()
+            raise
+        if primary:
+            (run_dir / "config.json").write_text(config.to_json())
 
     if mesh is not None:  # the step keeps params and optax state replicated over the mesh
-        params, opt_state = jax.device_put((params, opt_state), NamedSharding(mesh, P()))
+        params, opt_state = _replicate((params, opt_state), mesh)
     n_params = sum(x.size for x in jax.tree_util.tree_leaves(params))
     log(f"model {config.model}: {n_params / 1e6:.2f}M params, vocab {tokens.vocab_size}; data: {tokens.source} "
         f"({tokens.num_tokens / 1e6:.2f}M tokens); store: {config.tier} tier"
-        f"{'' if config.tier == 'memory' else ' at ' + str(config.store_path)}, {num_shards} shard(s)"
-        f"{f', Top-K {config.topk:.1%}' if config.topk else ''}")
+        f"{'' if config.tier == 'memory' else ' at ' + str(store_path)}, {num_shards} shard(s)"
+        + (f" ({len(shards)} of them on process {jax.process_index()} of {jax.process_count()})" if shards else "")
+        + (f", Top-K {config.topk:.1%}" if config.topk else ""))
     b1, b2 = nsp.optim.TOPK_ADAM_BETAS
     if config.topk and config.optimizer in ("adam", "adamw") and config.b1 > b1:
         log(f"note: with Top-K, --b1 {b1:g} (b2 {b2:g}) trained better than b1 {config.b1:g} in what was measured: "
@@ -253,12 +314,39 @@ def make_train_step(graphdef, tx: optax.GradientTransformation, mesh=None):
     return step, jax.jit(loss, in_shardings=(replicated, batch))
 
 
-def put_batch(batch: np.ndarray, mesh=None) -> jax.Array:
+def _replicate(tree, mesh):
+    """``tree`` (the same values on every process) replicated over every device of ``mesh``."""
+    sharding = NamedSharding(mesh, P())
+    if jax.process_count() == 1:
+        return jax.device_put(tree, sharding)
+    return jax.tree_util.tree_map(
+        lambda x: jax.make_array_from_callback(np.shape(x), sharding, lambda idx, x=np.asarray(x): x[idx]), tree)
+
+
+def local_rows(batch_size: int, mesh=None) -> slice:
+    """The rows of a global batch this process feeds: those of its devices' positions on ``mesh`` (all rows for a
+    lone process)."""
+    if mesh is None or jax.process_count() == 1:
+        return slice(0, batch_size)
+    devices = list(mesh.devices.flat)
+    mine = [i for i, d in enumerate(devices) if d.process_index == jax.process_index()]
+    per = batch_size // len(devices)
+    return slice(mine[0] * per, (mine[-1] + 1) * per)
+
+
+def put_batch(batch: np.ndarray, mesh=None, *, global_rows: int | None = None) -> jax.Array:
     """A host batch on the device(s) as ``make_train_step``'s steps take it: split over ``mesh``'s ``"data"`` axis
-    when there is a mesh."""
+    when there is a mesh. One process of several passes either the whole global batch (its rows are taken) or
+    only its rows (``local_rows``) with ``global_rows``, the global batch's row count."""
     if mesh is None:
         return jnp.asarray(batch)
-    return jax.device_put(batch, NamedSharding(mesh, P("data")))
+    sharding = NamedSharding(mesh, P("data"))
+    if jax.process_count() == 1:
+        return jax.device_put(batch, sharding)
+    if global_rows is None:
+        global_rows = batch.shape[0]
+        batch = batch[local_rows(global_rows, mesh)]
+    return jax.make_array_from_process_local_data(sharding, batch, (global_rows,) + batch.shape[1:])
 
 
 def _evaluate(run: Run, eval_step) -> float:
@@ -266,8 +354,13 @@ def _evaluate(run: Run, eval_step) -> float:
 
 
 class _MetricsWriter:
-    def __init__(self, run_dir: Path):
-        self.jsonl = open(run_dir / "metrics.jsonl", "a")
+    def __init__(self, run_dir: Path, process: int = 0):
+        # Process 0 writes the run's metrics; another process of a multi-process run writes its own (its shards'
+        # traffic) beside them, and no TensorBoard log.
+        self.jsonl = open(run_dir / ("metrics.jsonl" if process == 0 else f"metrics-process-{process}.jsonl"), "a")
+        self.tb = None
+        if process:
+            return
         try:
             from tensorboardX import SummaryWriter
 
@@ -305,8 +398,16 @@ def _fmt_bytes(n: float) -> str:
 def _save_checkpoint(run: Run, manager) -> None:
     jax.block_until_ready(run.params)
     run.store.barrier()  # a background update (staleness 1) commits first
+    t0 = time.perf_counter()
+    try:  # a step counts only once every process committed its shards
+        nsp.distributed.agree_committed(run.store.version)
+    except nsp.distributed.DistributedError as e:
+        raise TrainError(str(e)) from None
+    run.agree_s += time.perf_counter() - t0
+    n = run.mesh.devices.size if run.mesh is not None else 1
     ckpt.save_checkpoint(manager, run.step, run.store, {"params": run.params, "opt_state": run.opt_state},
-                         {"step": run.step, "config": dataclasses.asdict(run.config)})
+                         {"step": run.step, "config": dataclasses.asdict(run.config),
+                          "process_count": jax.process_count(), "num_shards": n})
 
 
 def train_and_evaluate(config: TrainConfig, *, log: Callable[[str], None] = print) -> dict:
@@ -315,13 +416,18 @@ def train_and_evaluate(config: TrainConfig, *, log: Callable[[str], None] = prin
     Writes ``metrics.jsonl``, ``tb/`` (TensorBoard), ``config.json`` and ``ckpt/`` into ``config.run_dir``.
     Ctrl-C finishes the step in flight, checkpoints, and leaves a run that ``resume=True`` continues.
     """
+    try:
+        nsp.distributed.initialize(config.coordinator or None, config.num_processes or None,
+                                   config.process_id if config.process_id >= 0 else None)
+    except nsp.distributed.DistributedError as e:
+        raise TrainError(str(e)) from None
     config = _beside_earlier_default_runs(config.resolved(), log)
     run = _build(config, log)
     train_step, eval_step = make_train_step(run.graphdef, run.tx, run.mesh)
     manager = ckpt.make_checkpoint_manager(Path(config.run_dir) / "ckpt", max_to_keep=config.keep_checkpoints)
-    metrics = _MetricsWriter(Path(config.run_dir))
+    metrics = _MetricsWriter(Path(config.run_dir), jax.process_index())
     schedule = learning_rate_schedule(config)
-    interrupted = []
+    interrupted, finished = [], []
     previous_handler = signal.getsignal(signal.SIGINT)
 
     def on_sigint(signum, frame):  # finish the step in flight, then stop cleanly
@@ -339,8 +445,13 @@ def train_and_evaluate(config: TrainConfig, *, log: Callable[[str], None] = prin
         if run.step >= config.steps:
             log(f"the run already has {run.step} of {config.steps} steps")
         end = min(config.steps, config.stop_after or config.steps)
-        while run.step < end and not interrupted:
-            tokens = put_batch(run.train_batches.batch(run.step), run.mesh)
+        rows = local_rows(config.batch, run.mesh)
+        multiprocess = jax.process_count() > 1
+        while run.step < end and not (interrupted and not multiprocess):
+            if multiprocess and run.step % config.log_every == 0 and _any_process(bool(interrupted)):
+                interrupted.append(True)  # every process stops at the same step (Ctrl-C reaches each)
+                break
+            tokens = put_batch(run.train_batches.batch(run.step, rows), run.mesh, global_rows=config.batch)
             run.params, run.opt_state, loss = train_step(run.params, run.opt_state, tokens)
             run.step += 1
             final = run.step == end
@@ -363,6 +474,7 @@ def train_and_evaluate(config: TrainConfig, *, log: Callable[[str], None] = prin
                     "internal_read_bytes": delta["internal_read_bytes"],
                     "internal_write_bytes": delta["internal_write_bytes"],
                     "skipped_steps": stats.get("skipped", 0),
+                    "agree_s": run.agree_s, "process": jax.process_index(),
                 }
                 if config.eval_every and (run.step % config.eval_every == 0 or final) or final:
                     row["eval_loss"] = _evaluate(run, eval_step)
@@ -388,6 +500,7 @@ def train_and_evaluate(config: TrainConfig, *, log: Callable[[str], None] = prin
             summary["interrupted"] = bool(interrupted)
         summary["step"] = run.step
         summary["params"] = run.params
+        finished.append(True)
         return summary
     finally:
         signal.signal(signal.SIGINT, previous_handler)
@@ -395,3 +508,12 @@ def train_and_evaluate(config: TrainConfig, *, log: Callable[[str], None] = prin
         manager.close()
         metrics.close()
         run.store.close()
+        if finished:  # a process that failed leaves without waiting: its peers' watchdogs end them
+            nsp.distributed.finish()
+
+
+def _any_process(flag: bool) -> bool:
+    """Whether ``flag`` is set on any process (one small all-gather)."""
+    from jax.experimental import multihost_utils
+
+    return bool(np.asarray(multihost_utils.process_allgather(np.int32(flag))).any())

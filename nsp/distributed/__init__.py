@@ -1,0 +1,15 @@
+"""Multi-process runs on JAX's own distributed runtime: one process per host, one store shard per device.
+
+``runtime`` joins the run (``jax.distributed.initialize``) and lays every process's devices out in one mesh;
+``watchdog`` ends a process whose peer died; ``agree`` makes the processes agree on the committed version and on
+failures; ``local_restore`` rebuilds a process's own shards from its part of a checkpoint; ``launch`` starts N
+local processes (``nsp launch``).
+"""
+
+from nsp.distributed.agree import agree_committed, agree_version, all_succeed, barrier
+from nsp.distributed.runtime import (DistributedError, finish, global_devices, initialize, is_multiprocess,
+                                     local_shards)
+from nsp.distributed.watchdog import PEER_LOST_EXIT
+
+__all__ = ["DistributedError", "PEER_LOST_EXIT", "agree_committed", "agree_version", "all_succeed", "barrier",
+           "finish", "global_devices", "initialize", "is_multiprocess", "local_shards"]

@@ -1,0 +1,72 @@
+"""What the processes of a run agree on: the committed store version, and whether a step of set-up worked.
+
+Everything goes through JAX's own runtime: the versions through a small jitted all-gather
+(``multihost_utils.process_allgather``), a failure's message through the coordination service's key-value store,
+waiting through its barriers. With one process each function answers at once from local values.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+
+import jax
+import numpy as np
+
+from nsp.distributed.runtime import DistributedError, client
+
+_COUNTER = itertools.count()
+AGREE_TIMEOUT_S = 300  # how long a process waits for the others to report (a dead one ends it sooner: watchdog)
+
+
+def barrier(name: str, timeout_s: float = AGREE_TIMEOUT_S) -> None:
+    """Waits until every process gets here (a no-op alone)."""
+    c = client()
+    if c is not None:
+        c.wait_at_barrier(f"{name}-{next(_COUNTER)}", int(timeout_s * 1000))
+
+
+def agree_version(local_version: int) -> tuple[int, int, float]:
+    """``(lowest, highest, seconds)`` of every process's committed store version (one jitted all-gather).
+
+    A version counts as committed by the run only once every process committed its shards: the lowest."""
+    t0 = time.perf_counter()
+    if jax.process_count() == 1:
+        return int(local_version), int(local_version), 0.0
+    from jax.experimental import multihost_utils
+
+    versions = np.asarray(multihost_utils.process_allgather(np.int32(local_version)))
+    return int(versions.min()), int(versions.max()), time.perf_counter() - t0
+
+
+def agree_committed(local_version: int) -> int:
+    """The version every process committed; an error when they differ (a step some process did not commit)."""
+    low, high, _ = agree_version(local_version)
+    if low != high:
+        raise DistributedError(f"the processes' stores are at versions {low}..{high}: a step was not committed by "
+                               "every process (process "
+                               f"{jax.process_index()} is at {local_version})")
+    return low
+
+
+def all_succeed(what: str, error: BaseException | None) -> None:
+    """Tells every process whether ``what`` worked here, and raises on every process if it failed on any.
+
+    Each process calls it once with its own outcome (``None``: it worked); the message names the processes that
+    failed and why, so every process stops with the same clear error and none goes on alone."""
+    c = client()
+    if c is None:
+        if error is not None:
+            raise error
+        return
+    tag = f"nsp/{what.replace(' ', '-')}/{next(_COUNTER)}"
+    me, n = jax.process_index(), jax.process_count()
+    c.key_value_set(f"{tag}/{me}", "" if error is None else (str(error) or type(error).__name__))
+    failures = []
+    for p in range(n):
+        message = c.blocking_key_value_get(f"{tag}/{p}", AGREE_TIMEOUT_S * 1000)
+        if message:
+            failures.append(f"process {p}: {message}")
+    if failures:
+        raise DistributedError(f"{what} failed on {len(failures)} of {n} processes; nothing was committed. "
+                               + "; ".join(failures))

@@ -1,0 +1,133 @@
+"""Joining JAX's distributed runtime: one process per host, every host's devices in one mesh.
+
+``initialize`` calls ``jax.distributed.initialize`` when the process is one of several: explicit arguments (``nsp
+train --coordinator ADDR:PORT --num-processes N --process-id I``), the ``JAX_COORDINATOR_ADDRESS`` /
+``JAX_NUM_PROCESSES`` / ``JAX_PROCESS_ID`` variables (what ``nsp launch`` sets), or a cluster JAX detects itself
+(SLURM, Open MPI, Kubernetes). A lone process with none of these is left exactly as it was: no runtime, no
+watchdog. Once joined, a ``PeerWatchdog`` (``watchdog.py``) ends the process with a clear message when a peer
+stops answering.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import jax
+
+from nsp.distributed.watchdog import PeerWatchdog
+
+HEARTBEAT_TIMEOUT_S = 10  # a peer silent this long is dead (JAX's own default is 100 s)
+INIT_TIMEOUT_S = 120  # every process must have joined within this long
+
+_WATCHDOG: PeerWatchdog | None = None
+
+
+class DistributedError(RuntimeError):
+    """The processes of a run cannot start, agree or go on together (the message says which and why)."""
+
+
+def _cluster_detected() -> bool:
+    """Whether the environment names a multi-process job that ``jax.distributed.initialize()`` can read."""
+    env = os.environ
+    if env.get("JAX_COORDINATOR_ADDRESS"):
+        return True
+    if env.get("SLURM_JOB_ID") and int(env.get("SLURM_NTASKS", env.get("SLURM_STEP_NUM_TASKS", "1")) or 1) > 1:
+        return True
+    if env.get("OMPI_MCA_orte_hnp_uri") and int(env.get("OMPI_COMM_WORLD_SIZE", "1")) > 1:
+        return True
+    return bool(env.get("KUBERNETES_SERVICE_HOST") and env.get("JOB_COMPLETION_INDEX") is not None)
+
+
+def initialize(coordinator: str | None = None, num_processes: int | None = None, process_id: int | None = None,
+               *, init_timeout_s: int = INIT_TIMEOUT_S, heartbeat_timeout_s: int = HEARTBEAT_TIMEOUT_S) -> bool:
+    """Joins the run's other processes, when there are any; returns whether this process is one of several.
+
+    Args:
+      coordinator: ``host:port`` of process 0's coordination service (else ``JAX_COORDINATOR_ADDRESS``, else what
+        JAX detects).
+      num_processes, process_id: the run's process count and this process's index (else ``JAX_NUM_PROCESSES``,
+        ``JAX_PROCESS_ID``, else detected).
+      init_timeout_s: how long to wait for every process to join; past it this raises ``DistributedError``.
+      heartbeat_timeout_s: a peer silent this long counts as dead: the watchdog then ends this process (exit
+        status ``watchdog.PEER_LOST_EXIT``) with a message naming it, so the run stops within about this bound.
+
+    Idempotent. Must run before anything touches JAX's devices.
+    """
+    global _WATCHDOG
+    if jax.distributed.is_initialized():
+        return jax.process_count() > 1
+    env = os.environ
+    coordinator = coordinator or env.get("JAX_COORDINATOR_ADDRESS") or None
+    if num_processes is None and env.get("JAX_NUM_PROCESSES"):
+        num_processes = int(env["JAX_NUM_PROCESSES"])
+    if process_id is None and env.get("JAX_PROCESS_ID"):
+        process_id = int(env["JAX_PROCESS_ID"])
+    if coordinator is None and num_processes is None and process_id is None and not _cluster_detected():
+        return False
+    if num_processes == 1 and coordinator is None:
+        return False
+    # A dead peer is reported by our watchdog (a clear message, a chosen exit status) rather than by the
+    # coordination service aborting every other process: the service only marks it dead.
+    jax.config.update("jax_enable_recoverability", True)
+    try:
+        jax.distributed.initialize(coordinator, num_processes, process_id, initialization_timeout=init_timeout_s,
+                                   heartbeat_timeout_seconds=heartbeat_timeout_s)
+    except Exception as e:  # noqa: BLE001  (jaxlib raises its own runtime error types)
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise DistributedError(
+            f"process {process_id if process_id is not None else '?'} could not join the run at "
+            f"{coordinator or '(detected coordinator)'} within {init_timeout_s} s (a process never started, "
+            f"crashed before joining, or the address is wrong): {first}") from None
+    _WATCHDOG = PeerWatchdog(_client(), jax.process_index(), jax.process_count(), heartbeat_timeout_s)
+    _WATCHDOG.start()
+    return jax.process_count() > 1
+
+
+def _client():
+    """JAX's distributed-runtime client (its key-value store, barriers and liveness queries)."""
+    from jax._src import distributed as _distributed
+
+    return _distributed.global_state.client
+
+
+def client():
+    """The distributed-runtime client of this process (``None`` when it runs alone)."""
+    return _client() if jax.distributed.is_initialized() else None
+
+
+def finish(barrier_timeout_s: int = 600) -> None:
+    """Ends this process's part of the run: waits for every process to get here, stops the watchdog (peers
+    leaving from now on are expected), and leaves the runtime. A no-op for a lone process."""
+    global _WATCHDOG
+    if not jax.distributed.is_initialized():
+        return
+    from nsp.distributed.agree import barrier
+
+    barrier("nsp-finish", barrier_timeout_s)
+    if _WATCHDOG is not None:
+        _WATCHDOG.stop()
+        _WATCHDOG = None
+    try:
+        jax.distributed.shutdown()
+    except Exception as e:  # noqa: BLE001  (the run's work is done; say so rather than fail)
+        print(f"nsp: leaving the distributed runtime: {e}", file=sys.stderr)
+
+
+def is_multiprocess() -> bool:
+    return jax.process_count() > 1
+
+
+def global_devices() -> list:
+    """Every process's devices, each process's contiguous and in process order: mesh position ``i`` (and so store
+    shard ``i``) lives on the process that owns device ``i``."""
+    return sorted(jax.devices(), key=lambda d: (d.process_index, d.id))
+
+
+def local_shards(num_shards: int, devices: list | None = None) -> tuple[int, ...]:
+    """The store shards this process owns: the mesh positions of its addressable devices."""
+    devices = global_devices() if devices is None else devices
+    if len(devices) != num_shards:
+        raise DistributedError(f"{num_shards} store shards for {len(devices)} devices: one shard per device")
+    me = jax.process_index()
+    return tuple(i for i, d in enumerate(devices) if d.process_index == me)

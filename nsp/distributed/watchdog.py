@@ -1,0 +1,51 @@
+"""Ending a process whose peers stopped answering, with a message instead of a hang or an abort.
+
+JAX's coordination service tracks each process by heartbeats. With ``jax_enable_recoverability`` it marks a
+silent process dead instead of aborting all the others; ``PeerWatchdog`` asks it which processes live (once a
+second) and, when one is gone or the service itself cannot be reached, prints which and exits with
+``PEER_LOST_EXIT``. A collective waiting for a dead peer never returns; this thread is what ends it.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import threading
+import time
+
+PEER_LOST_EXIT = 75  # exit status of a process whose peer died (EX_TEMPFAIL: resume the run with --resume)
+POLL_S = 1.0
+
+
+class PeerWatchdog(threading.Thread):
+    """Polls the coordination service's live processes; ends this process when one is missing."""
+
+    def __init__(self, client, process_index: int, process_count: int, heartbeat_timeout_s: float):
+        super().__init__(name="nsp-peer-watchdog", daemon=True)
+        self._client = client
+        self._me = process_index
+        self._all = list(range(process_count))
+        self._timeout = heartbeat_timeout_s
+        self._stopped = threading.Event()
+
+    def stop(self) -> None:
+        self._stopped.set()
+
+    def run(self) -> None:
+        while not self._stopped.wait(POLL_S):
+            try:
+                live = self._client.get_live_nodes(self._all)
+            except Exception as e:  # noqa: BLE001  (the service is gone: process 0 died or the network broke)
+                if self._stopped.is_set():
+                    return
+                self._die(f"lost the coordination service (process 0 or the network): {str(e).splitlines()[0]}")
+            missing = [p for p in self._all if p not in live]
+            if missing and not self._stopped.is_set():
+                self._die(f"process(es) {missing} stopped answering for {self._timeout:g} s (died or hung)")
+
+    def _die(self, why: str) -> None:
+        sys.stdout.flush()
+        print(f"nsp: error: process {self._me}: {why}; stopping. The last checkpoint is intact: rerun the same "
+              "command with --resume", file=sys.stderr, flush=True)
+        time.sleep(0.1)
+        os._exit(PEER_LOST_EXIT)
