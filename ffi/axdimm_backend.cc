@@ -643,6 +643,41 @@ void EndLaunch(nsp_backend_device* d, const Launch& l) {
   ReleaseChannel(d, l.channel);
 }
 
+std::string FinishKernel(nsp_backend_device* d, const Launch& l);
+
+// Completes a launch: its outputs back, its channel given back; "" or the message naming device, page and cause.
+std::string Complete(nsp_backend_device* d, const Launch& l) {
+  std::string e = FinishKernel(d, l);
+  if (!e.empty()) {
+    Invalidate(d, l.page);
+    d->failed_kernels.fetch_add(1);
+    e = KernelMessage(d, l.page, l.channel, e);
+  }
+  EndLaunch(d, l);
+  return e;
+}
+
+// One kernel per channel: a launch on a channel whose last kernel nobody has waited for yet completes that one
+// first (its result is kept for its compute_wait). The engine waits for every page at once, so this is rare.
+void CompletePendingOn(nsp_backend_device* d, int c) {
+  uint64_t ticket = 0;
+  Launch l;
+  {
+    std::lock_guard<std::mutex> lock(d->mu);
+    for (auto it = d->launches.begin(); it != d->launches.end(); ++it) {
+      if (it->second.channel != c) continue;
+      ticket = it->first;
+      l = it->second;
+      d->launches.erase(it);
+      break;
+    }
+  }
+  if (ticket == 0) return;
+  std::string e = Complete(d, l);
+  std::lock_guard<std::mutex> lock(d->mu);
+  d->done[ticket] = std::move(e);
+}
+
 int ComputeLaunch(nsp_backend_device* d, const nsp_hyper_params* hp, const nsp_state_span* span,
                   const nsp_page_grad* grad, const nsp_page_info* info, uint64_t* ticket, char* err, size_t err_len) {
   if (hp == nullptr || span == nullptr || grad == nullptr || ticket == nullptr) {
@@ -665,6 +700,7 @@ int ComputeLaunch(nsp_backend_device* d, const nsp_hyper_params* hp, const nsp_s
     d->done[*ticket] = e;
     return 0;
   }
+  CompletePendingOn(d, l.channel);
   AcquireChannel(d, l.channel);  // held until compute_wait: the kernel owns the channel meanwhile
   if (std::string e = StartKernel(d, *hp, *span, *grad, l.channel, &l); !e.empty()) {
     Invalidate(d, l.page);
@@ -723,13 +759,7 @@ int ComputeWait(nsp_backend_device* d, uint64_t ticket, char* err, size_t err_le
   }
   std::string e;
   if (running) {
-    e = FinishKernel(d, l);
-    if (!e.empty()) {
-      Invalidate(d, l.page);
-      d->failed_kernels.fetch_add(1);
-      e = KernelMessage(d, l.page, l.channel, e);
-    }
-    EndLaunch(d, l);
+    e = Complete(d, l);
   } else {
     std::lock_guard<std::mutex> lock(d->mu);
     auto it = d->done.find(ticket);
