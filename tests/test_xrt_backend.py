@@ -30,13 +30,13 @@ KINDS = {
 }
 
 
-def compile_shared(sources: list[Path], out: Path) -> Path:
+def compile_shared(sources: list[Path], out: Path, *extra: str) -> Path:
     cxx = next((shutil.which(c) for c in (os.environ.get("CXX"), "c++", "g++", "clang++") if c and shutil.which(c)),
                None)
     if cxx is None:
         pytest.skip("no C++ compiler: the XRT model is built from source")
     cmd = [cxx, "-O2", "-std=c++17", "-ffp-contract=off", "-Wno-unknown-pragmas", "-shared", "-fPIC",
-           *map(str, sources), "-o", str(out), "-lpthread"]
+           *map(str, sources), *extra, "-o", str(out), "-lpthread"]
     done = subprocess.run(cmd, capture_output=True, text=True)
     assert done.returncode == 0, f"{' '.join(cmd)}\n{done.stderr}"
     return out
@@ -121,7 +121,7 @@ def test_xrt_matches_memory(tmp_path, xrt, kind):
             assert_close(states(dev, spec)[name], want, name)
         # Every update read its pages P2P into the FPGA's buffers and ran the kernel there, page by page.
         pages = -(-dev.layout.shard_size // (PAGE // 4))
-        assert stats["kernel_runs"] == 3 * pages and stats["failed_runs"] == 0
+        assert stats["kernel_runs"] == 3 * pages and stats["failed_runs"] == 0 and stats["p2p_read_call"] == 1
         assert stats["p2p_page_reads"] == 3 * pages * sum(spec.states_used())
         assert dev.verify()["problems"] == []
 
@@ -144,6 +144,24 @@ def test_a_reopened_store_runs_on_xrt_again_and_the_library_can_come_from_the_en
         assert (dev.backend, dev.version) == ("xrt", version) and dev.verify()["problems"] == []
         assert_close(run(dev, spec, "dense", steps=1, first=3)[0], run(mem, spec, "dense", steps=1, first=3)[0])
     mem.close()
+
+
+def test_without_the_p2p_call_pages_are_read_into_the_buffers_mapping(tmp_path, xrt):
+    """Real XRT has no nspXrtP2PRead: the device then preads each page file into the P2P buffer's mapping (the P2P
+    transfer on a SmartSSD). The model built with that call hidden stands for it."""
+    script = tmp_path / "hide_p2p.map"
+    script.write_text("{ local: nspXrtP2PRead; nspXrtP2PWrite; };\n")
+    lib = compile_shared([ROOT / "ffi/models/xrt_model.cc", ROOT / "ffi/hls/nsp_updater_hls.cc",
+                          ROOT / "ffi/hls/nsp_updater_host.cc"], tmp_path / "libxrt_plain.so",
+                         f"-Wl,--version-script={script}")
+    spec, how = KINDS["adamw_bf16"]
+    with storage.open(None, tier="memory", num_shards=2, page_bytes=PAGE) as mem, \
+            on_xrt(tmp_path / "x", {**xrt, "library": str(lib)}) as dev:
+        for want, got in zip(run(mem, spec, how), run(dev, spec, how)):
+            assert_close(got, want)
+        stats = dev.shard_stats()[0]["backend"]
+    assert stats["p2p_read_call"] == 0 and stats["p2p_page_reads"] == 0
+    assert stats["host_page_reads"] >= 3 * 2 * 3 and stats["kernel_runs"] == 3 * 2
 
 
 def test_each_way_xrt_is_unavailable_says_why(tmp_path, xrt):
