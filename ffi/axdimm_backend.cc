@@ -461,7 +461,8 @@ int ReadPage(nsp_backend_device* d, int32_t slot, int32_t state, int64_t page, f
   return 0;
 }
 
-// Write-through: the page file first; then the module's copy of this state names this slot.
+// Write-through: the page file first; then the module's copy of this state names this slot if it is what was just
+// written (the kernel's output), and no longer names it otherwise (a page written from anywhere else).
 int WritePage(nsp_backend_device* d, int32_t slot, int32_t state, int64_t page, float* src, int64_t n,
               int32_t scratch, char* err, size_t err_len) {
   if (std::string e = d->pages->WritePage(slot, state, page, src, n, scratch != 0); !e.empty()) {
@@ -469,9 +470,13 @@ int WritePage(nsp_backend_device* d, int32_t slot, int32_t state, int64_t page, 
   }
   std::lock_guard<std::mutex> lock(d->mu);
   auto it = d->resident.find(page);
-  if (it != d->resident.end() && it->second.fresh[state]) {
-    it->second.valid_slot[state] = slot;
-    it->second.fresh[state] = false;
+  if (it == d->resident.end()) return 0;
+  Resident& r = it->second;
+  if (r.fresh[state]) {
+    r.valid_slot[state] = slot;
+    r.fresh[state] = false;
+  } else if (r.valid_slot[state] == slot) {
+    r.valid_slot[state] = -1;
   }
   return 0;
 }
