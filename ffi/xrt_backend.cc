@@ -379,16 +379,19 @@ std::string CheckPlace(nsp_backend_device* d, int slot, int state, int64_t page,
 }
 
 // Page file -> P2P BO by the SSD's DMA, then the file tier's checks on what landed.
-std::string ReadP2P(nsp_backend_device* d, xrtBufferHandle bo, int slot, int state, int64_t page, float* dst,
-                    int64_t n) {
+std::string ReadP2P(nsp_backend_device* d, xrtBufferHandle bo, int slot, int state, int64_t page, float* dst) {
   const std::string path = d->PagePath(slot, state, page);
   const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
-  if (fd < 0) return errno == ENOENT ? nsp::page_file::MissingMessage(path) : nsp::page_file::ErrnoMessage("cannot open", path);
+  if (fd < 0) {
+    // An absent page is damage, never zeros: every version the engine reads had all its pages written.
+    return errno == ENOENT ? nsp::page_file::MissingMessage(path) : nsp::page_file::ErrnoMessage("cannot open", path);
+  }
+  // The DMA moves whole page files only: one of another length is refused before it lands in the FPGA's DDR.
   struct stat st;
-  if (::fstat(fd, &st) != 0 || static_cast<size_t>(st.st_size) != d->FileBytes()) {
-    const ssize_t got = ::fstat(fd, &st) == 0 ? static_cast<ssize_t>(st.st_size) : -1;
+  const ssize_t length = ::fstat(fd, &st) == 0 ? static_cast<ssize_t>(st.st_size) : -1;
+  if (length != static_cast<ssize_t>(d->FileBytes())) {
     ::close(fd);
-    return nsp::page_file::TruncatedMessage(path, got, d->FileBytes());
+    return nsp::page_file::TruncatedMessage(path, length, d->FileBytes());
   }
   const int rc = d->api.nspXrtP2PRead(bo, fd, d->FileBytes(), 0, 0);
   nsp::page_file::DropFromCache(fd, d->FileBytes());
@@ -405,7 +408,6 @@ std::string ReadP2P(nsp_backend_device* d, xrtBufferHandle bo, int slot, int sta
     return "checksum mismatch: state '" + std::string(nsp::StateName(state)) + "', page " + std::to_string(page) +
            " (" + path + ") is corrupt";
   }
-  (void)n;
   return CheckPlace(d, slot, state, page, stored);
 }
 
@@ -414,7 +416,7 @@ int ReadPage(nsp_backend_device* d, int32_t slot, int32_t state, int64_t page, f
   xrtBufferHandle bo = scratch ? BufferAt(d, dst, d->FileBytes()) : nullptr;
   std::string e;
   if (bo != nullptr && d->api.nspXrtP2PRead != nullptr) {
-    e = ReadP2P(d, bo, slot, state, page, dst, n);
+    e = ReadP2P(d, bo, slot, state, page, dst);
   } else {
     // Without nspXrtP2PRead (real XRT), a pread into the P2P BO's mapping is the P2P transfer; a host buffer
     // (a snapshot's, a check's) is read as the file tier reads it.
