@@ -1,4 +1,4 @@
-"""The ``nsp`` command: ``nsp train``, ``nsp sample``, ``nsp ckpt list|show|export``, ``nsp store verify|copy|reidentify``,
+"""The ``nsp`` command: ``nsp train``, ``nsp launch``, ``nsp sample``, ``nsp ckpt list|show|export``, ``nsp store verify|copy|reidentify``,
 ``nsp plan``.
 
 ``nsp train`` with no arguments trains the ``small`` GPT on the Python standard library's source files with
@@ -35,16 +35,28 @@ def _add_train_args(parser: argparse.ArgumentParser) -> None:
 
 
 def _train(args: argparse.Namespace) -> int:
+    from nsp.distributed import DistributedError
     from nsp.train.trainer import TrainError, train_and_evaluate
 
     values = {f.name: getattr(args, f.name) for f in dataclasses.fields(TrainConfig)}
     try:
         config = TrainConfig(**values)
         summary = train_and_evaluate(config)
-    except (TrainError, ValueError) as e:
+    except (TrainError, ValueError, DistributedError) as e:
         print(f"nsp train: error: {e}", file=sys.stderr)
         return 2
     return 130 if summary.get("interrupted") else 0
+
+
+def _launch(args: argparse.Namespace) -> int:
+    from nsp.distributed.launch import launch
+
+    command = args.cmd[1:] if args.cmd[:1] == ["--"] else args.cmd
+    if not command:
+        print("nsp launch: give the command after --, e.g. nsp launch -n 2 -- nsp train --model tiny",
+              file=sys.stderr)
+        return 2
+    return launch(command, args.n, args.devices_per_process, grace_s=args.grace)
 
 
 def _checkpoint_step(manager, run_dir: Path, step: int | None) -> int:
@@ -216,6 +228,18 @@ def main(argv: list[str] | None = None) -> int:
     train = sub.add_parser("train", help="train a GPT with its optimizer state in a storage tier")
     _add_train_args(train)
     train.set_defaults(func=_train)
+
+    la = sub.add_parser("launch", help="run a command as N local processes of one multi-process run",
+                        description="Starts N processes of COMMAND with the JAX coordinator set (loopback, a free "
+                        "port) and the CPU devices split, prefixes their output with [i], forwards Ctrl-C, and "
+                        "exits non-zero if any process failed. Example: nsp launch -n 2 -- nsp train --model tiny")
+    la.add_argument("-n", type=int, required=True, help="number of processes")
+    la.add_argument("--devices-per-process", type=int, default=1,
+                    help="CPU devices each process sees (default 1)")
+    la.add_argument("--grace", type=float, default=30.0,
+                    help="seconds the others get to stop after one fails, before they are killed (default 30)")
+    la.add_argument("cmd", nargs=argparse.REMAINDER, help="-- COMMAND ...")
+    la.set_defaults(func=_launch)
 
     sample = sub.add_parser("sample", help="generate text from a run's latest (or given) checkpoint")
     sample.add_argument("--run-dir", default="runs/default")

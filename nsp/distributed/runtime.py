@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import sys
+import time
 
 import jax
 
@@ -108,6 +109,18 @@ def finish(barrier_timeout_s: int = 600) -> None:
     if _WATCHDOG is not None:
         _WATCHDOG.stop()
         _WATCHDOG = None
+    # Process 0 hosts the coordination service: it leaves last, once the others have disconnected (a service
+    # that goes away under a disconnecting client aborts that client).
+    if jax.process_index() == 0:
+        deadline = time.monotonic() + barrier_timeout_s
+        others = list(range(1, jax.process_count()))
+        while time.monotonic() < deadline:
+            try:
+                if not set(_client().get_live_nodes(others)):
+                    break
+            except Exception:  # noqa: BLE001
+                break
+            time.sleep(0.05)
     try:
         jax.distributed.shutdown()
     except Exception as e:  # noqa: BLE001  (the run's work is done; say so rather than fail)

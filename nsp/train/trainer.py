@@ -176,6 +176,7 @@ def _together(what: str, fn: Callable[[], Any]) -> Any:
     except nsp.distributed.DistributedError as e:
         if result is not None and hasattr(result, "close"):
             result.close()
+        nsp.distributed.finish()  # every process knows: leave in order (process 0, the service's host, last)
         raise TrainError(str(e)) from None
     return result
 
@@ -203,8 +204,11 @@ def _build(config: TrainConfig, log: Callable[[str], None]) -> Run:
     elif not resume and (has_checkpoints or (ckpt_dir.exists() and any(ckpt_dir.iterdir()))):
         raise TrainError(f"{run_dir} already holds a run (checkpoints in {ckpt_dir}); pass --resume to continue "
                          "it or choose another --run-dir")
-    if not resume and config.tier != "memory" and (store_path / nsp.storage.store.METADATA).exists():
-        raise TrainError(f"{store_path} already holds a store; pass --resume or choose another --store-dir")
+    def check_no_store():
+        if not resume and config.tier != "memory" and (store_path / nsp.storage.store.METADATA).exists():
+            raise TrainError(f"{store_path} already holds a store; pass --resume or choose another --store-dir")
+
+    _together("checking the store directory", check_no_store)
 
     block_size = get_config(config.model).block_size  # checks the model name before any data work
     if config.seq > block_size:

@@ -1,0 +1,130 @@
+"""Multi-process training on JAX's distributed runtime: real processes on a loopback coordinator, CPU devices.
+
+2 processes x 2 devices must train exactly as 1 process x 4 devices; a killed process ends its peer within the
+documented bound and ``--resume`` finishes bit-identically; a process that cannot use its store directory stops
+every process with a clear error and commits nothing.
+"""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import nsp.storage
+from nsp.distributed import PEER_LOST_EXIT
+from nsp.distributed.launch import free_port
+from nsp.distributed.runtime import HEARTBEAT_TIMEOUT_S
+from nsp.storage import checkpoint as ckpt
+
+NSP = [sys.executable, "-m", "nsp.cli"]
+DATA = str(Path(__file__).resolve().parents[1] / "nsp" / "train" / "corpus.py")
+STEPS = 10
+TRAIN = ["train", "--model", "tiny", "--steps", str(STEPS), "--batch", "4", "--seq", "32", "--log-every", "1",
+         "--eval-every", "0", "--eval-batches", "1", "--ckpt-every", "4", "--page-mib", "0.0625", "--data", DATA]
+BOUND_S = HEARTBEAT_TIMEOUT_S + 10  # heartbeat timeout, the watchdog's poll, and start-up slack
+
+
+def _env(devices: int, **extra) -> dict:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("JAX_")}
+    env.update(XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}", PYTHONUNBUFFERED="1", **extra)
+    return env
+
+
+def _launch(run_dir: Path, *args: str, timeout: float = 240) -> subprocess.CompletedProcess:
+    return subprocess.run(NSP + ["launch", "-n", "2", "--devices-per-process", "2", "--grace", "20", "--"] + NSP
+                          + TRAIN + ["--run-dir", str(run_dir), *args], env=_env(2), capture_output=True,
+                          text=True, timeout=timeout)
+
+
+def _state(run_dir: Path) -> dict:
+    """The final params (checkpoint) and every store state, gathered over the processes' stores."""
+    step = max(int(p.name) for p in (run_dir / "ckpt").iterdir() if p.name.isdigit())
+    out = {f"params/{i}": np.asarray(x) for i, x in
+           enumerate(__import__("jax").tree_util.tree_leaves(ckpt.load_train_state(run_dir / "ckpt" / str(step))))}
+    parts = sorted((run_dir / "store").glob("process-*")) or [run_dir / "store"]
+    per = 4 // len(parts)
+    for state in ("param", "mu", "nu"):
+        chunks = []
+        for p, part in enumerate(parts):
+            shards = list(range(p * per, (p + 1) * per))
+            with nsp.storage.open(part, shards=shards) as store:
+                chunks += [store.read_shard(state, i) for i in shards]
+        out[state] = np.concatenate(chunks)
+    return out
+
+
+def _assert_same(a: dict, b: dict) -> None:
+    assert a.keys() == b.keys()
+    for k in a:
+        np.testing.assert_array_equal(a[k], b[k], err_msg=k)
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    base = tmp_path_factory.mktemp("dist")
+    single = subprocess.run(NSP + TRAIN + ["--run-dir", str(base / "one")], env=_env(4), capture_output=True,
+                            text=True, timeout=240)
+    assert single.returncode == 0, single.stdout + single.stderr
+    multi = _launch(base / "two")
+    assert multi.returncode == 0, multi.stdout + multi.stderr
+    return base
+
+
+def test_two_processes_match_one_process_bit_for_bit(runs):
+    assert (runs / "two" / "store" / "process-00001").is_dir()
+    assert (runs / "two" / "ckpt" / str(STEPS) / "store" / "process-00001").is_dir()
+    _assert_same(_state(runs / "one"), _state(runs / "two"))
+
+
+def test_killed_process_stops_its_peer_and_resume_is_bit_exact(runs):
+    run_dir = runs / "killed"
+    address = f"127.0.0.1:{free_port()}"
+    procs = [subprocess.Popen(NSP + TRAIN + ["--run-dir", str(run_dir), "--coordinator", address,
+                                             "--num-processes", "2", "--process-id", str(i)],
+                              env=_env(2), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+             for i in range(2)]
+    victim, survivor = procs[1], procs[0]
+    for line in victim.stdout:  # kill process 1 mid-run, after the step-4 checkpoint
+        if line.startswith("step     6/"):
+            break
+    victim.send_signal(signal.SIGKILL)
+    killed_at = time.monotonic()
+    out, _ = survivor.communicate(timeout=BOUND_S + 30)
+    waited = time.monotonic() - killed_at
+    victim.wait()
+    assert survivor.returncode == PEER_LOST_EXIT, out
+    assert "stopped answering" in out and "--resume" in out, out
+    assert waited < BOUND_S, f"the survivor took {waited:.1f} s to stop (bound {BOUND_S} s)"
+    resumed = _launch(run_dir, "--resume")
+    assert resumed.returncode == 0, resumed.stdout + resumed.stderr
+    assert "resumed" in resumed.stdout
+    _assert_same(_state(runs / "two"), _state(run_dir))
+
+
+@pytest.mark.parametrize("problem", ["read-only", "foreign store"])
+def test_bad_store_directory_stops_every_process_and_commits_nothing(runs, problem):
+    run_dir = runs / problem.replace(" ", "-")
+    part = run_dir / "store" / "process-00001"
+    part.parent.mkdir(parents=True)
+    if problem == "read-only":
+        part.mkdir()
+        part.chmod(0o555)
+    else:  # another run's store, of another layout
+        with nsp.storage.open(part, num_shards=2) as store:
+            store.initialize({"w": np.zeros(10, np.float32)}, nsp.storage.OptimizerSpec("adam"))
+    try:
+        result = _launch(run_dir, timeout=120)
+    finally:
+        part.chmod(0o755)
+    out = result.stdout + result.stderr
+    assert result.returncode == 2, out
+    for p in (0, 1):  # every process says what failed, and where
+        said = [line for line in out.splitlines() if line.startswith(f"[{p}] nsp train: error:")]
+        assert said and "process 1:" in said[0] and "nothing was committed" in said[0], out
+    assert not (run_dir / "store" / "process-00000" / nsp.storage.store.METADATA).exists()
+    assert not any(p.name.isdigit() for p in (run_dir / "ckpt").glob("*")), out
