@@ -121,6 +121,8 @@ def finish(barrier_timeout_s: int = 600) -> None:
             except Exception:  # noqa: BLE001
                 break
             time.sleep(0.05)
+        # A task counts as gone once its disconnect starts; its ShutdownTask call still needs the service.
+        time.sleep(2.0)
     try:
         jax.distributed.shutdown()
     except Exception as e:  # noqa: BLE001  (the run's work is done; say so rather than fail)
