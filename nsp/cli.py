@@ -35,7 +35,11 @@ def _add_train_args(parser: argparse.ArgumentParser) -> None:
 
 
 def _train(args: argparse.Namespace) -> int:
+    import jax
+
+    import nsp.distributed
     from nsp.distributed import DistributedError
+    from nsp.distributed.watchdog import exit_peer_lost
     from nsp.train.trainer import TrainError, train_and_evaluate
 
     values = {f.name: getattr(args, f.name) for f in dataclasses.fields(TrainConfig)}
@@ -45,6 +49,13 @@ def _train(args: argparse.Namespace) -> int:
     except (TrainError, ValueError, DistributedError) as e:
         print(f"nsp train: error: {e}", file=sys.stderr)
         return 2
+    except jax.errors.JaxRuntimeError as e:
+        # A collective of a run over several processes fails at once when a peer dies (its connections reset),
+        # before the heartbeat would tell: the same stop as the watchdog's.
+        if not nsp.distributed.is_multiprocess():
+            raise
+        exit_peer_lost(jax.process_index(), "a peer stopped answering in a collective (died, or the network "
+                       f"broke): {str(e).splitlines()[0]}")
     return 130 if summary.get("interrupted") else 0
 
 

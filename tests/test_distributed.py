@@ -106,6 +106,16 @@ def test_killed_process_stops_its_peer_and_resume_is_bit_exact(runs):
     _assert_same(_state(runs / "two"), _state(run_dir))
 
 
+def _make_read_only(path: Path) -> None:
+    """``path`` that nobody may write into: its mode, and for root (whom modes do not stop) the immutable flag."""
+    path.chmod(0o555)
+    if os.geteuid() == 0:
+        made = subprocess.run(["chattr", "+i", str(path)], capture_output=True, text=True)
+        if made.returncode != 0:
+            pytest.skip(f"running as root on a file system without chattr +i ({made.stderr.strip()}): "
+                        "nothing makes a directory read-only here")
+
+
 @pytest.mark.parametrize("problem", ["read-only", "foreign store"])
 def test_bad_store_directory_stops_every_process_and_commits_nothing(runs, problem):
     run_dir = runs / problem.replace(" ", "-")
@@ -113,13 +123,14 @@ def test_bad_store_directory_stops_every_process_and_commits_nothing(runs, probl
     part.parent.mkdir(parents=True)
     if problem == "read-only":
         part.mkdir()
-        part.chmod(0o555)
+        _make_read_only(part)
     else:  # another run's store, of another layout
         with nsp.storage.open(part, num_shards=2) as store:
             store.initialize({"w": np.zeros(10, np.float32)}, nsp.storage.OptimizerSpec("adam"))
     try:
         result = _launch(run_dir, timeout=120)
     finally:
+        subprocess.run(["chattr", "-i", str(part)], capture_output=True)
         part.chmod(0o755)
     out = result.stdout + result.stderr
     assert result.returncode == 2, out

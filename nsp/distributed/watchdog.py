@@ -44,8 +44,14 @@ class PeerWatchdog(threading.Thread):
                 self._die(f"process(es) {missing} stopped answering for {self._timeout:g} s (died or hung)")
 
     def _die(self, why: str) -> None:
-        sys.stdout.flush()
-        print(f"nsp: error: process {self._me}: {why}; stopping. The last checkpoint is intact: rerun the same "
-              "command with --resume", file=sys.stderr, flush=True)
-        time.sleep(0.1)
-        os._exit(PEER_LOST_EXIT)
+        exit_peer_lost(self._me, why)
+
+
+def exit_peer_lost(process_index: int, why: str) -> None:
+    """Prints why this process stops (a peer or the service is gone) and exits with ``PEER_LOST_EXIT`` at once:
+    a normal exit would wait, in the runtime's shutdown, for the peer that is gone."""
+    sys.stdout.flush()
+    print(f"nsp: error: process {process_index}: {why}; stopping. The last checkpoint is intact: rerun the same "
+          "command with --resume", file=sys.stderr, flush=True)
+    time.sleep(0.1)
+    os._exit(PEER_LOST_EXIT)
