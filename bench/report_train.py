@@ -84,7 +84,7 @@ def train_config(args) -> TrainConfig:
     """``nsp train``'s defaults (learning rate, warm-up, cosine decay, AdamW betas, weight decay, clipping), at this
     report's model, steps, batch and seed."""
     return TrainConfig(model=args.model, tier="memory", steps=args.steps, batch=args.batch, seq=args.seq,
-                       seed=args.seed, eval_batches=args.eval_batches)
+                       seed=args.seed, eval_batches=args.eval_batches).resolved()
 
 
 def make_tx(contender: Contender, config: TrainConfig, store) -> optax.GradientTransformation:

@@ -137,6 +137,22 @@ def test_default_seq_fits_the_model(tmp_path, corpus, capsys):
     assert json.loads((tmp_path / "run" / "config.json").read_text())["seq"] == 64  # tiny's block size
 
 
+def test_models_with_a_published_recipe_train_at_its_learning_rate(tmp_path, corpus):
+    """GPT-3 sizes take GPT-3's peak learning rate and a warm-up of the same fraction of the run; the others the
+    generic defaults; flags win over both. The run records what it used."""
+    from nsp.train.config import TrainConfig
+
+    big = TrainConfig(model="gpt3-2.7b", steps=3).resolved()
+    assert (big.lr, big.warmup_steps) == (1.6e-4, 1)
+    assert TrainConfig(model="gpt3-760m", steps=800_000).resolved().warmup_steps == 1000  # 375M of 300B tokens
+    assert (TrainConfig(model="small").resolved().lr, TrainConfig(model="small").resolved().warmup_steps) == (3e-3, 20)
+    mine = TrainConfig(model="gpt3-2.7b", lr=1e-3, warmup_steps=5).resolved()
+    assert (mine.lr, mine.warmup_steps) == (1e-3, 5)
+    assert train(tmp_path / "run", corpus, "--steps", "1") == 0
+    recorded = json.loads((tmp_path / "run" / "config.json").read_text())
+    assert (recorded["lr"], recorded["warmup_steps"]) == (3e-3, 20)
+
+
 def test_train_run_again_with_the_default_run_dir_starts_a_new_run(tmp_path, corpus, capsys, monkeypatch):
     monkeypatch.chdir(tmp_path)
     args = ["train", "--model", "tiny", "--data", corpus, "--batch", "4", "--steps", "1", "--eval-batches", "1"]

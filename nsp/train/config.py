@@ -9,6 +9,8 @@ from pathlib import Path
 from nsp.spec import KINDS
 
 DEFAULT_SEQ = 128  # tokens per sequence when --seq is not given (and the model allows it)
+DEFAULT_LR = 3e-3  # peak learning rate of a model without a published recipe (the toy sizes, GPT-2)
+DEFAULT_WARMUP_STEPS = 20  # warm-up steps of a model without one
 
 
 @dataclasses.dataclass
@@ -27,10 +29,12 @@ class TrainConfig:
     page_mib: float = 4.0
     # Optimizer whose state the store keeps: adamw, adam, sgd or adagrad.
     optimizer: str = "adamw"
-    # Peak learning rate (linear warmup, then cosine decay to lr * min_lr_ratio).
-    lr: float = 3e-3
-    # Warmup steps of the learning-rate schedule.
-    warmup_steps: int = 20
+    # Peak learning rate (linear warmup, then cosine decay to lr * min_lr_ratio). 0 = the model's published recipe
+    # (nsp.train.recipes: GPT-3's Table 2.1 for the gpt3-* sizes), else 3e-3.
+    lr: float = 0.0
+    # Warmup steps of the learning-rate schedule. -1 = the model's recipe (the same fraction of this run as of the
+    # published one, at least 1), else 20.
+    warmup_steps: int = -1
     # Final learning rate as a fraction of the peak.
     min_lr_ratio: float = 0.1
     # Decoupled weight decay (AdamW) or L2 (others).
@@ -89,7 +93,8 @@ class TrainConfig:
             (self.steps >= 1, "steps must be >= 1"),
             (self.batch >= 1, "batch must be >= 1"),
             (self.seq >= 0, "seq must be >= 1 (or 0: the model's block size or 128, whichever is smaller)"),
-            (self.lr > 0, "lr must be > 0"),
+            (self.lr >= 0, "lr must be > 0 (or 0: the model's recipe)"),
+            (self.warmup_steps >= -1, "warmup_steps must be >= 0 (or -1: the model's recipe)"),
             (0 <= self.topk < 1, "topk must be in [0, 1) (0 = dense)"),
             (0 <= self.topk_residual_decay <= 1, "topk_residual_decay must be in [0, 1]"),
             (self.page_mib > 0, "page_mib must be > 0"),
@@ -106,12 +111,21 @@ class TrainConfig:
                 raise ValueError(message)
 
     def resolved(self) -> TrainConfig:
-        """This config with its defaults that depend on the model filled in (``seq``)."""
-        if self.seq:
-            return self
-        from nsp.models import get_config
+        """This config with its defaults that depend on the model filled in: ``seq``, and ``lr`` and
+        ``warmup_steps`` from the model's recipe (``nsp.train.recipes``) or the generic defaults."""
+        from nsp.train.recipes import RECIPES
 
-        return dataclasses.replace(self, seq=min(DEFAULT_SEQ, get_config(self.model).block_size))
+        recipe = RECIPES.get(self.model)
+        filled = {}
+        if not self.seq:
+            from nsp.models import get_config
+
+            filled["seq"] = min(DEFAULT_SEQ, get_config(self.model).block_size)
+        if not self.lr:
+            filled["lr"] = recipe.lr if recipe else DEFAULT_LR
+        if self.warmup_steps < 0:
+            filled["warmup_steps"] = recipe.warmup_steps(self.steps) if recipe else DEFAULT_WARMUP_STEPS
+        return dataclasses.replace(self, **filled) if filled else self
 
     @property
     def store_path(self) -> Path:

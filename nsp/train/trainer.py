@@ -67,6 +67,9 @@ class Run:
 
 
 def learning_rate_schedule(config: TrainConfig) -> optax.Schedule:
+    """Linear warm-up from 0 to the peak, then cosine decay to ``lr * min_lr_ratio`` at ``steps`` (the model's
+    recipe fills an unset peak and warm-up: ``TrainConfig.resolved``)."""
+    config = config.resolved()
     return optax.warmup_cosine_decay_schedule(
         init_value=0.0, peak_value=config.lr, warmup_steps=min(config.warmup_steps, config.steps),
         decay_steps=max(config.steps, config.warmup_steps + 1), end_value=config.lr * config.min_lr_ratio)
