@@ -26,7 +26,6 @@
 //
 // Built as libnsp_backend_axdimm.so, which exports nothing but nsp_backend_entry_v1.
 #include <dlfcn.h>
-#include <sys/stat.h>
 
 #include <algorithm>
 #include <atomic>
@@ -46,6 +45,7 @@
 #include "backend.h"
 #include "hls/nsp_updater_hls.h"
 #include "nsp_backend_abi.h"
+#include "plugin_device.h"
 #include "update_kernel.h"
 #include "vendor/axdimm_api.h"
 
@@ -55,17 +55,9 @@ constexpr const char* kDefaultLibrary = "libaxdimm.so";
 constexpr const char* kDefaultDevice = "/dev/axdimm0";
 constexpr int kChannels = NSP_AXDIMM_NUM_CHANNELS;
 
-void SetError(char* err, size_t err_len, const std::string& msg) {
-  if (err == nullptr || err_len == 0) return;
-  const size_t n = std::min(msg.size(), err_len - 1);
-  std::memcpy(err, msg.data(), n);
-  err[n] = '\0';
-}
-
-int Fail(char* err, size_t err_len, const std::string& msg) {
-  SetError(err, err_len, msg);
-  return 1;
-}
+using nsp::plugin::Fail;
+using nsp::plugin::OptionMap;
+using nsp::plugin::PageName;
 
 struct AxdimmApi {
 #define NSP_AX_DECLARE(name) nsp_##name##_fn name = nullptr;
@@ -76,11 +68,11 @@ struct AxdimmApi {
 // Loads the runtime and resolves every call; returns "" or why not. The library stays loaded for the process's
 // life (its kernel threads may outlive a device).
 std::string LoadRuntime(const std::string& library, AxdimmApi* api) {
-  void* handle = ::dlopen(library.c_str(), RTLD_NOW | RTLD_LOCAL);
-  if (handle == nullptr) {
-    const char* why = ::dlerror();
-    return "cannot load the AXDIMM runtime '" + library + "' (option library=, env NSP_AXDIMM_LIBRARY, default " +
-           kDefaultLibrary + "): " + (why ? why : "unknown error");
+  void* handle = nullptr;
+  if (std::string e = nsp::plugin::LoadLibrary(library, "the AXDIMM runtime", "NSP_AXDIMM_LIBRARY", kDefaultLibrary,
+                                               &handle);
+      !e.empty()) {
+    return e;
   }
   std::string missing;
 #define NSP_AX_REQUIRE(name)                                                 \
@@ -89,20 +81,6 @@ std::string LoadRuntime(const std::string& library, AxdimmApi* api) {
   NSP_AXDIMM_SYMBOLS(NSP_AX_REQUIRE)
 #undef NSP_AX_REQUIRE
   if (!missing.empty()) return "the AXDIMM runtime '" + library + "' lacks the symbol " + missing;
-  return {};
-}
-
-std::string ParseOptions(const std::string& text, std::map<std::string, std::string>* out) {
-  size_t pos = 0;
-  while (pos <= text.size()) {
-    const size_t end = std::min(text.find(';', pos), text.size());
-    const std::string item = text.substr(pos, end - pos);
-    pos = end + 1;
-    if (item.empty()) continue;
-    const size_t eq = item.find('=');
-    if (eq == std::string::npos || eq == 0) return "option '" + item + "' is not key=value";
-    (*out)[item.substr(0, eq)] = item.substr(eq + 1);
-  }
   return {};
 }
 
@@ -134,16 +112,12 @@ struct Launch {
 
 }  // namespace
 
-struct nsp_backend_device {
-  std::string dir;
-  int64_t shard = 0;
-  int64_t size = 0, page_elems = 0;
-  bool used[NSP_BACKEND_NUM_STATES] = {false, false, false};
+// The shard and its page files (the NVMe) are PluginDevice's; the rest is the module's.
+struct nsp_backend_device : nsp::plugin::PluginDevice {
   bool module_kernel = false;  // the kind keeps p, m and v: the module's Adam kernel can run it
   std::string library, device_path;
   AxdimmApi api;
   nspAxdimmHandle module = nullptr;
-  std::unique_ptr<nsp::Backend> pages;  // the file tier's page I/O on the shard directory (the NVMe)
 
   // Guards the cache map, the buffer sources, the channels' ownership and the launches.
   std::mutex mu;
@@ -160,7 +134,6 @@ struct nsp_backend_device {
   std::atomic<int64_t> h2x_bytes{0}, x2h_bytes{0}, host_kernels{0}, failed_kernels{0};
   std::atomic<int64_t> channel_launches[kChannels] = {{0}, {0}};
 
-  std::string Name() const { return "axdimm device " + std::to_string(shard) + " (" + dir + ")"; }
   size_t PageBytes() const { return static_cast<size_t>(page_elems) * 4; }
   // Offset of a state's page in its resident allocation (states side by side, p, m, v).
   size_t StateOffset(int state) const { return static_cast<size_t>(state) * PageBytes(); }
@@ -314,47 +287,29 @@ void Invalidate(nsp_backend_device* d, int64_t page) {
 
 // ---- Opening ----
 
-bool IsDir(const std::string& path) {
-  struct stat st;
-  return ::stat(path.c_str(), &st) == 0 && S_ISDIR(st.st_mode);
+// The runtime and the module: "" or why not (nothing is left open on failure).
+std::string OpenModule(nsp_backend_device* d, const nsp_backend_config* c) {
+  OptionMap opts;
+  if (std::string e = nsp::plugin::ParseOptions(c->options ? c->options : "", &opts); !e.empty()) return e;
+  if (std::string e = nsp::plugin::CheckOptionKeys(opts, {"library", "device"}); !e.empty()) return e;
+  d->library = nsp::plugin::LibraryPath(opts, "NSP_AXDIMM_LIBRARY", kDefaultLibrary);
+  d->device_path = opts.count("device") ? opts["device"] : kDefaultDevice;
+  if (std::string e = LoadRuntime(d->library, &d->api); !e.empty()) return e;
+  if (int rc = d->api.nspAxdimmOpen(d->device_path.c_str(), &d->module)) {
+    return "opening the module " + d->device_path + " failed (" + std::to_string(rc) + "): " + d->LastError();
+  }
+  return {};
 }
 
 int Open(const nsp_backend_config* c, nsp_backend_device** out, char* err, size_t err_len) {
-  if (c == nullptr || c->struct_size < sizeof(nsp_backend_config)) {
-    return Fail(err, err_len, "axdimm: the config struct is from another ABI version (too small)");
-  }
   auto d = std::make_unique<nsp_backend_device>();
-  d->dir = c->shard_dir ? c->shard_dir : "";
-  d->shard = c->shard_index;
-  if (c->size < 1 || c->page_elems < 1) return Fail(err, err_len, d->Name() + ": size and page_elems must be >= 1");
-  if (!IsDir(d->dir)) return Fail(err, err_len, d->Name() + ": the shard directory does not exist");
-  std::map<std::string, std::string> opts;
-  if (std::string e = ParseOptions(c->options ? c->options : "", &opts); !e.empty()) {
-    return Fail(err, err_len, d->Name() + ": " + e);
-  }
-  for (const auto& kv : opts) {
-    if (kv.first != "library" && kv.first != "device") {
-      return Fail(err, err_len, d->Name() + ": unknown option '" + kv.first + "' (it takes library, device)");
-    }
-  }
-  const char* env = std::getenv("NSP_AXDIMM_LIBRARY");
-  d->library = opts.count("library") ? opts["library"] : (env && *env ? env : kDefaultLibrary);
-  d->device_path = opts.count("device") ? opts["device"] : kDefaultDevice;
-  if (std::string e = LoadRuntime(d->library, &d->api); !e.empty()) return Fail(err, err_len, d->Name() + ": " + e);
-  if (int rc = d->api.nspAxdimmOpen(d->device_path.c_str(), &d->module)) {
-    return Fail(err, err_len, d->Name() + ": opening the module " + d->device_path + " failed (" + std::to_string(rc) +
-                                  "): " + d->LastError());
-  }
-  nsp::FileIoSettings io;
-  if (std::string e = nsp::FileIoSettingsFromEnv(&io); !e.empty()) {
+  if (nsp::plugin::CheckConfig(c, "axdimm", "", d.get(), err, err_len) != 0) return 1;
+  if (std::string e = OpenModule(d.get(), c); !e.empty()) return d->Fail(err, err_len, e);
+  if (std::string e = nsp::plugin::OpenPages(c, d.get()); !e.empty()) {
     d->api.nspAxdimmClose(d->module);
-    return Fail(err, err_len, d->Name() + ": " + e);
+    return d->Fail(err, err_len, e);
   }
-  d->size = c->size;
-  d->page_elems = c->page_elems;
-  for (int s = 0; s < NSP_BACKEND_NUM_STATES; ++s) d->used[s] = c->states_used[s] != 0;
   d->module_kernel = d->used[0] && d->used[1] && d->used[2];
-  d->pages = nsp::MakeFileBackend(d->dir, d->size, d->page_elems, c->checksum != 0, io);
   *out = d.release();
   return 0;
 }
@@ -365,26 +320,10 @@ void Close(nsp_backend_device* d) {
   delete d;
 }
 
-size_t PageBufferBytes(nsp_backend_device* d, int64_t page_elems) { return d->pages->PageBufferBytes(page_elems); }
-
-// The engine's page buffers are host memory (the module is on the memory bus: the host copies in and out).
-void* AllocBuffer(nsp_backend_device* d, size_t bytes, char* err, size_t err_len) {
-  try {
-    return d->pages->AllocPageBuffer(bytes);
-  } catch (const std::exception& e) {
-    SetError(err, err_len, d->Name() + ": cannot allocate a buffer of " + std::to_string(bytes) + " bytes: " +
-                               e.what());
-    return nullptr;
-  }
-}
-
-void FreeBuffer(nsp_backend_device* d, void* buffer, size_t bytes) { d->pages->FreePageBuffer(buffer, bytes); }
+// The engine's page buffers are host memory (the module is on the memory bus: the host copies in and out), the
+// file tier's own (nsp::plugin::AllocHostBuffer).
 
 // ---- Pages ----
-
-std::string PageName(int32_t slot, int32_t state, int64_t page) {
-  return "page " + std::to_string(page) + " of state '" + nsp::StateName(state) + "' in slot " + std::to_string(slot);
-}
 
 // A page the module holds for this slot comes from the module. Returns true when it did (or failed: *e set).
 bool ReadFromModule(nsp_backend_device* d, int32_t slot, int32_t state, int64_t page, float* dst, int64_t n,
@@ -453,7 +392,7 @@ int ReadPage(nsp_backend_device* d, int32_t slot, int32_t state, int64_t page, f
     e = d->pages->ReadPage(slot, state, page, dst, n, scratch != 0);
     if (e.empty() && for_update) e = LoadIntoModule(d, slot, state, page, dst, n);
   }
-  if (!e.empty()) return Fail(err, err_len, d->Name() + ": reading " + PageName(slot, state, page) + " failed: " + e);
+  if (!e.empty()) return d->Fail(err, err_len, "reading " + PageName(slot, state, page) + " failed: " + e);
   if (for_update) {
     std::lock_guard<std::mutex> lock(d->mu);
     d->sources[dst] = BufferSource{page, state, slot};
@@ -466,7 +405,7 @@ int ReadPage(nsp_backend_device* d, int32_t slot, int32_t state, int64_t page, f
 int WritePage(nsp_backend_device* d, int32_t slot, int32_t state, int64_t page, float* src, int64_t n,
               int32_t scratch, char* err, size_t err_len) {
   if (std::string e = d->pages->WritePage(slot, state, page, src, n, scratch != 0); !e.empty()) {
-    return Fail(err, err_len, d->Name() + ": writing " + PageName(slot, state, page) + " failed: " + e);
+    return d->Fail(err, err_len, "writing " + PageName(slot, state, page) + " failed: " + e);
   }
   std::lock_guard<std::mutex> lock(d->mu);
   auto it = d->resident.find(page);
@@ -481,46 +420,17 @@ int WritePage(nsp_backend_device* d, int32_t slot, int32_t state, int64_t page, 
   return 0;
 }
 
-// Every page of the version was written through: the page files' own sync makes it durable.
-int Sync(nsp_backend_device* d, int32_t slot, char* err, size_t err_len) {
-  if (std::string e = d->pages->Sync(slot); !e.empty()) return Fail(err, err_len, d->Name() + ": " + e);
-  return 0;
-}
-
 // ---- Kernels ----
-
-nsp::UpdateHyperParams ToHyper(const nsp_hyper_params& h) {
-  nsp::UpdateHyperParams hp;
-  hp.kind = static_cast<nsp::OptimizerKind>(h.kind);
-  hp.lr = h.lr;
-  hp.step = h.step;
-  hp.b1 = h.b1;
-  hp.b2 = h.b2;
-  hp.eps = h.eps;
-  hp.weight_decay = h.weight_decay;
-  hp.momentum = h.momentum;
-  hp.nesterov = h.nesterov != 0;
-  hp.lazy = h.lazy != 0;
-  return hp;
-}
 
 // A kind the module's kernel does not run: nsp's CPU kernel on the engine's buffers.
 std::string HostKernel(nsp_backend_device* d, const nsp_hyper_params& h, const nsp_state_span& s,
                        const nsp_page_grad& g, int64_t page) {
-  nsp::StateSpan span;
-  span.param_in = s.param_in;
-  span.param_out = s.param_out;
-  span.mu_in = s.mu_in;
-  span.mu_out = s.mu_out;
-  span.nu_in = s.nu_in;
-  span.nu_out = s.nu_out;
-  span.param_bf16_out = s.param_bf16_out;
-  span.param_copy_out = s.param_copy_out;
-  span.size = s.size;
+  const nsp::StateSpan span = nsp::plugin::ToSpan(s);
+  const nsp::UpdateHyperParams hp = nsp::plugin::ToHyper(h);
   const nsp::GradType type = g.grad_type == NSP_GRAD_BF16 ? nsp::GradType::kBF16 : nsp::GradType::kF32;
   try {
-    if (g.dense != nullptr) nsp::UpdateDense(ToHyper(h), span, g.dense, type);
-    else nsp::UpdateSparse(ToHyper(h), span, g.indices, g.values, type, g.count, g.index_base);
+    if (g.dense != nullptr) nsp::UpdateDense(hp, span, g.dense, type);
+    else nsp::UpdateSparse(hp, span, g.indices, g.values, type, g.count, g.index_base);
   } catch (const std::exception& e) {
     return e.what();
   }
@@ -685,11 +595,9 @@ void CompletePendingOn(nsp_backend_device* d, int c) {
 
 int ComputeLaunch(nsp_backend_device* d, const nsp_hyper_params* hp, const nsp_state_span* span,
                   const nsp_page_grad* grad, const nsp_page_info* info, uint64_t* ticket, char* err, size_t err_len) {
-  if (hp == nullptr || span == nullptr || grad == nullptr || ticket == nullptr) {
-    return Fail(err, err_len, d->Name() + ": compute_launch needs hyperparameters, a span, a gradient and a ticket");
-  }
+  if (nsp::plugin::CheckLaunch(*d, hp, span, grad, ticket, err, err_len) != 0) return 1;
   Launch l;
-  l.page = info != nullptr && info->struct_size >= offsetof(nsp_page_info, page) + sizeof(int64_t) ? info->page : -1;
+  l.page = nsp::plugin::PageOf(info);
   l.channel = ChannelOf(l.page);
   l.n = span->size;
   l.span = *span;
@@ -778,36 +686,11 @@ int ComputeWait(nsp_backend_device* d, uint64_t ticket, char* err, size_t err_le
 
 // ---- Checksums, counters, updates ----
 
-bool GoodSlotState(const nsp_backend_device* d, int32_t slot, int32_t state) {
-  return slot >= 0 && slot <= 1 && state >= 0 && state < NSP_BACKEND_NUM_STATES && d->used[state];
-}
-
-int ChecksumsGet(nsp_backend_device* d, int32_t slot, int32_t state, uint32_t* out, int64_t pages, char* err,
-                 size_t err_len) {
-  if (!GoodSlotState(d, slot, state)) {
-    SetError(err, err_len, d->Name() + ": no such slot or state");
-    return -1;
-  }
-  const std::vector<uint32_t> crcs = d->pages->PageChecksums(slot, state);
-  if (crcs.empty()) return 0;
-  if (static_cast<int64_t>(crcs.size()) != pages) {
-    SetError(err, err_len, d->Name() + ": the shard has " + std::to_string(crcs.size()) + " pages, not " +
-                               std::to_string(pages));
-    return -1;
-  }
-  std::memcpy(out, crcs.data(), crcs.size() * sizeof(uint32_t));
-  return 1;
-}
-
 // Checksums set from a manifest mean the page files may have been put there by someone else (a restore): the
 // module's copies of that slot are not trusted any more.
 int ChecksumsSet(nsp_backend_device* d, int32_t slot, int32_t state, const uint32_t* crcs, int64_t pages, char* err,
                  size_t err_len) {
-  if (!GoodSlotState(d, slot, state)) return Fail(err, err_len, d->Name() + ": no such slot or state");
-  if (std::string e = d->pages->SetPageChecksums(slot, state, std::vector<uint32_t>(crcs, crcs + pages));
-      !e.empty()) {
-    return Fail(err, err_len, d->Name() + ": " + e);
-  }
+  if (int rc = nsp::plugin::ChecksumsSet(d, slot, state, crcs, pages, err, err_len); rc != 0) return rc;
   std::lock_guard<std::mutex> lock(d->mu);
   for (auto& [page, r] : d->resident) {
     if (r.valid_slot[state] == slot) r.valid_slot[state] = -1;
@@ -816,14 +699,7 @@ int ChecksumsSet(nsp_backend_device* d, int32_t slot, int32_t state, const uint3
 }
 
 // The NVMe's counters (the module's copies are in the stats).
-void IoCounts(nsp_backend_device* d, nsp_io_counts* out) {
-  const nsp::IoCounts c = d->pages->Io();
-  const uint32_t room = out->struct_size;
-  nsp_io_counts full{sizeof(nsp_io_counts), c.read_bytes, c.write_bytes, c.pages_read, c.pages_written,
-                     c.pages_read_direct};
-  std::memcpy(out, &full, std::min<size_t>(room, sizeof full));
-  out->struct_size = static_cast<uint32_t>(std::min<size_t>(room, sizeof full));
-}
+void IoCounts(nsp_backend_device* d, nsp_io_counts* out) { nsp::plugin::WriteIoCounts(d->pages->Io(), out); }
 
 int64_t Stats(nsp_backend_device* d, nsp_backend_stat* out, int64_t capacity, char*, size_t) {
   size_t cap[kChannels] = {0, 0}, free_bytes[kChannels] = {0, 0};
@@ -833,7 +709,7 @@ int64_t Stats(nsp_backend_device* d, nsp_backend_stat* out, int64_t capacity, ch
     std::lock_guard<std::mutex> lock(d->mu);
     resident = static_cast<int64_t>(d->resident.size());
   }
-  const std::pair<const char*, double> stats[] = {
+  return nsp::plugin::WriteStats({
       {"pages_loaded", static_cast<double>(d->loaded.load())},
       {"pages_evicted", static_cast<double>(d->evicted.load())},
       {"pages_evicted_updated", static_cast<double>(d->evicted_updated.load())},
@@ -849,13 +725,7 @@ int64_t Stats(nsp_backend_device* d, nsp_backend_stat* out, int64_t capacity, ch
       {"resident_pages", static_cast<double>(resident)},
       {"module_bytes", static_cast<double>(cap[0] + cap[1])},
       {"module_free_bytes", static_cast<double>(free_bytes[0] + free_bytes[1])},
-  };
-  const int64_t count = static_cast<int64_t>(sizeof stats / sizeof stats[0]);
-  for (int64_t i = 0; i < capacity && i < count; ++i) {
-    std::snprintf(out[i].name, sizeof out[i].name, "%s", stats[i].first);
-    out[i].value = stats[i].second;
-  }
-  return count;
+  }, out, capacity);
 }
 
 // A new step: no page is updated in it yet.
@@ -889,15 +759,15 @@ const nsp_backend_v1 kTable = {
     "axdimm",
     Open,
     Close,
-    PageBufferBytes,
-    AllocBuffer,
-    FreeBuffer,
+    nsp::plugin::PageBufferBytesOf<nsp_backend_device>,
+    nsp::plugin::AllocHostBufferOf<nsp_backend_device>,
+    nsp::plugin::FreeHostBufferOf<nsp_backend_device>,
     ReadPage,
     WritePage,
-    Sync,
+    nsp::plugin::SyncOf<nsp_backend_device>,  // every page of the version was written through: the files' sync
     ComputeLaunch,
     ComputeWait,
-    ChecksumsGet,
+    nsp::plugin::ChecksumsGetOf<nsp_backend_device>,
     ChecksumsSet,
     IoCounts,
     Stats,

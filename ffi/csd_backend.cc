@@ -10,8 +10,6 @@
 //
 // Built as libnsp_backend_csd.so, which exports nothing but nsp_backend_entry_v1: the nsp code it links (kernel,
 // file tier) is hidden inside it.
-#include <sys/stat.h>
-
 #include <atomic>
 #include <condition_variable>
 #include <cstdio>
@@ -22,7 +20,6 @@
 #include <map>
 #include <memory>
 #include <mutex>
-#include <new>
 #include <string>
 #include <thread>
 #include <vector>
@@ -31,25 +28,14 @@
 #include "csd_clock.h"
 #include "csd_options.h"
 #include "nsp_backend_abi.h"
+#include "plugin_device.h"
 #include "update_kernel.h"
 
 namespace {
 
 using nsp::csd::ModelClock;
 using nsp::csd::Options;
-
-// Writes `msg` into the caller's error buffer (truncated, always NUL-terminated).
-void SetError(char* err, size_t err_len, const std::string& msg) {
-  if (err == nullptr || err_len == 0) return;
-  const size_t n = std::min(msg.size(), err_len - 1);
-  std::memcpy(err, msg.data(), n);
-  err[n] = '\0';
-}
-
-int Fail(char* err, size_t err_len, const std::string& msg) {
-  SetError(err, err_len, msg);
-  return 1;
-}
+using nsp::plugin::Fail;
 
 const char* Ordinal(int64_t k) {
   const int64_t tens = k % 100;
@@ -80,15 +66,10 @@ struct KernelJob {
 
 }  // namespace
 
-struct nsp_backend_device {
-  std::string dir;
-  int64_t shard = 0;
-  int64_t size = 0, page_elems = 0;
-  bool used[NSP_BACKEND_NUM_STATES] = {false, false, false};
+// The shard, its page files and the checksums they carry are PluginDevice's; the rest is the model's.
+struct nsp_backend_device : nsp::plugin::PluginDevice {
   int states = 0;
-  bool checksum = true;
   Options options;
-  std::unique_ptr<nsp::Backend> pages;  // the file tier's page I/O on the shard directory
   std::unique_ptr<ModelClock> clock;
 
   // Operations so far, for the faults (each counts every attempt, from open).
@@ -106,49 +87,19 @@ struct nsp_backend_device {
   uint64_t next_ticket = 1;
   bool stop = false;
 
-  std::string Name() const { return "csd device " + std::to_string(shard) + " (" + dir + ")"; }
   int64_t FileBytes() const { return page_elems * 4 + (checksum ? 4 : 0); }
   // "<device>: reading page 3 of state 'mu' in slot 1 failed: injected fault (fail_read_at=2: ...)".
   std::string Injected(const char* what, int32_t slot, int64_t page, int32_t state, int64_t ordinal,
                        const char* option) const {
-    return Name() + ": " + what + " page " + std::to_string(page) + " of state '" + nsp::StateName(state) +
-           "' in slot " + std::to_string(slot) + " failed: injected fault (" + option + "=" + std::to_string(ordinal) +
-           ": the device's " + std::to_string(ordinal) + Ordinal(ordinal) + " such operation)";
+    return Name() + ": " + what + " " + nsp::plugin::PageName(slot, state, page) + " failed: injected fault (" + option +
+           "=" + std::to_string(ordinal) + ": the device's " + std::to_string(ordinal) + Ordinal(ordinal) +
+           " such operation)";
   }
   void RunWorker();
   std::string RunKernel(const KernelJob& job);
 };
 
 namespace {
-
-nsp::UpdateHyperParams ToHyper(const nsp_hyper_params& h) {
-  nsp::UpdateHyperParams hp;
-  hp.kind = static_cast<nsp::OptimizerKind>(h.kind);
-  hp.lr = h.lr;
-  hp.step = h.step;
-  hp.b1 = h.b1;
-  hp.b2 = h.b2;
-  hp.eps = h.eps;
-  hp.weight_decay = h.weight_decay;
-  hp.momentum = h.momentum;
-  hp.nesterov = h.nesterov != 0;
-  hp.lazy = h.lazy != 0;
-  return hp;
-}
-
-nsp::StateSpan ToSpan(const nsp_state_span& s) {
-  nsp::StateSpan span;
-  span.param_in = s.param_in;
-  span.param_out = s.param_out;
-  span.mu_in = s.mu_in;
-  span.mu_out = s.mu_out;
-  span.nu_in = s.nu_in;
-  span.nu_out = s.nu_out;
-  span.param_bf16_out = s.param_bf16_out;
-  span.param_copy_out = s.param_copy_out;
-  span.size = s.size;
-  return span;
-}
 
 std::string StatesOf(const nsp_backend_device& d) {
   std::string out;
@@ -213,36 +164,17 @@ void nsp_backend_device::RunWorker() {
 
 namespace {
 
-bool IsDir(const std::string& path) {
-  struct stat st;
-  return ::stat(path.c_str(), &st) == 0 && S_ISDIR(st.st_mode);
-}
-
 int Open(const nsp_backend_config* c, nsp_backend_device** out, char* err, size_t err_len) {
-  if (c == nullptr || c->struct_size < sizeof(nsp_backend_config)) {
-    return Fail(err, err_len, "csd: the config struct is from another ABI version (too small)");
-  }
   auto d = std::make_unique<nsp_backend_device>();
-  d->dir = c->shard_dir ? c->shard_dir : "";
-  d->shard = c->shard_index;
-  if (c->size < 1 || c->page_elems < 1) return Fail(err, err_len, d->Name() + ": size and page_elems must be >= 1");
-  if (!IsDir(d->dir)) {
-    return Fail(err, err_len, d->Name() + ": the shard directory does not exist (the store creates its arrays "
-                              "there before it opens the device)");
+  if (nsp::plugin::CheckConfig(c, "csd", "(the store creates its arrays there before it opens the device)", d.get(),
+                               err, err_len) != 0) {
+    return 1;
   }
   if (std::string e = nsp::csd::ParseOptions(c->options ? c->options : "", &d->options); !e.empty()) {
-    return Fail(err, err_len, d->Name() + ": " + e);
+    return d->Fail(err, err_len, e);
   }
-  nsp::FileIoSettings io;  // the file tier's own settings: NSP_READ_MODE and the others apply here too
-  if (std::string e = nsp::FileIoSettingsFromEnv(&io); !e.empty()) return Fail(err, err_len, d->Name() + ": " + e);
-  d->size = c->size;
-  d->page_elems = c->page_elems;
-  for (int s = 0; s < NSP_BACKEND_NUM_STATES; ++s) {
-    d->used[s] = c->states_used[s] != 0;
-    d->states += d->used[s] ? 1 : 0;
-  }
-  d->checksum = c->checksum != 0;
-  d->pages = nsp::MakeFileBackend(d->dir, d->size, d->page_elems, d->checksum, io);
+  if (std::string e = nsp::plugin::OpenPages(c, d.get()); !e.empty()) return d->Fail(err, err_len, e);
+  for (int s = 0; s < NSP_BACKEND_NUM_STATES; ++s) d->states += d->used[s] ? 1 : 0;
   d->clock = std::make_unique<ModelClock>(d->options.figures, c->num_devices, c->pages_in_flight);
   nsp_backend_device* raw = d.get();
   d->worker = std::thread([raw] { raw->RunWorker(); });
@@ -260,21 +192,6 @@ void Close(nsp_backend_device* d) {
   delete d;
 }
 
-size_t PageBufferBytes(nsp_backend_device* d, int64_t page_elems) { return d->pages->PageBufferBytes(page_elems); }
-
-// The device's buffers are where the file tier's direct I/O reads and writes: 4 KiB aligned.
-void* AllocBuffer(nsp_backend_device* d, size_t bytes, char* err, size_t err_len) {
-  try {
-    return d->pages->AllocPageBuffer(bytes);
-  } catch (const std::exception& e) {
-    SetError(err, err_len, d->Name() + ": cannot allocate a buffer of " + std::to_string(bytes) + " bytes: " +
-                               e.what());
-    return nullptr;
-  }
-}
-
-void FreeBuffer(nsp_backend_device* d, void* buffer, size_t bytes) { d->pages->FreePageBuffer(buffer, bytes); }
-
 int ReadPage(nsp_backend_device* d, int32_t slot, int32_t state, int64_t page, float* dst, int64_t n, int32_t scratch,
              char* err, size_t err_len) {
   const int64_t k = ++d->reads;
@@ -282,7 +199,7 @@ int ReadPage(nsp_backend_device* d, int32_t slot, int32_t state, int64_t page, f
     return Fail(err, err_len, d->Injected("reading", slot, page, state, k, "fail_read_at"));
   }
   if (std::string e = d->pages->ReadPage(slot, state, page, dst, n, scratch != 0); !e.empty()) {
-    return Fail(err, err_len, d->Name() + ": " + e);
+    return d->Fail(err, err_len, e);
   }
   // A read that succeeds moved exactly one page file: the file tier refuses a file of any other length.
   d->clock->ChargeRead(page, d->FileBytes());
@@ -299,23 +216,16 @@ int WritePage(nsp_backend_device* d, int32_t slot, int32_t state, int64_t page, 
   const int64_t before = d->pages->Io().write_bytes;
   std::string e = d->pages->WritePage(slot, state, page, src, n, scratch != 0);
   d->clock->ChargeWrite(page, d->pages->Io().write_bytes - before);  // what moved, failed or not
-  if (!e.empty()) return Fail(err, err_len, d->Name() + ": " + e);
-  return 0;
-}
-
-int Sync(nsp_backend_device* d, int32_t slot, char* err, size_t err_len) {
-  if (std::string e = d->pages->Sync(slot); !e.empty()) return Fail(err, err_len, d->Name() + ": " + e);
+  if (!e.empty()) return d->Fail(err, err_len, e);
   return 0;
 }
 
 int ComputeLaunch(nsp_backend_device* d, const nsp_hyper_params* hp, const nsp_state_span* span,
                   const nsp_page_grad* grad, const nsp_page_info* info, uint64_t* ticket, char* err, size_t err_len) {
-  if (hp == nullptr || span == nullptr || grad == nullptr || ticket == nullptr) {
-    return Fail(err, err_len, d->Name() + ": compute_launch needs hyperparameters, a span, a gradient and a ticket");
-  }
+  if (nsp::plugin::CheckLaunch(*d, hp, span, grad, ticket, err, err_len) != 0) return 1;
   KernelJob job;
-  job.hp = ToHyper(*hp);
-  job.span = ToSpan(*span);
+  job.hp = nsp::plugin::ToHyper(*hp);
+  job.span = nsp::plugin::ToSpan(*span);
   std::memcpy(&job.grad, grad, std::min<size_t>(sizeof job.grad, grad->struct_size));
   job.info.page = -1;
   if (info != nullptr) std::memcpy(&job.info, info, std::min<size_t>(sizeof job.info, info->struct_size));
@@ -342,45 +252,7 @@ int ComputeWait(nsp_backend_device* d, uint64_t ticket, char* err, size_t err_le
   return 0;
 }
 
-bool GoodSlotState(const nsp_backend_device* d, int32_t slot, int32_t state) {
-  return slot >= 0 && slot <= 1 && state >= 0 && state < NSP_BACKEND_NUM_STATES && d->used[state];
-}
-
-int ChecksumsGet(nsp_backend_device* d, int32_t slot, int32_t state, uint32_t* out, int64_t pages, char* err,
-                 size_t err_len) {
-  if (!GoodSlotState(d, slot, state)) {
-    SetError(err, err_len, d->Name() + ": no such slot or state");
-    return -1;
-  }
-  const std::vector<uint32_t> crcs = d->pages->PageChecksums(slot, state);
-  if (crcs.empty()) return 0;
-  if (static_cast<int64_t>(crcs.size()) != pages) {
-    SetError(err, err_len, d->Name() + ": the shard has " + std::to_string(crcs.size()) + " pages, not " +
-                               std::to_string(pages));
-    return -1;
-  }
-  std::memcpy(out, crcs.data(), crcs.size() * sizeof(uint32_t));
-  return 1;
-}
-
-int ChecksumsSet(nsp_backend_device* d, int32_t slot, int32_t state, const uint32_t* crcs, int64_t pages, char* err,
-                 size_t err_len) {
-  if (!GoodSlotState(d, slot, state)) return Fail(err, err_len, d->Name() + ": no such slot or state");
-  if (std::string e = d->pages->SetPageChecksums(slot, state, std::vector<uint32_t>(crcs, crcs + pages));
-      !e.empty()) {
-    return Fail(err, err_len, d->Name() + ": " + e);
-  }
-  return 0;
-}
-
-void IoCounts(nsp_backend_device* d, nsp_io_counts* out) {
-  const nsp::IoCounts c = d->pages->Io();
-  const uint32_t room = out->struct_size;
-  nsp_io_counts full{sizeof(nsp_io_counts), c.read_bytes, c.write_bytes, c.pages_read, c.pages_written,
-                     c.pages_read_direct};
-  std::memcpy(out, &full, std::min<size_t>(room, sizeof full));
-  out->struct_size = static_cast<uint32_t>(std::min<size_t>(room, sizeof full));
-}
+void IoCounts(nsp_backend_device* d, nsp_io_counts* out) { nsp::plugin::WriteIoCounts(d->pages->Io(), out); }
 
 // The model clock's figures (csd_clock.h), and the operations counted so far (what the faults count).
 int64_t Stats(nsp_backend_device* d, nsp_backend_stat* out, int64_t capacity, char*, size_t) {
@@ -388,11 +260,7 @@ int64_t Stats(nsp_backend_device* d, nsp_backend_stat* out, int64_t capacity, ch
   stats.emplace_back("page_reads", static_cast<double>(d->reads.load()));
   stats.emplace_back("page_writes", static_cast<double>(d->writes.load()));
   stats.emplace_back("kernels", static_cast<double>(d->kernels.load()));
-  for (int64_t i = 0; i < capacity && i < static_cast<int64_t>(stats.size()); ++i) {
-    std::snprintf(out[i].name, sizeof out[i].name, "%s", stats[static_cast<size_t>(i)].first.c_str());
-    out[i].value = stats[static_cast<size_t>(i)].second;
-  }
-  return static_cast<int64_t>(stats.size());
+  return nsp::plugin::WriteStats(stats, out, capacity);
 }
 
 void UpdateBegin(nsp_backend_device* d) {
@@ -411,16 +279,16 @@ const nsp_backend_v1 kTable = {
     "csd",
     Open,
     Close,
-    PageBufferBytes,
-    AllocBuffer,
-    FreeBuffer,
+    nsp::plugin::PageBufferBytesOf<nsp_backend_device>,
+    nsp::plugin::AllocHostBufferOf<nsp_backend_device>,  // 4 KiB aligned: where the file tier's direct I/O goes
+    nsp::plugin::FreeHostBufferOf<nsp_backend_device>,
     ReadPage,
     WritePage,
-    Sync,
+    nsp::plugin::SyncOf<nsp_backend_device>,
     ComputeLaunch,
     ComputeWait,
-    ChecksumsGet,
-    ChecksumsSet,
+    nsp::plugin::ChecksumsGetOf<nsp_backend_device>,
+    nsp::plugin::ChecksumsSetOf<nsp_backend_device>,
     IoCounts,
     Stats,
     UpdateBegin,

@@ -42,6 +42,7 @@
 #include "hls/nsp_updater_hls.h"
 #include "nsp_backend_abi.h"
 #include "page_file.h"
+#include "plugin_device.h"
 #include "update_kernel.h"
 #include "vendor/xrt_c_api.h"
 
@@ -49,17 +50,9 @@ namespace {
 
 constexpr const char* kDefaultLibrary = "libxrt_coreutil.so.2";
 
-void SetError(char* err, size_t err_len, const std::string& msg) {
-  if (err == nullptr || err_len == 0) return;
-  const size_t n = std::min(msg.size(), err_len - 1);
-  std::memcpy(err, msg.data(), n);
-  err[n] = '\0';
-}
-
-int Fail(char* err, size_t err_len, const std::string& msg) {
-  SetError(err, err_len, msg);
-  return 1;
-}
+using nsp::plugin::Fail;
+using nsp::plugin::OptionMap;
+using nsp::plugin::SetError;
 
 // The XRT calls, resolved from the loaded library (optional ones may stay null).
 struct XrtApi {
@@ -71,11 +64,10 @@ struct XrtApi {
 // Loads `library` and resolves every symbol; returns "" or why not (the library's name and dlerror, or the first
 // missing symbol). The library stays loaded for the process's life: its threads may outlive a device's close.
 std::string LoadXrt(const std::string& library, XrtApi* api) {
-  void* handle = ::dlopen(library.c_str(), RTLD_NOW | RTLD_LOCAL);
-  if (handle == nullptr) {
-    const char* why = ::dlerror();
-    return "cannot load the XRT library '" + library + "' (option library=, env NSP_XRT_LIBRARY, default " +
-           kDefaultLibrary + "): " + (why ? why : "unknown error");
+  void* handle = nullptr;
+  if (std::string e = nsp::plugin::LoadLibrary(library, "the XRT library", "NSP_XRT_LIBRARY", kDefaultLibrary, &handle);
+      !e.empty()) {
+    return e;
   }
   std::string missing;
 #define NSP_XRT_REQUIRE(name)                                                     \
@@ -87,21 +79,6 @@ std::string LoadXrt(const std::string& library, XrtApi* api) {
 #undef NSP_XRT_OPTIONAL
   if (!missing.empty()) {
     return "the XRT library '" + library + "' lacks the symbol " + missing + " (not an XRT C API of 2020.2 or later)";
-  }
-  return {};
-}
-
-// "key=value;key=value" into a map; returns "" or the malformed item.
-std::string ParseOptions(const std::string& text, std::map<std::string, std::string>* out) {
-  size_t pos = 0;
-  while (pos <= text.size()) {
-    const size_t end = std::min(text.find(';', pos), text.size());
-    const std::string item = text.substr(pos, end - pos);
-    pos = end + 1;
-    if (item.empty()) continue;
-    const size_t eq = item.find('=');
-    if (eq == std::string::npos || eq == 0) return "option '" + item + "' is not key=value";
-    (*out)[item.substr(0, eq)] = item.substr(eq + 1);
   }
   return {};
 }
@@ -129,19 +106,14 @@ struct PendingRun {
 
 }  // namespace
 
-struct nsp_backend_device {
-  std::string dir;
-  int64_t shard = 0;
-  int64_t size = 0, page_elems = 0;
-  bool used[NSP_BACKEND_NUM_STATES] = {false, false, false};
-  bool checksum = true;
+// The shard and its page files are PluginDevice's; the rest is the card's.
+struct nsp_backend_device : nsp::plugin::PluginDevice {
   std::string library;
   XrtApi api;
   unsigned device_index = 0;
   xrtDeviceHandle dev = nullptr;
   xrtKernelHandle kernel = nullptr;
   xrtRunHandle run = nullptr;
-  std::unique_ptr<nsp::Backend> pages;  // the file tier's page I/O on the shard directory
 
   // The engine's page buffers, by mapped address (P2P BOs), and the staging BOs of one run (normal BOs, grown as
   // needed) by kernel argument.
@@ -167,7 +139,6 @@ struct nsp_backend_device {
   std::atomic<int64_t> p2p_reads{0}, p2p_read_bytes{0}, host_reads{0}, runs{0}, failed_runs{0};
   std::atomic<int64_t> bytes_to_device{0}, bytes_from_device{0};
 
-  std::string Name() const { return "xrt device " + std::to_string(shard) + " (" + dir + ")"; }
   size_t ChunkBytes() const { return static_cast<size_t>(page_elems) * 4; }
   size_t FileBytes() const { return ChunkBytes() + (checksum ? 4 : 0); }
   std::string PagePath(int slot, int state, int64_t page) const {
@@ -189,7 +160,7 @@ namespace {
 
 // ---- Opening ----
 
-std::string ProgramDevice(nsp_backend_device* d, const std::map<std::string, std::string>& opts) {
+std::string ProgramDevice(nsp_backend_device* d, const OptionMap& opts) {
   auto xclbin = opts.find("xclbin");
   if (xclbin == opts.end() || xclbin->second.empty()) {
     return "option xclbin=<path> is required: the updater bitstream built from ffi/hls (docs/fpga_updater.md)";
@@ -224,7 +195,7 @@ std::string ProgramDevice(nsp_backend_device* d, const std::map<std::string, std
 }
 
 // Picks this shard's card from device=<i>[,<j>...] (shard k takes entry k mod count; default 0).
-std::string DeviceIndex(const std::map<std::string, std::string>& opts, int64_t shard, unsigned* out) {
+std::string DeviceIndex(const OptionMap& opts, int64_t shard, unsigned* out) {
   auto it = opts.find("device");
   if (it == opts.end()) return {};
   std::vector<unsigned> list;
@@ -253,49 +224,26 @@ void ReleaseXrt(nsp_backend_device* d) {
   if (d->dev != nullptr) d->api.xrtDeviceClose(d->dev);
 }
 
-bool IsDir(const std::string& path) {
-  struct stat st;
-  return ::stat(path.c_str(), &st) == 0 && S_ISDIR(st.st_mode);
+// The library, the card and its bitstream: "" or why not (what the card holds so far is released by the caller).
+std::string OpenCard(nsp_backend_device* d, const nsp_backend_config* c) {
+  OptionMap opts;
+  if (std::string e = nsp::plugin::ParseOptions(c->options ? c->options : "", &opts); !e.empty()) return e;
+  if (std::string e = nsp::plugin::CheckOptionKeys(opts, {"library", "xclbin", "device"}); !e.empty()) return e;
+  d->library = nsp::plugin::LibraryPath(opts, "NSP_XRT_LIBRARY", kDefaultLibrary);
+  if (std::string e = LoadXrt(d->library, &d->api); !e.empty()) return e;
+  if (std::string e = DeviceIndex(opts, d->shard, &d->device_index); !e.empty()) return e;
+  return ProgramDevice(d, opts);
 }
 
 int Open(const nsp_backend_config* c, nsp_backend_device** out, char* err, size_t err_len) {
-  if (c == nullptr || c->struct_size < sizeof(nsp_backend_config)) {
-    return Fail(err, err_len, "xrt: the config struct is from another ABI version (too small)");
-  }
   auto d = std::make_unique<nsp_backend_device>();
-  d->dir = c->shard_dir ? c->shard_dir : "";
-  d->shard = c->shard_index;
-  if (c->size < 1 || c->page_elems < 1) return Fail(err, err_len, d->Name() + ": size and page_elems must be >= 1");
-  if (!IsDir(d->dir)) return Fail(err, err_len, d->Name() + ": the shard directory does not exist");
-  std::map<std::string, std::string> opts;
-  if (std::string e = ParseOptions(c->options ? c->options : "", &opts); !e.empty()) {
-    return Fail(err, err_len, d->Name() + ": " + e);
+  if (nsp::plugin::CheckConfig(c, "xrt", "", d.get(), err, err_len) != 0) return 1;
+  std::string e = OpenCard(d.get(), c);
+  if (e.empty()) e = nsp::plugin::OpenPages(c, d.get());
+  if (!e.empty()) {
+    ReleaseXrt(d.get());  // only what was opened: the handles start null
+    return d->Fail(err, err_len, e);
   }
-  for (const auto& kv : opts) {
-    if (kv.first != "library" && kv.first != "xclbin" && kv.first != "device") {
-      return Fail(err, err_len, d->Name() + ": unknown option '" + kv.first + "' (it takes library, xclbin, device)");
-    }
-  }
-  const char* env = std::getenv("NSP_XRT_LIBRARY");
-  d->library = opts.count("library") ? opts["library"] : (env && *env ? env : kDefaultLibrary);
-  if (std::string e = LoadXrt(d->library, &d->api); !e.empty()) return Fail(err, err_len, d->Name() + ": " + e);
-  if (std::string e = DeviceIndex(opts, d->shard, &d->device_index); !e.empty()) {
-    return Fail(err, err_len, d->Name() + ": " + e);
-  }
-  if (std::string e = ProgramDevice(d.get(), opts); !e.empty()) {
-    ReleaseXrt(d.get());
-    return Fail(err, err_len, d->Name() + ": " + e);
-  }
-  nsp::FileIoSettings io;
-  if (std::string e = nsp::FileIoSettingsFromEnv(&io); !e.empty()) {
-    ReleaseXrt(d.get());
-    return Fail(err, err_len, d->Name() + ": " + e);
-  }
-  d->size = c->size;
-  d->page_elems = c->page_elems;
-  for (int s = 0; s < NSP_BACKEND_NUM_STATES; ++s) d->used[s] = c->states_used[s] != 0;
-  d->checksum = c->checksum != 0;
-  d->pages = nsp::MakeFileBackend(d->dir, d->size, d->page_elems, d->checksum, io);
   const size_t pages = static_cast<size_t>((d->size + d->page_elems - 1) / d->page_elems);
   for (int slot = 0; slot < 2; ++slot) {
     for (int s = 0; s < NSP_BACKEND_NUM_STATES; ++s) {
@@ -319,8 +267,6 @@ void Close(nsp_backend_device* d) {
 }
 
 // ---- Buffers ----
-
-size_t PageBufferBytes(nsp_backend_device* d, int64_t page_elems) { return d->pages->PageBufferBytes(page_elems); }
 
 // A P2P BO in the FPGA's DDR, mapped: the SSD's DMA fills it and the kernel works on it where it lies.
 void* AllocBuffer(nsp_backend_device* d, size_t bytes, char* err, size_t err_len) {
@@ -424,8 +370,7 @@ int ReadPage(nsp_backend_device* d, int32_t slot, int32_t state, int64_t page, f
     if (e.empty()) d->host_reads.fetch_add(1);
   }
   if (!e.empty()) {
-    return Fail(err, err_len, d->Name() + ": reading page " + std::to_string(page) + " of state '" +
-                                  nsp::StateName(state) + "' in slot " + std::to_string(slot) + " failed: " + e);
+    return d->Fail(err, err_len, "reading " + nsp::plugin::PageName(slot, state, page) + " failed: " + e);
   }
   return 0;
 }
@@ -447,19 +392,13 @@ int WritePage(nsp_backend_device* d, int32_t slot, int32_t state, int64_t page, 
   // The CRC first: a direct write may use the buffer's tail for the trailer.
   const uint32_t crc = d->checksum ? PageCrc(d, src, n) : 0;
   if (std::string e = d->pages->WritePage(slot, state, page, src, n, scratch != 0); !e.empty()) {
-    return Fail(err, err_len, d->Name() + ": writing page " + std::to_string(page) + " of state '" +
-                                  nsp::StateName(state) + "' in slot " + std::to_string(slot) + " failed: " + e);
+    return d->Fail(err, err_len, "writing " + nsp::plugin::PageName(slot, state, page) + " failed: " + e);
   }
   if (d->checksum) {
     std::lock_guard<std::mutex> lock(d->crc_mu);
     d->crc[slot][state][static_cast<size_t>(page)] = crc;
     d->known[slot][state][static_cast<size_t>(page)] = 1;
   }
-  return 0;
-}
-
-int Sync(nsp_backend_device* d, int32_t slot, char* err, size_t err_len) {
-  if (std::string e = d->pages->Sync(slot); !e.empty()) return Fail(err, err_len, d->Name() + ": " + e);
   return 0;
 }
 
@@ -656,14 +595,12 @@ std::string FinishRun(nsp_backend_device* d) {
 
 int ComputeLaunch(nsp_backend_device* d, const nsp_hyper_params* hp, const nsp_state_span* span,
                   const nsp_page_grad* grad, const nsp_page_info* info, uint64_t* ticket, char* err, size_t err_len) {
-  if (hp == nullptr || span == nullptr || grad == nullptr || ticket == nullptr) {
-    return Fail(err, err_len, d->Name() + ": compute_launch needs hyperparameters, a span, a gradient and a ticket");
-  }
+  if (nsp::plugin::CheckLaunch(*d, hp, span, grad, ticket, err, err_len) != 0) return 1;
   std::lock_guard<std::mutex> lock(d->run_mu);
   if (d->have_pending) FinishRun(d);  // one run handle: the last run completes first (its result is kept)
   PendingRun job;
   job.ticket = d->next_ticket++;
-  job.page = info != nullptr && info->struct_size >= offsetof(nsp_page_info, page) + sizeof(int64_t) ? info->page : -1;
+  job.page = nsp::plugin::PageOf(info);
   *ticket = job.ticket;
   if (std::string e = StartRun(d, *hp, *span, *grad, &job); !e.empty()) {
     d->failed_runs.fetch_add(1);
@@ -688,35 +625,12 @@ int ComputeWait(nsp_backend_device* d, uint64_t ticket, char* err, size_t err_le
 
 // ---- Checksums, counters ----
 
-bool GoodSlotState(const nsp_backend_device* d, int32_t slot, int32_t state) {
-  return slot >= 0 && slot <= 1 && state >= 0 && state < NSP_BACKEND_NUM_STATES && d->used[state];
-}
-
-int ChecksumsGet(nsp_backend_device* d, int32_t slot, int32_t state, uint32_t* out, int64_t pages, char* err,
-                 size_t err_len) {
-  if (!GoodSlotState(d, slot, state)) {
-    SetError(err, err_len, d->Name() + ": no such slot or state");
-    return -1;
-  }
-  const std::vector<uint32_t> crcs = d->pages->PageChecksums(slot, state);
-  if (crcs.empty()) return 0;
-  if (static_cast<int64_t>(crcs.size()) != pages) {
-    SetError(err, err_len, d->Name() + ": the shard has " + std::to_string(crcs.size()) + " pages, not " +
-                               std::to_string(pages));
-    return -1;
-  }
-  std::memcpy(out, crcs.data(), crcs.size() * sizeof(uint32_t));
-  return 1;
-}
-
 int ChecksumsSet(nsp_backend_device* d, int32_t slot, int32_t state, const uint32_t* crcs, int64_t pages, char* err,
                  size_t err_len) {
-  if (!GoodSlotState(d, slot, state)) return Fail(err, err_len, d->Name() + ": no such slot or state");
-  std::vector<uint32_t> v(crcs, crcs + pages);
-  if (std::string e = d->pages->SetPageChecksums(slot, state, v); !e.empty()) {
-    return Fail(err, err_len, d->Name() + ": " + e);
-  }
+  if (int rc = nsp::plugin::ChecksumsSet(d, slot, state, crcs, pages, err, err_len); rc != 0) return rc;
+  // What the P2P reads check against from now on.
   std::lock_guard<std::mutex> lock(d->crc_mu);
+  const std::vector<uint32_t> v(crcs, crcs + pages);
   d->crc[slot][state] = v;
   d->known[slot][state].assign(v.size(), 1);
   return 0;
@@ -724,16 +638,16 @@ int ChecksumsSet(nsp_backend_device* d, int32_t slot, int32_t state, const uint3
 
 // The file tier's counters (page writes, host reads) plus the P2P reads that bypassed it.
 void IoCounts(nsp_backend_device* d, nsp_io_counts* out) {
-  const nsp::IoCounts c = d->pages->Io();
-  const uint32_t room = out->struct_size;
-  nsp_io_counts full{sizeof(nsp_io_counts), c.read_bytes + d->p2p_read_bytes.load(), c.write_bytes,
-                     c.pages_read + d->p2p_reads.load(), c.pages_written, c.pages_read_direct + d->p2p_reads.load()};
-  std::memcpy(out, &full, std::min<size_t>(room, sizeof full));
-  out->struct_size = static_cast<uint32_t>(std::min<size_t>(room, sizeof full));
+  nsp::IoCounts c = d->pages->Io();
+  const int64_t p2p = d->p2p_reads.load();
+  c.read_bytes += d->p2p_read_bytes.load();
+  c.pages_read += p2p;
+  c.pages_read_direct += p2p;  // the SSD's DMA bypasses the page cache, as a direct read does
+  nsp::plugin::WriteIoCounts(c, out);
 }
 
 int64_t Stats(nsp_backend_device* d, nsp_backend_stat* out, int64_t capacity, char*, size_t) {
-  const std::pair<const char*, double> stats[] = {
+  return nsp::plugin::WriteStats({
       {"p2p_page_reads", static_cast<double>(d->p2p_reads.load())},
       {"p2p_read_bytes", static_cast<double>(d->p2p_read_bytes.load())},
       {"host_page_reads", static_cast<double>(d->host_reads.load())},
@@ -743,13 +657,7 @@ int64_t Stats(nsp_backend_device* d, nsp_backend_stat* out, int64_t capacity, ch
       {"bytes_from_device", static_cast<double>(d->bytes_from_device.load())},
       {"p2p_read_call", d->api.nspXrtP2PRead != nullptr ? 1.0 : 0.0},
       {"card", static_cast<double>(d->device_index)},
-  };
-  const int64_t count = static_cast<int64_t>(sizeof stats / sizeof stats[0]);
-  for (int64_t i = 0; i < capacity && i < count; ++i) {
-    std::snprintf(out[i].name, sizeof out[i].name, "%s", stats[i].first);
-    out[i].value = stats[i].second;
-  }
-  return count;
+  }, out, capacity);
 }
 
 void UpdateBegin(nsp_backend_device* d) { d->pages->StreamStarted(); }
@@ -761,15 +669,15 @@ const nsp_backend_v1 kTable = {
     "xrt",
     Open,
     Close,
-    PageBufferBytes,
+    nsp::plugin::PageBufferBytesOf<nsp_backend_device>,
     AllocBuffer,
     FreeBuffer,
     ReadPage,
     WritePage,
-    Sync,
+    nsp::plugin::SyncOf<nsp_backend_device>,
     ComputeLaunch,
     ComputeWait,
-    ChecksumsGet,
+    nsp::plugin::ChecksumsGetOf<nsp_backend_device>,
     ChecksumsSet,
     IoCounts,
     Stats,

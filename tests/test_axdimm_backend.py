@@ -7,49 +7,24 @@ unavailable says why, and each injected fault fails one update cleanly."""
 
 from __future__ import annotations
 
-import os
-import shutil
-import subprocess
-from pathlib import Path
-
-import ml_dtypes
 import numpy as np
 import pytest
+from backend_cases import (KINDS, PAGE, assert_close, assert_runs_match, memory_store, model_sources, open_device,
+                           params, run, states)
+from backend_cases import compile_shared as _compile_shared
 
 import nsp.storage as storage
-from nsp.primitives import kernel_isa
-
-ROOT = Path(__file__).resolve().parent.parent
-PAGE = 16 * 1024
-KINDS = {
-    "adam": (storage.OptimizerSpec("adam"), "dense"),
-    "adamw": (storage.OptimizerSpec("adamw", b1=0.8, weight_decay=0.1), "dense"),
-    "sgd_momentum": (storage.OptimizerSpec("sgd", momentum=0.9, nesterov=True), "dense"),
-    "adagrad": (storage.OptimizerSpec("adagrad", initial_nu=0.1), "dense"),
-    "adam_topk": (storage.OptimizerSpec("adam"), "topk"),
-    "adamw_bf16": (storage.OptimizerSpec("adamw", weight_decay=0.1), "bf16"),
-    "adam_lazy_topk": (storage.OptimizerSpec("adam", lazy=True), "topk"),
-}
 
 
-def compile_shared(sources: list[Path], out: Path) -> Path:
-    cxx = next((shutil.which(c) for c in (os.environ.get("CXX"), "c++", "g++", "clang++") if c and shutil.which(c)),
-               None)
-    if cxx is None:
-        pytest.skip("no C++ compiler: the AXDIMM model is built from source")
-    cmd = [cxx, "-O2", "-std=c++17", "-ffp-contract=off", "-Wno-unknown-pragmas", "-shared", "-fPIC",
-           *map(str, sources), "-o", str(out), "-lpthread"]
-    done = subprocess.run(cmd, capture_output=True, text=True)
-    assert done.returncode == 0, f"{' '.join(cmd)}\n{done.stderr}"
-    return out
+def compile_shared(sources, out):
+    return _compile_shared(sources, out, what="the AXDIMM model")
 
 
 @pytest.fixture(scope="module")
 def axdimm(tmp_path_factory):
     """The AXDIMM model library, as the backend's library= option."""
     where = tmp_path_factory.mktemp("axdimm_model")
-    lib = compile_shared([ROOT / "ffi/models/axdimm_model.cc", ROOT / "ffi/hls/nsp_updater_hls.cc",
-                          ROOT / "ffi/hls/nsp_updater_host.cc"], where / "libaxdimm_model.so")
+    lib = compile_shared(model_sources("axdimm_model"), where / "libaxdimm_model.so")
     return {"library": str(lib)}
 
 
@@ -60,63 +35,17 @@ def no_model_settings(monkeypatch):
         monkeypatch.delenv(name, raising=False)
 
 
-def params(elements: int = 9000):
-    rng = np.random.default_rng(0)
-    return {"w": rng.standard_normal(elements - 100).astype(np.float32),
-            "b": rng.standard_normal(100).astype(np.float32)}
-
-
-def gradient(step: int, layout, how: str) -> dict:
-    rng = np.random.default_rng(100 + step)
-    if how == "topk":
-        real = [min(layout.shard_size, max(0, layout.total - i * layout.shard_size)) for i in range(layout.num_shards)]
-        idx = [np.sort(rng.choice(r, max(1, r // 50), replace=False)).astype(np.int32) for r in real]
-        return {"indices": idx, "values": [rng.standard_normal(len(i)).astype(np.float32) for i in idx]}
-    g = rng.standard_normal(layout.padded_total).astype(np.float32)
-    g[layout.total:] = 0
-    return {"grad": g.astype(ml_dtypes.bfloat16) if how == "bf16" else g}
-
-
-def run(store, spec, how: str, steps: int = 3, first: int = 1) -> list[np.ndarray]:
-    if not store.initialized:
-        store.initialize(params(), spec)
-    outs = []
-    for step in range(first, first + steps):
-        out = store.update(**gradient(step, store.layout, how), version=store.version, lr=0.01 / step, step=step,
-                           bf16_out=how == "bf16")
-        outs.append(out["params"].copy())
-        if how == "bf16":
-            outs.append(out["params_bf16"].view(np.uint16).astype(np.float32))
-    return outs
-
-
-def assert_close(got, want, what: str = "") -> None:
-    """Within 1e-6 of the array's scale (the kernels' contract: the HLS updater is the portable kernel, operation
-    for operation, while the memory tier may run AVX2/AVX-512 with FMA), and bit for bit on the portable ISA."""
-    got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
-    scale = max(float(np.max(np.abs(want))), 1e-30)
-    assert float(np.max(np.abs(got - want))) / scale <= 1e-6, what
-    if kernel_isa() == "portable":
-        np.testing.assert_array_equal(got, want, err_msg=what)
-
-
-def states(store, spec) -> dict[str, np.ndarray]:
-    return {s: store.read(s) for s, used in zip(("param", "mu", "nu"), spec.states_used()) if used}
-
-
 def on_axdimm(path, options, **kw):
-    kw.setdefault("num_shards", 2)
-    return storage.open(path, tier="csd", backend="axdimm", backend_options=options, page_bytes=PAGE, **kw)
+    return open_device(path, "axdimm", options, **kw)
 
 
 @pytest.mark.parametrize("kind", sorted(KINDS))
 def test_axdimm_matches_memory(tmp_path, axdimm, kind):
     spec, how = KINDS[kind]
-    with storage.open(None, tier="memory", num_shards=2, page_bytes=PAGE) as mem, \
+    with memory_store(2) as mem, \
             on_axdimm(tmp_path / "a", axdimm) as dev:
         assert dev.backend == "axdimm"
-        for want, got in zip(run(mem, spec, how), run(dev, spec, how)):
-            assert_close(got, want)
+        assert_runs_match(mem, dev, spec, how)
         stats = [s["backend"] for s in dev.shard_stats()]
         for name, want in states(mem, spec).items():
             assert_close(states(dev, spec)[name], want, name)
@@ -140,13 +69,12 @@ def test_a_module_smaller_than_the_state_evicts_updated_pages_first(tmp_path, ax
     page_set = 3 * PAGE
     monkeypatch.setenv("NSP_AXDIMM_MODEL_BYTES", str(held * page_set + 2 * PAGE))
     spec = storage.OptimizerSpec("adamw", weight_decay=0.1)
-    with storage.open(None, tier="memory", num_shards=1, page_bytes=PAGE) as mem, \
+    with memory_store(1) as mem, \
             on_axdimm(tmp_path / "a", axdimm, num_shards=1) as dev:
         elements = 8 * PAGE // 4
         mem.initialize(params(elements), spec)
         dev.initialize(params(elements), spec)
-        for want, got in zip(run(mem, spec, "dense"), run(dev, spec, "dense")):
-            assert_close(got, want)
+        assert_runs_match(mem, dev, spec, "dense")
         for name, want in states(mem, spec).items():
             assert_close(states(dev, spec)[name], want, name)
         assert dev.verify()["problems"] == []
@@ -196,7 +124,7 @@ def test_an_injected_fault_fails_one_update_cleanly(tmp_path, axdimm, monkeypatc
         committed = dev.read()
     monkeypatch.setenv(variable, str(at))  # read when the module opens: counted from this reopen
     with on_axdimm(tmp_path / "a", axdimm, num_shards=1) as dev, \
-            storage.open(None, tier="memory", num_shards=1, page_bytes=PAGE) as mem:
+            memory_store(1) as mem:
         mem.initialize(params(), spec)
         with pytest.raises(storage.StoreError, match=rf"version 0 is intact: .*axdimm device 0 \({tmp_path}/a/shards/"
                            rf"00000\): {what}"):
@@ -204,8 +132,7 @@ def test_an_injected_fault_fails_one_update_cleanly(tmp_path, axdimm, monkeypatc
         assert dev.version == 0 and dev.held_versions() == [0]
         np.testing.assert_array_equal(dev.read(), committed)
         assert dev.verify()["problems"] == []
-        for want, got in zip(run(mem, spec, "dense", steps=2), run(dev, spec, "dense", steps=2)):
-            assert_close(got, want)
+        assert_runs_match(mem, dev, spec, "dense", steps=2)
         assert dev.shard_stats()[0]["backend"]["failed_kernels"] == (1 if "KERNEL" in variable else 0)
 
 
@@ -218,12 +145,11 @@ def test_a_copy_out_of_the_module_that_fails_fails_the_update(tmp_path, axdimm, 
     # 3 pages: per page 3 loads, a gradient and 3 copies back = 7 copies; the 21st is the last page's v.
     monkeypatch.setenv("NSP_AXDIMM_MODEL_FAIL_COPY_AT", "21")
     with on_axdimm(tmp_path / "a", axdimm, num_shards=1) as dev, \
-            storage.open(None, tier="memory", num_shards=1, page_bytes=PAGE) as mem:
+            memory_store(1) as mem:
         mem.initialize(params(), spec)
         with pytest.raises(storage.StoreError, match=r"version 0 is intact: .*axdimm device 0 .*: the update kernel on "
                            r"page \d+ \(channel [01]\) failed: state 'nu': the copy out of the module failed \(6\): "
                            r"axdimm model: nspAxdimmMemcpyX2H: injected copy fault"):
             run(dev, spec, "dense", steps=1)
         assert dev.version == 0
-        for want, got in zip(run(mem, spec, "dense", steps=2), run(dev, spec, "dense", steps=2)):
-            assert_close(got, want)
+        assert_runs_match(mem, dev, spec, "dense", steps=2)

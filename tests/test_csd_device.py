@@ -5,9 +5,9 @@ clock is deterministic and follows its figures, and its injected faults fail one
 from __future__ import annotations
 
 import filecmp
+import functools
 import json
 
-import ml_dtypes
 import numpy as np
 import pytest
 import tensorstore as ts
@@ -17,68 +17,19 @@ from nsp import _nsp_ffi
 from nsp.csd import LinkFigures, Setting, device_options, table_one, traffic
 from nsp.storage.format import array_dir
 
-PAGE = 16 * 1024
-PAGE_ELEMS = PAGE // 4
-# Per kind: the spec, and how its gradients travel.
-KINDS = {
-    "adam": (storage.OptimizerSpec("adam"), "dense"),
-    "adamw": (storage.OptimizerSpec("adamw", b1=0.8, weight_decay=0.1), "dense"),
-    "sgd_momentum": (storage.OptimizerSpec("sgd", momentum=0.9, nesterov=True), "dense"),
-    "adagrad": (storage.OptimizerSpec("adagrad", initial_nu=0.1), "dense"),
-    "adam_topk": (storage.OptimizerSpec("adam"), "topk"),
-    "adamw_bf16": (storage.OptimizerSpec("adamw", weight_decay=0.1), "bf16"),
-    "adam_lazy_topk": (storage.OptimizerSpec("adam", lazy=True), "topk"),
-}
-
-
-def params(elements: int = 9000):
-    rng = np.random.default_rng(0)
-    return {"w": rng.standard_normal(elements - 100).astype(np.float32),
-            "b": rng.standard_normal(100).astype(np.float32)}
-
-
-def gradient(step: int, layout, how: str) -> dict:
-    """update() arguments for one step's gradient: dense fp32 or bf16, or 2% Top-K pairs per shard."""
-    rng = np.random.default_rng(100 + step)
-    if how == "topk":
-        real = [min(layout.shard_size, max(0, layout.total - i * layout.shard_size)) for i in range(layout.num_shards)]
-        idx = [np.sort(rng.choice(r, max(1, r // 50), replace=False)).astype(np.int32) for r in real]
-        return {"indices": idx, "values": [rng.standard_normal(len(i)).astype(np.float32) for i in idx]}
-    g = rng.standard_normal(layout.padded_total).astype(np.float32)
-    g[layout.total:] = 0
-    return {"grad": g.astype(ml_dtypes.bfloat16) if how == "bf16" else g}
-
-
-def run(store, spec, how: str, steps: int = 3, first: int = 1) -> list[np.ndarray]:
-    if not store.initialized:
-        store.initialize(params(), spec)
-    outs = []
-    for step in range(first, first + steps):
-        out = store.update(**gradient(step, store.layout, how), version=store.version, lr=0.01 / step, step=step,
-                           bf16_out=how == "bf16")
-        outs.append(out["params"].copy())
-        if how == "bf16":
-            outs.append(out["params_bf16"].view(np.uint16).copy())
-    return outs
-
-
-def states(store, spec) -> dict[str, np.ndarray]:
-    return {s: store.read(s) for s, used in zip(("param", "mu", "nu"), spec.states_used()) if used}
+from backend_cases import KINDS, PAGE, PAGE_ELEMS, assert_runs_match, memory_store, open_device, params, run, states
 
 
 def csd(path, **kw):
-    kw.setdefault("num_shards", 2)
-    kw.setdefault("page_bytes", PAGE)
-    return storage.open(path, tier="csd", **kw)
+    return open_device(path, **kw)
 
 
 @pytest.mark.parametrize("kind", sorted(KINDS))
 def test_csd_matches_memory(tmp_path, kind):
     spec, how = KINDS[kind]
-    with storage.open(None, tier="memory", num_shards=2, page_bytes=PAGE) as mem, csd(tmp_path / "c") as dev:
+    with memory_store(2) as mem, csd(tmp_path / "c") as dev:
         assert dev.backend == "csd"
-        for want, got in zip(run(mem, spec, how), run(dev, spec, how)):
-            np.testing.assert_allclose(got, want, rtol=1e-6, atol=0)
+        assert_runs_match(mem, dev, spec, how, compare=functools.partial(np.testing.assert_allclose, rtol=1e-6, atol=0))
         for name, want in states(mem, spec).items():
             np.testing.assert_allclose(states(dev, spec)[name], want, rtol=1e-6, atol=0, err_msg=name)
 
@@ -88,8 +39,7 @@ def test_csd_matches_file_bit_for_bit_in_its_files_too(tmp_path):
     with storage.open(tmp_path / "f", tier="file", num_shards=2, page_bytes=PAGE) as f, csd(tmp_path / "c") as c:
         for how in ("dense", "topk", "bf16"):
             first = 1 + 3 * ("dense", "topk", "bf16").index(how)
-            for want, got in zip(run(f, spec, how, first=first), run(c, spec, how, first=first)):
-                np.testing.assert_array_equal(got, want)
+            assert_runs_match(f, c, spec, how, first=first, compare=np.testing.assert_array_equal)
         for name, want in states(f, spec).items():
             np.testing.assert_array_equal(states(c, spec)[name], want)
         version = c.version
@@ -254,7 +204,7 @@ def test_an_injected_fault_fails_one_update_cleanly(tmp_path, fault, at, what):
         committed = c.read()
     # Counted from the device's open: here, from this reopen, so the k-th operation is the update's.
     with csd(tmp_path / "c", backend_options={fault: at}) as c, \
-            storage.open(None, tier="memory", num_shards=2, page_bytes=PAGE) as mem:
+            memory_store(2) as mem:
         mem.initialize(params(), spec)
         with pytest.raises(storage.StoreError, match=rf"update from version 0 failed; version 0 is intact: csd device "
                            rf"[01] \({tmp_path}/c/shards/0000[01]\): {what} failed: injected fault \({fault}={at}"):
@@ -263,8 +213,7 @@ def test_an_injected_fault_fails_one_update_cleanly(tmp_path, fault, at, what):
         np.testing.assert_array_equal(c.read(), committed)
         assert c.verify()["problems"] == []
         # The fault struck once: the same step now succeeds, and is the memory tier's.
-        for want, got in zip(run(mem, spec, "dense", steps=2), run(c, spec, "dense", steps=2)):
-            np.testing.assert_array_equal(got, want)
+        assert_runs_match(mem, c, spec, "dense", steps=2, compare=np.testing.assert_array_equal)
         assert c.shard_stats()[0]["backend"]["model_failed_updates"] == 1
 
 

@@ -28,6 +28,7 @@
 
 #include "../hls/nsp_updater_hls.h"
 #include "../vendor/axdimm_api.h"
+#include "model_common.h"
 
 namespace {
 
@@ -38,13 +39,7 @@ int Fail(int code, const std::string& message) {
   return code;
 }
 
-int64_t EnvInt(const char* name, int64_t fallback) {
-  const char* text = std::getenv(name);
-  if (text == nullptr || *text == '\0') return fallback;
-  char* end = nullptr;
-  const long long value = std::strtoll(text, &end, 10);
-  return (end != nullptr && *end == '\0') ? value : fallback;
-}
+using nsp_model::EnvInt;
 
 // Addresses: channel + 1 in the top byte, then a byte offset in the channel's address space. Offsets are handed out
 // upwards and never reused, so a stale address after FreeX is recognised as unknown instead of aliasing new data.

@@ -30,6 +30,7 @@
 
 #include "../hls/nsp_updater_hls.h"
 #include "../vendor/xrt_c_api.h"
+#include "model_common.h"
 
 namespace {
 
@@ -52,13 +53,7 @@ T* FailNull(int code, const std::string& message) {
   return nullptr;
 }
 
-int64_t EnvInt(const char* name, int64_t fallback) {
-  const char* text = std::getenv(name);
-  if (text == nullptr || *text == '\0') return fallback;
-  char* end = nullptr;
-  const long long value = std::strtoll(text, &end, 10);
-  return (end != nullptr && *end == '\0') ? value : fallback;
-}
+using nsp_model::EnvInt;
 
 // ---- Objects ----
 
