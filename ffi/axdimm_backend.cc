@@ -670,18 +670,12 @@ int ComputeWait(nsp_backend_device* d, uint64_t ticket, char* err, size_t err_le
       running = true;
     }
   }
-  std::string e;
   if (running) {
-    e = Complete(d, l);
-  } else {
-    std::lock_guard<std::mutex> lock(d->mu);
-    auto it = d->done.find(ticket);
-    if (it == d->done.end()) return Fail(err, err_len, d->Name() + ": no kernel launch " + std::to_string(ticket));
-    e = std::move(it->second);
-    d->done.erase(it);
+    const std::string e = Complete(d, l);
+    return e.empty() ? 0 : Fail(err, err_len, e);
   }
-  if (!e.empty()) return Fail(err, err_len, e);
-  return 0;
+  std::lock_guard<std::mutex> lock(d->mu);
+  return nsp::plugin::TakeResult(*d, &d->done, ticket, err, err_len);
 }
 
 // ---- Checksums, counters, updates ----

@@ -246,10 +246,7 @@ int ComputeWait(nsp_backend_device* d, uint64_t ticket, char* err, size_t err_le
   if (ticket == 0 || ticket >= d->next_ticket) return Fail(err, err_len, d->Name() + ": no kernel launch " +
                                                                             std::to_string(ticket));
   d->cv.wait(lock, [&] { return d->done.count(ticket) > 0; });
-  std::string e = std::move(d->done[ticket]);
-  d->done.erase(ticket);
-  if (!e.empty()) return Fail(err, err_len, e);
-  return 0;
+  return nsp::plugin::TakeResult(*d, &d->done, ticket, err, err_len);
 }
 
 void IoCounts(nsp_backend_device* d, nsp_io_counts* out) { nsp::plugin::WriteIoCounts(d->pages->Io(), out); }

@@ -149,6 +149,15 @@ int CheckLaunch(const PluginDevice& d, const void* hp, const void* span, const v
   return d.Fail(err, err_len, "compute_launch needs hyperparameters, a span, a gradient and a ticket");
 }
 
+int TakeResult(const PluginDevice& d, std::map<uint64_t, std::string>* done, uint64_t ticket, char* err,
+               size_t err_len) {
+  auto it = done->find(ticket);
+  if (it == done->end()) return Fail(err, err_len, d.Name() + ": no kernel launch " + std::to_string(ticket));
+  const std::string e = std::move(it->second);
+  done->erase(it);
+  return e.empty() ? 0 : Fail(err, err_len, e);
+}
+
 // ---- Counters ----
 
 void WriteIoCounts(const nsp::IoCounts& c, nsp_io_counts* out) {

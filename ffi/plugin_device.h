@@ -90,6 +90,11 @@ int64_t PageOf(const nsp_page_info* info);
 // compute_launch's pointer arguments are all there: 0, or 1 with the message in `err`.
 int CheckLaunch(const PluginDevice& d, const void* hp, const void* span, const void* grad, const void* ticket,
                 char* err, size_t err_len);
+// compute_wait's end: takes launch `ticket`'s result out of `done` (finished launches, by ticket: "" or the
+// kernel's error) and returns 0, or 1 with the error (or "no kernel launch N") in `err`. The caller holds the lock
+// that guards `done`.
+int TakeResult(const PluginDevice& d, std::map<uint64_t, std::string>* done, uint64_t ticket, char* err,
+               size_t err_len);
 
 // ---- Counters ----
 

@@ -615,12 +615,7 @@ int ComputeLaunch(nsp_backend_device* d, const nsp_hyper_params* hp, const nsp_s
 int ComputeWait(nsp_backend_device* d, uint64_t ticket, char* err, size_t err_len) {
   std::lock_guard<std::mutex> lock(d->run_mu);
   if (d->have_pending && d->pending.ticket == ticket) FinishRun(d);
-  auto it = d->done.find(ticket);
-  if (it == d->done.end()) return Fail(err, err_len, d->Name() + ": no kernel launch " + std::to_string(ticket));
-  const std::string e = std::move(it->second);
-  d->done.erase(it);
-  if (!e.empty()) return Fail(err, err_len, e);
-  return 0;
+  return nsp::plugin::TakeResult(*d, &d->done, ticket, err, err_len);
 }
 
 // ---- Checksums, counters ----

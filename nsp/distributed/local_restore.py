@@ -16,13 +16,12 @@ from pathlib import Path
 
 import numpy as np
 
-from nsp.storage.format import (METADATA, StoreError, array_dir, atomic_write_json, fsync_dir, read_json,
-                                recorded_path, shard_dir, trailer_checksums, write_manifest, write_shard_id)
+from nsp.storage.format import METADATA, StoreError, atomic_write_json, fsync_dir, read_json, recorded_path, shard_dir
 from nsp.storage.layout import PAGES_IN_FLIGHT_DEFAULT, Layout
 from nsp.storage.opening import open as open_store
 from nsp.storage.placement import Placer, check_mode, clear_dir, prepare_empty_dir
-from nsp.storage.restore import RESTORING, _place_array, _remove_existing_store  # noqa: PLC2701  (one format)
-from nsp.storage.snapshot import CHECKSUMS, load_snapshot_info, open_snapshot_array
+from nsp.storage.restore import RESTORING, place_shard, remove_existing_store
+from nsp.storage.snapshot import load_snapshot_info, open_snapshot_array
 from nsp.storage.store import OptimizerSpec, StateStore
 
 
@@ -64,29 +63,17 @@ def restore_local(snapshot_dir: str | os.PathLike, store_path: str | os.PathLike
     root = Path(store_path).absolute()
     if not root.parent.exists():
         raise StoreError(f"cannot create store {root}: directory {root.parent} does not exist")
-    _remove_existing_store(root, snap, overwrite)
+    remove_existing_store(root, snap, overwrite)
     paths = [shard_dir(root, i) for i in range(n)]
     root_existed = root.exists()
     root.mkdir(exist_ok=True)
     atomic_write_json(root / RESTORING, {"snapshot": str(snap), "shard_paths": [str(paths[i]) for i in shards]})
     made: list[tuple[Path, bool]] = []
     try:
-        slot, store_id, placer = version % 2, uuid.uuid4().hex, Placer(mode)
+        store_id, placer = uuid.uuid4().hex, Placer(mode)
         for i in shards:
-            shard = paths[i]
-            made.append((shard, prepare_empty_dir(shard, "shard directory")))
-            for state in info["states"]:
-                _place_array(placer, shard_dir(snap, i) / state, shard, slot, state)
-            recorded = shard_dir(snap, i) / CHECKSUMS
-            if recorded.exists():
-                tables = read_json(recorded, "snapshot page checksums")["checksums"]
-            elif meta.get("checksum"):
-                tables = {"version": version,
-                          **{state: trailer_checksums(array_dir(shard, slot, state)) for state in info["states"]}}
-            else:
-                tables = {}
-            write_shard_id(shard, store_id, i, root)
-            write_manifest(shard, store_id, i, version, {str(slot): tables} if tables else {})
+            made.append((paths[i], prepare_empty_dir(paths[i], "shard directory")))
+            place_shard(placer, snap, info, meta, i, paths[i], store_id, root)
         meta = dict(meta, tier=tier, store_id=store_id, shard_paths=[recorded_path(s, root) for s in paths])
         atomic_write_json(root / METADATA, meta)
         (root / RESTORING).unlink()

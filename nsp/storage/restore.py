@@ -75,7 +75,7 @@ def restore_store(
     if _resolves_inside(root, snap):
         raise StoreError(f"cannot restore into {root}: it lies inside the snapshot {snap}")
     n = info["layout"]["num_shards"]
-    _remove_existing_store(root, snap, overwrite)
+    remove_existing_store(root, snap, overwrite)
     if shard_paths is not None:
         if len(shard_paths) != n:
             raise ValueError(f"got {len(shard_paths)} shard_paths for a snapshot of {n} shards")
@@ -92,24 +92,10 @@ def restore_store(
         for shard in shards:
             made_shards.append((shard, prepare_empty_dir(shard, "shard directory")))
         version = int(info["version"])
-        slot = version % 2
         store_id = uuid.uuid4().hex
         placer = Placer(mode)
         for i, shard in enumerate(shards):
-            for state in info["states"]:
-                _place_array(placer, shard_dir(snap, i) / state, shard, slot, state)
-            recorded = shard_dir(snap, i) / CHECKSUMS
-            if recorded.exists():
-                tables = read_json(recorded, "snapshot page checksums")["checksums"]
-            elif meta.get("checksum"):
-                # A snapshot that records none (the memory tier's, written by tensorstore): each page's own
-                # trailer is what it must hold from now on.
-                tables = {"version": version,
-                          **{state: trailer_checksums(array_dir(shard, slot, state)) for state in info["states"]}}
-            else:
-                tables = {}
-            write_shard_id(shard, store_id, i, root)
-            write_manifest(shard, store_id, i, version, {str(slot): tables} if tables else {})
+            place_shard(placer, snap, info, meta, i, shard, store_id, root)
         # A restored store is a new store: its own identity, its shards recorded relative to it where they can be.
         meta = dict(meta, tier=tier, store_id=store_id, shard_paths=[recorded_path(s, root) for s in shards])
         atomic_write_json(root / METADATA, meta)  # last: from here on it is a store
@@ -127,6 +113,28 @@ def restore_store(
         raise StoreError(f"restored store {root} opened at version {store.version}, expected {version}")
     store.restore_info = {"snapshot": str(snap), "version": version, **placer.info()}
     return store
+
+
+def place_shard(placer: Placer, snap: Path, info: dict, meta: dict, i: int, shard: Path, store_id: str,
+                root: Path) -> None:
+    """Shard ``i`` of snapshot ``snap`` laid into the empty directory ``shard`` of the store at ``root`` (id
+    ``store_id``): its arrays in the snapshot version's slot, its page checksums, its identity and its manifest."""
+    version = int(info["version"])
+    slot = version % 2
+    for state in info["states"]:
+        _place_array(placer, shard_dir(snap, i) / state, shard, slot, state)
+    recorded = shard_dir(snap, i) / CHECKSUMS
+    if recorded.exists():
+        tables = read_json(recorded, "snapshot page checksums")["checksums"]
+    elif meta.get("checksum"):
+        # A snapshot that records none (the memory tier's, written by tensorstore): each page's own trailer is
+        # what it must hold from now on.
+        tables = {"version": version,
+                  **{state: trailer_checksums(array_dir(shard, slot, state)) for state in info["states"]}}
+    else:
+        tables = {}
+    write_shard_id(shard, store_id, i, root)
+    write_manifest(shard, store_id, i, version, {str(slot): tables} if tables else {})
 
 
 def _place_array(placer: Placer, src: Path, shard: Path, slot: int, state: str) -> None:
@@ -190,7 +198,7 @@ def _check_not_locked(root: Path) -> None:
         raise StoreError(f"store {root} is open for writing ({holder}); close it before overwriting it")
 
 
-def _remove_existing_store(root: Path, snap: Path, overwrite: bool) -> None:
+def remove_existing_store(root: Path, snap: Path, overwrite: bool) -> None:
     if not root.exists():
         return
     if not root.is_dir():
