@@ -418,6 +418,19 @@ NB_MODULE(_nsp_ffi, m) {
              d["params_adopted"] = s.params_adopted;
              return d;
            })
+      .def("progress",
+           [](EngineRef& ref) {
+             const nsp::UpdateProgress p = ref.get().Progress();
+             nb::dict d;
+             d["pages_done"] = p.pages_done;
+             d["pages_total"] = p.pages_total;
+             d["elapsed_ns"] = p.elapsed_ns;
+             d["running"] = p.running;
+             d["updates_begun"] = p.updates_begun;
+             return d;
+           },
+           "The current (or last) update's progress: pages done of total, time since it began, whether it "
+           "runs. Safe to call from another thread while an update runs.")
       .def("backend_stats",
            [](EngineRef& ref) {
              std::vector<std::pair<std::string, double>> stats;

@@ -8,6 +8,7 @@
 
 #include <algorithm>
 #include <cerrno>
+#include <chrono>
 #include <cstdlib>
 #include <cstring>
 #include <new>
@@ -113,10 +114,53 @@ std::string ShardEngine::Commit(int64_t version) {
   return {};
 }
 
+namespace {
+int64_t SteadyNowNs() {
+  return std::chrono::duration_cast<std::chrono::nanoseconds>(
+             std::chrono::steady_clock::now().time_since_epoch())
+      .count();
+}
+}  // namespace
+
+// Marks an update as running for Progress() from its start to its end, however it returns.
+class ShardEngine::ProgressScope {
+ public:
+  explicit ProgressScope(ShardEngine* e) : e_(e) {
+    e_->progress_done_.store(0, std::memory_order_relaxed);
+    e_->progress_total_.store(e_->num_pages_, std::memory_order_relaxed);
+    e_->progress_start_ns_.store(SteadyNowNs(), std::memory_order_relaxed);
+    e_->progress_begun_.fetch_add(1, std::memory_order_relaxed);
+    e_->progress_running_.store(true, std::memory_order_release);
+  }
+  ~ProgressScope() {
+    e_->progress_end_ns_.store(SteadyNowNs(), std::memory_order_relaxed);
+    e_->progress_running_.store(false, std::memory_order_release);
+  }
+  ProgressScope(const ProgressScope&) = delete;
+  ProgressScope& operator=(const ProgressScope&) = delete;
+
+ private:
+  ShardEngine* e_;
+};
+
+UpdateProgress ShardEngine::Progress() const {
+  UpdateProgress p;
+  p.running = progress_running_.load(std::memory_order_acquire);
+  p.pages_done = progress_done_.load(std::memory_order_relaxed);
+  p.pages_total = progress_total_.load(std::memory_order_relaxed);
+  p.updates_begun = progress_begun_.load(std::memory_order_relaxed);
+  const int64_t start = progress_start_ns_.load(std::memory_order_relaxed);
+  if (p.updates_begun > 0) {
+    p.elapsed_ns = (p.running ? SteadyNowNs() : progress_end_ns_.load(std::memory_order_relaxed)) - start;
+  }
+  return p;
+}
+
 std::string ShardEngine::Step(ShardUpdate u, int64_t version) {
   const EngineCpuScope cpus;  // NSP_ENGINE_CPUS; the page readers and writers started below inherit it
   std::lock_guard<std::mutex> lock(step_mu_);
   const AddElapsedNs timer(&stats_.update_ns);  // the step's wall time, however it returns
+  const ProgressScope progress(this);
   if (version == version_ - 1 && version >= 0 && previous_valid_) {
     // A replay overwrites the slot of the committed version: step the commit back first, so a crash during
     // the replay still leaves a whole committed version.

@@ -14,6 +14,7 @@
 #pragma once
 
 #include <array>
+#include <atomic>
 #include <cstdint>
 #include <memory>
 #include <mutex>
@@ -43,6 +44,16 @@ struct TrafficStats {
   int64_t skipped = 0;    // steps skipped because the gradient was not finite
   int64_t wait_ns = 0;    // wall time a staleness-1 call held its caller (the part of the update not hidden)
   int64_t params_adopted = 0;  // steps that started from the caller's params instead of the committed ones
+};
+
+// Where the running update is, for a progress display polled from another thread while the update runs (an
+// update of a big shard takes minutes). Plain values, read from the engine's atomics (ShardEngine::Progress).
+struct UpdateProgress {
+  int64_t pages_done = 0;   // pages updated (read, computed, handed to be written) in the current or last update
+  int64_t pages_total = 0;  // pages of that update (the shard's page count)
+  int64_t elapsed_ns = 0;   // since that update began (to its end, once it ended)
+  bool running = false;     // an update is under way (Step, synchronous or in the background)
+  int64_t updates_begun = 0;  // updates begun since the engine opened: tells one update's progress from the next
 };
 
 struct ShardUpdate {
@@ -146,6 +157,8 @@ class ShardEngine {
   const TrafficStats& stats() const { return stats_; }
   void ResetStats() { stats_ = TrafficStats{}; }
   Backend& backend() { return *backend_; }
+  // Safe to call from any thread at any time, also while an update runs.
+  UpdateProgress Progress() const;
 
  private:
   bool Addressable() const;
@@ -214,6 +227,12 @@ class ShardEngine {
   // One page of the caller's params (allocated on the first update that starts from them).
   AlignedBuffer params_stage_;
   TrafficStats stats_;
+  // The running update's progress (Progress()): written by the update's thread, read by anyone.
+  class ProgressScope;
+  void PageDone(int64_t pages = 1) { progress_done_.fetch_add(pages, std::memory_order_relaxed); }
+  std::atomic<int64_t> progress_done_{0}, progress_total_{0}, progress_start_ns_{0}, progress_end_ns_{0};
+  std::atomic<int64_t> progress_begun_{0};
+  std::atomic<bool> progress_running_{false};
 };
 
 }  // namespace nsp

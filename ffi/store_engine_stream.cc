@@ -217,6 +217,7 @@ std::string ShardEngine::UpdateStreamed(const ShardUpdate& u) {
     if (u.pieces != nullptr) u.pieces->ScatterParams(begin, span.size, pbuf);
     writes.Push(w, kParamLane);
     ++computed;
+    PageDone();
   }
   // Unblock the readers if we stopped early, then let the writers finish what they hold.
   if (error.failed()) {

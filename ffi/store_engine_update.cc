@@ -166,6 +166,7 @@ std::string ShardEngine::UpdateAddressable(const ShardUpdate& u) {
       CountInPlace(n, true);
       backend_->Compute(u.hp, SlotSpan(u, begin, n), g);
     }
+    PageDone(num_pages_);  // one pass over the whole shard, piece by piece
     return {};
   }
   StateSpan span = SlotSpan(u, 0, size_);
@@ -180,6 +181,7 @@ std::string ShardEngine::UpdateAddressable(const ShardUpdate& u) {
   CountShared(u, g, size_, span);
   CountInPlace(size_, true);
   backend_->Compute(u.hp, span, g);
+  PageDone(num_pages_);  // one pass over the whole shard
   return {};
 }
 
@@ -195,6 +197,7 @@ std::string ShardEngine::UpdateAddressableFromCaller(const ShardUpdate& u) {
     CountInPlace(n, false);
     backend_->Compute(u.hp, span, g);
     if (u.pieces != nullptr) u.pieces->ScatterParams(begin, n, span.param_out);
+    PageDone();
   }
   return {};
 }

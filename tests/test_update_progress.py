@@ -1,0 +1,71 @@
+"""An update's progress can be watched from another thread while it runs (pages done of total, time since it
+began), whether the engine streams pages (file tier) or updates them in place (memory tier)."""
+
+import threading
+import time
+
+import numpy as np
+import pytest
+
+import nsp.storage
+
+PAGE_ELEMS = 1024  # 4 KiB pages: many pages, so that a poller sees the count move
+
+
+def _store(tier, tmp_path, n_pages=64):
+    n = n_pages * PAGE_ELEMS
+    store = nsp.storage.open(None if tier == "memory" else tmp_path / "s", tier=tier, page_bytes=4 * PAGE_ELEMS,
+                             pages_in_flight=2)
+    store.initialize({"w": np.linspace(-1, 1, n, dtype=np.float32)}, nsp.storage.OptimizerSpec("adam"))
+    return store, np.full(n, 1e-3, np.float32)
+
+
+def _progress(store):
+    return store._engines[0].progress()
+
+
+@pytest.mark.parametrize("tier", ["file", "memory"])
+def test_progress_after_an_update_counts_every_page(tier, tmp_path):
+    store, grad = _store(tier, tmp_path)
+    with store:
+        before = _progress(store)
+        assert before["updates_begun"] == 0 and not before["running"] and before["pages_done"] == 0
+        store.update(grad, version=0, lr=1e-3, step=1)
+        p = _progress(store)
+        assert p["updates_begun"] == 1 and not p["running"]
+        assert p["pages_total"] == store.layout.pages_per_shard == 64
+        assert p["pages_done"] == p["pages_total"]
+        assert p["elapsed_ns"] > 0
+        store.update(grad, version=1, lr=1e-3, step=2)
+        assert _progress(store)["updates_begun"] == 2
+
+
+def test_progress_moves_while_a_file_update_runs(tmp_path):
+    """A poller on another thread sees the update running with a page count between 0 and the total."""
+    store, grad = _store("file", tmp_path, n_pages=512)
+    with store:
+        seen = []
+        stop = threading.Event()
+
+        def poll():
+            while not stop.is_set():
+                seen.append(_progress(store))
+                time.sleep(0.0005)
+
+        poller = threading.Thread(target=poll)
+        poller.start()
+        try:
+            store.update(grad, version=0, lr=1e-3, step=1)
+        finally:
+            stop.set()
+            poller.join()
+        running = [p for p in seen if p["running"]]
+        assert running, "the poller never saw the update running"
+        done = [p["pages_done"] for p in running]
+        assert done == sorted(done), "pages done went backwards"
+        assert all(0 <= d <= 512 for d in done)
+        assert any(0 < d < 512 for d in done), f"never saw a partial count: {sorted(set(done))[:10]}"
+        # elapsed time grows while it runs
+        elapsed = [p["elapsed_ns"] for p in running]
+        assert elapsed == sorted(elapsed)
+
