@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 import uuid
 import weakref
 from pathlib import Path
@@ -37,6 +37,7 @@ from nsp.storage.handle import StoreHandle
 from nsp.storage.layout import Layout
 from nsp.storage.lifetime import Lifetime
 from nsp.storage.optimizer import OptimizerSpec
+from nsp.storage.space import check_free_space
 
 _INIT_CHUNK_BYTES = 16 << 20  # initialize writes the state this many bytes at a time
 
@@ -200,13 +201,43 @@ class StateStore:
         ``staleness``: how the updates will run (0: each returns its own params; 1: in the background, returning
         the previous step's), handed to the update primitives in ``handle()``. Returns the committed version.
         Raises ``StoreError`` (and writes nothing) when the store already holds a different layout or another
-        optimizer.
+        optimizer, or when its disks lack the space it needs (``nsp.storage.space``). ``initialize_from`` writes
+        the same bytes from one leaf at a time.
+        """
+        leaves = jax.tree_util.tree_leaves(params)
+        return self.initialize_from(params, lambda i: leaves[i], optimizer, staleness=staleness)
+
+    def initialize_from(self, abstract_params: Any, produce: Callable[[int], Any], optimizer: OptimizerSpec, *,
+                        staleness: int = 0, progress: Callable[[int, int], None] | None = None) -> int:
+        """``initialize`` from the params' shapes, asking for their values one leaf at a time: setting up never
+        holds the whole model, only the leaves the pages being written need.
+
+        Args:
+          abstract_params: a pytree of ``jax.ShapeDtypeStruct`` (or arrays) giving the layout, as ``initialize``'s
+            params do.
+          produce: ``produce(i)`` gives the values of leaf ``i`` (in ``jax.tree_util.tree_leaves(abstract_params)``
+            order) as a numpy or JAX array of that leaf's shape and dtype. It is called for i = 0, 1, 2, ... in
+            order, each exactly once (a process holding some of the shards is asked for every leaf all the same,
+            and drops those its shards lack at once), and the store lets go of a leaf as soon as its elements are
+            copied into the pages being written. Not called when the store holds state already.
+          optimizer: the update the store runs.
+          staleness: as for ``initialize``.
+          progress: ``progress(done_bytes, total_bytes)``, called after each chunk of pages is written (the state
+            bytes of version 0 this process writes: every state the optimizer keeps), ending at the total.
+
+        Returns:
+          The committed version: 0, or an existing store's.
+
+        Raises:
+          StoreError: the store holds another layout or optimizer; its disks lack the space it needs (said before
+            any state is written); a leaf from ``produce`` has another shape or dtype than the layout's; writing
+            failed. Nothing is committed then: the store stays uninitialized and writes no metadata.
         """
         self._check_open()
         if staleness not in (0, 1):
             raise ValueError(f"staleness must be 0 or 1, got {staleness}")
         self._staleness = int(staleness)
-        layout = Layout.from_tree(params, num_shards=self.num_shards, page_bytes=self.page_bytes)
+        layout = Layout.from_tree(abstract_params, num_shards=self.num_shards, page_bytes=self.page_bytes)
         if self.initialized:
             diff = self.layout.describe_difference(layout)
             if diff:
@@ -216,44 +247,87 @@ class StateStore:
                     f"store {self.root or '(memory)'} was created for {self.optimizer}, not {optimizer}"
                 )
             return self.version
+        if self.tier != "memory":  # every backend on disk keeps the file tier's files
+            check_free_space(self.shard_paths, layout, optimizer, root=self.root, shards=self.local_shards,
+                             checksum=self.checksum)
         self.layout, self.optimizer = layout, optimizer
         try:
             self._make_engines(create=True)
         except BaseException:
             self.layout = self.optimizer = None  # no engines: the store stays uninitialized
             raise
-        used = optimizer.states_used()
-        leaves = [np.asarray(x) for x in jax.tree_util.tree_leaves(params)]
-        # Written a few pages at a time, straight from the leaves: no flat copy of the model is ever made.
-        chunk = layout.page_elems * max(1, _INIT_CHUNK_BYTES // (4 * layout.page_elems))
-
-        def init_shard(local):
-            engine, i = self._engines[local], self.local_shards[local]
-            begin = i * layout.shard_size
-            size = min(chunk, layout.shard_size)
-            mu0, nu0 = np.zeros(size, np.float32), np.full(size, optimizer.initial_nu, np.float32)
-            for at in range(0, layout.shard_size, chunk):
-                n = min(chunk, layout.shard_size - at)
-                page = at // layout.page_elems
-                engine.write_pages(0, 0, page, layout.gather(leaves, begin + at, n))
-                if used[1]:
-                    engine.write_pages(0, 1, page, mu0[:n])
-                if used[2]:
-                    engine.write_pages(0, 2, page, nu0[:n])
-            engine.sync(0)
-
         try:
-            list(self._pool.map(init_shard, range(len(self.local_shards))))
+            self._write_first_version(produce, progress)
             for engine in self._engines:
                 engine.commit(0)
             if self.root is not None:
                 # Written last: a store without metadata is an empty one, whatever else a crash left behind.
                 atomic_write_json(self.root / METADATA, self.metadata())
-        except (RuntimeError, OSError) as e:
-            self.layout = self.optimizer = None
-            self._engines = []
-            raise StoreError(f"cannot initialize store {self.root or '(memory)'}: {e}") from e
+        except BaseException as e:
+            self._drop_engines()
+            if isinstance(e, (RuntimeError, OSError)) and not isinstance(e, StoreError):
+                raise StoreError(f"cannot initialize store {self.root or '(memory)'}: {e}") from e
+            raise
         return 0
+
+    def _drop_engines(self) -> None:
+        """Lets go of the engines of an initialization that failed: the store is uninitialized again."""
+        for engine in self._engines:
+            engine.release()
+        self._engines = []
+        self.layout = self.optimizer = None
+
+    def _write_first_version(self, produce: Callable[[int], Any], progress: Callable[[int, int], None] | None
+                             ) -> None:
+        """Writes version 0 of this process's shards: the params from ``produce`` (``_Leaves``), zeroed moments
+        and ``initial_nu``, a few pages at a time in flat-vector order, then syncs each shard.
+
+        The next chunk is gathered while the pool writes the one before it; each engine runs one write at a time
+        (its chunks in order), and a shard's sync runs beside the next shard's writes."""
+        layout, used = self.layout, self.optimizer.states_used()
+        # Written a few pages at a time, straight from the leaves: no flat copy of the model is ever made.
+        chunk = layout.page_elems * max(1, _INIT_CHUNK_BYTES // (4 * layout.page_elems))
+        size = min(chunk, layout.shard_size)
+        mu0, nu0 = np.zeros(size, np.float32), np.full(size, self.optimizer.initial_nu, np.float32)
+        leaves = _Leaves(layout, produce)
+        states = sum(used)
+        total, done = len(self.local_shards) * layout.shard_size * 4 * states, 0
+        in_flight: list[tuple[concurrent.futures.Future, int, Any]] = []  # (write, its bytes, its engine)
+
+        def write(engine, page, params, last):
+            engine.write_pages(0, 0, page, params)
+            if used[1]:
+                engine.write_pages(0, 1, page, mu0[:params.size])
+            if used[2]:
+                engine.write_pages(0, 2, page, nu0[:params.size])
+            if last:
+                engine.sync(0)
+
+        def settle(engine=None):
+            """Waits for the writes in flight to ``engine`` (to every engine without one), telling ``progress``."""
+            nonlocal done
+            for entry in [entry for entry in in_flight if engine is None or entry[2] is engine]:
+                in_flight.remove(entry)
+                entry[0].result()
+                done += entry[1]
+                if progress is not None:
+                    progress(done, total)
+
+        try:
+            for local, i in enumerate(self.local_shards):
+                engine, begin = self._engines[local], i * layout.shard_size
+                for at in range(0, layout.shard_size, chunk):
+                    n = min(chunk, layout.shard_size - at)
+                    params = leaves.gather(begin + at, n)
+                    settle(engine)  # one write at a time per engine, its pages in order
+                    last = at + n == layout.shard_size
+                    in_flight.append((self._pool.submit(write, engine, at // layout.page_elems, params, last),
+                                      n * 4 * states, engine))
+            leaves.finish()
+            settle()
+        finally:
+            # On an error, no write may still run once the engines are let go.
+            concurrent.futures.wait([future for future, _, _ in in_flight])
 
     def metadata(self) -> dict:
         """What ``nsp_store.json`` holds for this store (a memory store writes none; its snapshots do)."""
@@ -564,3 +638,45 @@ class StateStore:
                 f"optimizer={self.optimizer.kind if self.optimizer else None})")
 
 
+class _Leaves:
+    """The params' leaves as ``StateStore.initialize_from`` asks ``produce`` for them: each once, in layout order,
+    checked against the layout, and held only while the chunk being gathered needs it (a leaf that ends inside
+    the chunk is let go once the chunk is gathered; one that goes on past it stays for the next)."""
+
+    def __init__(self, layout: Layout, produce: Callable[[int], Any]):
+        self.layout = layout
+        self.produce = produce
+        self.next = 0  # the next leaf to ask for
+        self.held: dict[int, np.ndarray] = {}  # leaf index -> its values, flat
+
+    def gather(self, begin: int, n: int) -> np.ndarray:
+        """Elements ``[begin, begin + n)`` of the padded flat vector as fp32 (``Layout.gather``); chunks must
+        come in increasing order."""
+        end = begin + n
+        leaves = self.layout.leaves
+        while self.next < len(leaves) and leaves[self.next].offset < end:
+            if leaves[self.next].offset + leaves[self.next].size > begin:
+                self.held[self.next] = self._take(self.next)
+            else:  # it lies in another process's shards: checked, and let go at once
+                self._take(self.next)
+            self.next += 1
+        out = self.layout.gather([self.held.get(i) for i in range(len(leaves))], begin, n)
+        for i in [i for i in self.held if leaves[i].offset + leaves[i].size <= end]:
+            del self.held[i]
+        return out
+
+    def finish(self) -> None:
+        """Asks for (and checks) the leaves no chunk needed: those past this process's last shard, and empty
+        ones at the end."""
+        while self.next < len(self.layout.leaves):
+            self._take(self.next)
+            self.next += 1
+        self.held.clear()
+
+    def _take(self, i: int) -> np.ndarray:
+        spec = self.layout.leaves[i]
+        values = np.asarray(self.produce(i))
+        if values.shape != spec.shape or values.dtype.name != spec.dtype:
+            raise StoreError(f"leaf {i} ({spec.path}) was produced as {values.dtype.name}{list(values.shape)}; "
+                             f"the layout says {spec.dtype}{list(spec.shape)}")
+        return np.ravel(values)  # a view when contiguous; else one copy, not one per chunk
