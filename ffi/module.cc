@@ -17,6 +17,7 @@
 #include <string>
 #include <type_traits>
 
+#include "abort_guard.h"
 #include "backend.h"
 #include "crc32c.h"
 #include "engine_cpus.h"
@@ -341,6 +342,16 @@ NB_MODULE(_nsp_ffi, m) {
       "Loads backend `name` (checking its library and ABI version, opening no device) and returns its library's "
       "path ('' for the built-in memory and file). RuntimeError \"backend <name> not available: <why>\" when it "
       "cannot be had.");
+  m.def(
+      "install_abort_guard",
+      [](const std::string& host, int port, int probe_ms, const std::string& message, int exit_code) {
+        Check(nsp::InstallAbortGuard(host, port, probe_ms, message, exit_code));
+      },
+      nb::arg("host"), nb::arg("port"), nb::arg("probe_ms"), nb::arg("message"), nb::arg("exit_code"),
+      "On SIGABRT, when the coordination service at host:port (a numeric address) no longer accepts a "
+      "connection within probe_ms, writes `message` to stderr and exits with `exit_code`; any other abort "
+      "proceeds as before.");
+  m.def("remove_abort_guard", &nsp::RemoveAbortGuard, "The default SIGABRT action again.");
   m.def("backend_dir", []() { return PackageBackendDir(); },
         "nsp's own directory of backend libraries, searched after NSP_BACKEND_PATH.");
   m.def("get_num_threads", &nsp::GetNumThreads, "Threads the update kernels use.");

@@ -139,3 +139,56 @@ def test_bad_store_directory_stops_every_process_and_commits_nothing(runs, probl
         assert said and "process 1:" in said[0] and "nothing was committed" in said[0], out
     assert not (run_dir / "store" / "process-00000" / nsp.storage.store.METADATA).exists()
     assert not any(p.name.isdigit() for p in (run_dir / "ckpt").glob("*")), out
+
+
+_ABORT = """
+import os, sys
+from nsp import _nsp_ffi
+_nsp_ffi.install_abort_guard("127.0.0.1", int(sys.argv[1]), 500, "nsp: error: the service is gone\\n", 75)
+os.abort()
+"""
+
+
+@pytest.mark.parametrize("service", ["gone", "listening"])
+def test_abort_guard_exits_cleanly_only_when_the_service_is_gone(service):
+    """Process 0's death makes JAX's client abort the others; the guard turns that abort into the documented exit
+    when, and only when, the coordination service no longer accepts connections."""
+    import socket
+
+    with socket.socket() as listener:
+        listener.bind(("127.0.0.1", 0))
+        port = listener.getsockname()[1]
+        if service == "listening":
+            listener.listen()
+        else:
+            listener.close()  # nothing listens there any more: connections are refused
+        done = subprocess.run([sys.executable, "-c", _ABORT, str(port)], capture_output=True, text=True, timeout=60)
+    if service == "gone":
+        assert done.returncode == PEER_LOST_EXIT, done.stderr
+        assert "the service is gone" in done.stderr
+    else:
+        assert done.returncode == -signal.SIGABRT, (done.returncode, done.stderr)
+        assert "the service is gone" not in done.stderr
+
+
+def test_killed_process_0_stops_its_peer_with_the_message(runs):
+    """Process 0 hosts the coordination service: its death ends the others with the documented message and exit
+    status (never a bare SIGABRT), at once."""
+    run_dir = runs / "killed-0"
+    address = f"127.0.0.1:{free_port()}"
+    procs = [subprocess.Popen(NSP + TRAIN + ["--run-dir", str(run_dir), "--coordinator", address,
+                                             "--num-processes", "2", "--process-id", str(i)],
+                              env=_env(2), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+             for i in range(2)]
+    victim, survivor = procs
+    for line in victim.stdout:
+        if line.startswith("step     3/"):
+            break
+    victim.send_signal(signal.SIGKILL)
+    killed_at = time.monotonic()
+    out, _ = survivor.communicate(timeout=BOUND_S + 30)
+    waited = time.monotonic() - killed_at
+    victim.wait()
+    assert survivor.returncode == PEER_LOST_EXIT, out
+    assert "nsp: error: process 1:" in out and "--resume" in out, out
+    assert waited < BOUND_S, f"the survivor took {waited:.1f} s to stop (bound {BOUND_S} s)"

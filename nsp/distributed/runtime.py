@@ -5,21 +5,24 @@ train --coordinator ADDR:PORT --num-processes N --process-id I``), the ``JAX_COO
 ``JAX_NUM_PROCESSES`` / ``JAX_PROCESS_ID`` variables (what ``nsp launch`` sets), or a cluster JAX detects itself
 (SLURM, Open MPI, Kubernetes). A lone process with none of these is left exactly as it was: no runtime, no
 watchdog. Once joined, a ``PeerWatchdog`` (``watchdog.py``) ends the process with a clear message when a peer
-stops answering.
+stops answering, and on every process but 0 an abort guard does the same when process 0's coordination service
+goes away (JAX's client would otherwise end the process with a bare SIGABRT before Python could say why).
 """
 
 from __future__ import annotations
 
 import os
+import socket
 import sys
 import time
 
 import jax
 
-from nsp.distributed.watchdog import PeerWatchdog
+from nsp.distributed.watchdog import PEER_LOST_EXIT, PeerWatchdog, peer_lost_message
 
 HEARTBEAT_TIMEOUT_S = 10  # a peer silent this long is dead (JAX's own default is 100 s)
 INIT_TIMEOUT_S = 120  # every process must have joined within this long
+GUARD_PROBE_MS = 2000  # how long the abort guard waits for the coordination service to accept a connection
 
 _WATCHDOG: PeerWatchdog | None = None
 
@@ -82,7 +85,32 @@ def initialize(coordinator: str | None = None, num_processes: int | None = None,
             f"crashed before joining, or the address is wrong): {first}") from None
     _WATCHDOG = PeerWatchdog(_client(), jax.process_index(), jax.process_count(), heartbeat_timeout_s)
     _WATCHDOG.start()
+    if jax.process_index() != 0:
+        _guard_against_service_loss()
     return jax.process_count() > 1
+
+
+def _guard_against_service_loss() -> None:
+    """When process 0 dies, JAX's client aborts this process as soon as it polls the coordination service
+    (SIGABRT, "Terminating process because the JAX distributed service detected fatal errors"), often before the
+    watchdog or a failed collective can say so. The guard (C++, ffi/abort_guard.cc) catches that abort and, only
+    when the service's address no longer accepts connections, prints the watchdog's message and exits with
+    ``PEER_LOST_EXIT``; any other abort stays an abort."""
+    from jax._src import distributed as _distributed
+
+    from nsp import _nsp_ffi
+
+    address = _distributed.global_state.coordinator_address or ""
+    host, _, port = address.rpartition(":")
+    try:
+        numeric = socket.getaddrinfo(host.strip("[]"), int(port), type=socket.SOCK_STREAM)[0][4][0]
+    except (OSError, ValueError) as e:  # no guard: the abort stays JAX's own
+        print(f"nsp: cannot resolve the coordinator {address!r} ({e}); if process 0 dies, JAX's runtime will "
+              "abort this process without nsp's message", file=sys.stderr)
+        return
+    why = f"lost the coordination service at {address} (process 0 died, or the network broke)"
+    _nsp_ffi.install_abort_guard(numeric, int(port), GUARD_PROBE_MS, peer_lost_message(jax.process_index(), why)
+                                 + "\n", PEER_LOST_EXIT)
 
 
 def _client():
@@ -109,6 +137,9 @@ def finish(barrier_timeout_s: int = 600) -> None:
     if _WATCHDOG is not None:
         _WATCHDOG.stop()
         _WATCHDOG = None
+    from nsp import _nsp_ffi
+
+    _nsp_ffi.remove_abort_guard()  # the service going away from now on is the run ending, not a loss
     # Process 0 hosts the coordination service: it leaves last, once the others have disconnected (a service
     # that goes away under a disconnecting client aborts that client).
     if jax.process_index() == 0:

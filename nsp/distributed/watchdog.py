@@ -11,7 +11,6 @@ from __future__ import annotations
 import os
 import sys
 import threading
-import time
 
 PEER_LOST_EXIT = 75  # exit status of a process whose peer died (EX_TEMPFAIL: resume the run with --resume)
 POLL_S = 1.0
@@ -51,7 +50,11 @@ def exit_peer_lost(process_index: int, why: str) -> None:
     """Prints why this process stops (a peer or the service is gone) and exits with ``PEER_LOST_EXIT`` at once:
     a normal exit would wait, in the runtime's shutdown, for the peer that is gone."""
     sys.stdout.flush()
-    print(f"nsp: error: process {process_index}: {why}; stopping. The last checkpoint is intact: rerun the same "
-          "command with --resume", file=sys.stderr, flush=True)
-    time.sleep(0.1)
+    print(peer_lost_message(process_index, why), file=sys.stderr, flush=True)
     os._exit(PEER_LOST_EXIT)
+
+
+def peer_lost_message(process_index: int, why: str) -> str:
+    """What a process that stops because a peer or the service is gone prints (one line)."""
+    return (f"nsp: error: process {process_index}: {why}; stopping. The last checkpoint is intact: rerun the same "
+            "command with --resume")
