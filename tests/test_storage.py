@@ -351,12 +351,14 @@ def test_full_disk_fails_cleanly_and_keeps_the_committed_version(tmp_path):
     this machine lets us mount one, else the fault-injecting backend's ENOSPC (NSP_DEBUG_FAIL_WRITES_AFTER)."""
     params = {"w": jnp.asarray(np.random.default_rng(0).standard_normal(200_000), jnp.float32)}
     mnt = tmp_path / "tiny"
-    mounted = _mount_tmpfs(mnt, "size=5m")  # version 0 (3.2 MB of p/m/v pages) fits, version 1 does not
+    mounted = _mount_tmpfs(mnt, "size=16m")
     path = (mnt if mounted else tmp_path) / "store"
     try:
         with storage.open(path, tier="file", page_bytes=PAGE * 16) as store:
-            store.initialize(params, SPECS["adam"])
-        if not mounted:
+            store.initialize(params, SPECS["adam"])  # set-up checks the space both versions need: it is there
+        if mounted:  # then the disk shrinks under the store: version 0 (3.2 MB of p/m/v pages) fits, 1 does not
+            subprocess.run(["mount", "-o", "remount,size=5m", str(mnt)], check=True)
+        else:
             os.environ["NSP_DEBUG_FAIL_WRITES_AFTER"] = "3"
         with storage.open(path, tier="file", page_bytes=PAGE * 16) as store:
             with pytest.raises(storage.StoreError, match="No space left on device"):

@@ -195,7 +195,8 @@ class StateStore:
 
     # ---- creation --------------------------------------------------------------------------------------------
 
-    def initialize(self, params: Any, optimizer: OptimizerSpec, *, staleness: int = 0) -> int:
+    def initialize(self, params: Any, optimizer: OptimizerSpec, *, staleness: int = 0,
+                   checkpoint_margin: int = 1) -> int:
         """Writes the layout of ``params`` and their values as version 0, or checks an existing store matches.
 
         ``staleness``: how the updates will run (0: each returns its own params; 1: in the background, returning
@@ -205,10 +206,12 @@ class StateStore:
         the same bytes from one leaf at a time.
         """
         leaves = jax.tree_util.tree_leaves(params)
-        return self.initialize_from(params, lambda i: leaves[i], optimizer, staleness=staleness)
+        return self.initialize_from(params, lambda i: leaves[i], optimizer, staleness=staleness,
+                                    checkpoint_margin=checkpoint_margin)
 
     def initialize_from(self, abstract_params: Any, produce: Callable[[int], Any], optimizer: OptimizerSpec, *,
-                        staleness: int = 0, progress: Callable[[int, int], None] | None = None) -> int:
+                        staleness: int = 0, progress: Callable[[int, int], None] | None = None,
+                        checkpoint_margin: int = 1) -> int:
         """``initialize`` from the params' shapes, asking for their values one leaf at a time: setting up never
         holds the whole model, only the leaves the pages being written need.
 
@@ -224,6 +227,9 @@ class StateStore:
           staleness: as for ``initialize``.
           progress: ``progress(done_bytes, total_bytes)``, called after each chunk of pages is written (the state
             bytes of version 0 this process writes: every state the optimizer keeps), ending at the total.
+          checkpoint_margin: versions of pages that live checkpoints may add to the disk's need (a snapshot keeps
+            the pages it links, so the second update after it writes those pages anew; ``nsp.storage.space``).
+            0 when no update will follow a checkpoint while this store lives (a run that saves only at its end).
 
         Returns:
           The committed version: 0, or an existing store's.
@@ -249,7 +255,7 @@ class StateStore:
             return self.version
         if self.tier != "memory":  # every backend on disk keeps the file tier's files
             check_free_space(self.shard_paths, layout, optimizer, root=self.root, shards=self.local_shards,
-                             checksum=self.checksum)
+                             checksum=self.checksum, checkpoints=checkpoint_margin)
         self.layout, self.optimizer = layout, optimizer
         try:
             self._make_engines(create=True)
