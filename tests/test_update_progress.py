@@ -24,6 +24,21 @@ def _progress(store):
     return store._engines[0].progress()
 
 
+def test_store_progress_sums_its_shards(tmp_path):
+    store = nsp.storage.open(tmp_path / "s", tier="file", num_shards=3, page_bytes=4 * PAGE_ELEMS)
+    with store:
+        n = 3 * 10 * PAGE_ELEMS
+        store.initialize({"w": np.zeros(n, np.float32)}, nsp.storage.OptimizerSpec("adam"))
+        assert store.progress() == {"running": False, "pages_done": 0, "pages_total": 0, "bytes_done": 0,
+                                    "elapsed_s": 0.0, "updates_begun": 0}
+        store.update(np.full(n, 1e-3, np.float32), version=0, lr=1e-3, step=1)
+        p = store.progress()
+        assert not p["running"] and p["updates_begun"] == 1
+        assert p["pages_done"] == p["pages_total"] == 30
+        assert p["bytes_done"] == 2 * 3 * 30 * 4 * PAGE_ELEMS  # p, m, v pages, each read and written
+        assert p["elapsed_s"] > 0
+
+
 @pytest.mark.parametrize("tier", ["file", "memory"])
 def test_progress_after_an_update_counts_every_page(tier, tmp_path):
     store, grad = _store(tier, tmp_path)
