@@ -43,6 +43,10 @@ def _train(args: argparse.Namespace) -> int:
     from nsp.train.trainer import TrainError, train_and_evaluate
 
     values = {f.name: getattr(args, f.name) for f in dataclasses.fields(TrainConfig)}
+    if values["bf16_params"]:
+        from nsp.train.trainer import lean_xla_flags
+
+        lean_xla_flags()  # before JAX's backend starts (nothing has run yet)
     try:
         config = TrainConfig(**values)
         summary = train_and_evaluate(config)
@@ -133,12 +137,13 @@ def _ckpt(args: argparse.Namespace) -> int:
         if not steps:
             print(f"no checkpoints in {run_dir / 'ckpt'}")
         for step in steps:
-            info = ckpt.load_snapshot_info(run_dir / "ckpt" / str(step) / "store", check_files=False)
-            print(f"step {step}: store version {info['version']}, {run_dir / 'ckpt' / str(step)}")
+            info = ckpt.load_store_item_info(run_dir / "ckpt" / str(step) / "store")
+            parts = f", {len(info['processes'])} processes" if "processes" in info else ""
+            print(f"step {step}: store version {info['version']}{parts}, {run_dir / 'ckpt' / str(step)}")
         return 0
     step = _checkpoint_step(manager, run_dir, args.step)
     if args.action == "show":
-        info = ckpt.load_snapshot_info(run_dir / "ckpt" / str(step) / "store", check_files=False)
+        info = ckpt.load_store_item_info(run_dir / "ckpt" / str(step) / "store")
         files = info.pop("files", [])
         info["files"] = len(files)
         info["bytes"] = sum(f["bytes"] for f in files)

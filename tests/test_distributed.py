@@ -5,6 +5,7 @@ documented bound and ``--resume`` finishes bit-identically; a process that canno
 every process with a clear error and commits nothing.
 """
 
+import json
 import os
 import signal
 import subprocess
@@ -79,6 +80,24 @@ def test_two_processes_match_one_process_bit_for_bit(runs):
     assert (runs / "two" / "store" / "process-00001").is_dir()
     assert (runs / "two" / "ckpt" / str(STEPS) / "store" / "process-00001").is_dir()
     _assert_same(_state(runs / "one"), _state(runs / "two"))
+
+
+def test_ckpt_list_and_show_read_a_multi_process_checkpoint(runs, capsys):
+    """``nsp ckpt list/show`` see every process's part of a step: its version, shards and files on disk."""
+    from nsp.cli import main
+
+    run = runs / "two"
+    assert main(["ckpt", "list", "--run-dir", str(run)]) == 0
+    assert f"step {STEPS}: store version {STEPS}, 2 processes" in capsys.readouterr().out
+    assert main(["ckpt", "show", "--run-dir", str(run), "--step", str(STEPS)]) == 0
+    shown = json.loads(capsys.readouterr().out)["store"]
+    item = run / "ckpt" / str(STEPS) / "store"
+    assert shown["version"] == STEPS and shown["local_shards"] == [0, 1, 2, 3]
+    assert [(p["process"], p["shards"]) for p in shown["processes"]] == [(0, [0, 1]), (1, [2, 3])]
+    on_disk = [sum((part / f["path"]).stat().st_size for f in ckpt.load_snapshot_info(part)["files"])
+               for part in (item / "process-00000", item / "process-00001")]
+    assert [p["bytes"] for p in shown["processes"]] == on_disk and all(on_disk)
+    assert shown["bytes"] == sum(on_disk) and shown["total_bytes"] >= sum(on_disk)
 
 
 def test_killed_process_stops_its_peer_and_resume_is_bit_exact(runs):

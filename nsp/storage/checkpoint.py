@@ -6,14 +6,14 @@ and ``export`` (a checkpoint plain orbax reads). Each of those modules says how 
 # all of this lived here.
 from nsp.storage.export import export_checkpoint
 from nsp.storage.orbax_handler import (ITEM_NAMES, StoreCheckpointHandler, StoreRestore, StoreSave,  # noqa: F401
-                                       load_train_state, make_checkpoint_manager, restore_checkpoint,
-                                       save_checkpoint)
+                                       load_store_item_info, load_train_state, make_checkpoint_manager,
+                                       restore_checkpoint, save_checkpoint)
 from nsp.storage.placement import MODES  # noqa: F401
 from nsp.storage.restore import RESTORING, restore_store  # noqa: F401
 from nsp.storage.snapshot import (CHECKSUMS, SNAPSHOT, SNAPSHOT_FORMAT, SNAPSHOT_FORMAT_VERSION,  # noqa: F401
                                   load_snapshot_info, read_snapshot, snapshot_store)
 
 __all__ = [
-    "SNAPSHOT", "StoreCheckpointHandler", "StoreRestore", "StoreSave", "export_checkpoint", "load_snapshot_info",
+    "SNAPSHOT", "StoreCheckpointHandler", "StoreRestore", "StoreSave", "export_checkpoint", "load_snapshot_info", "load_store_item_info",
     "make_checkpoint_manager", "restore_checkpoint", "restore_store", "save_checkpoint", "snapshot_store",
 ]

@@ -80,6 +80,43 @@ def process_part(item_dir: Path) -> Path:
     return item_dir if jax.process_count() == 1 else item_dir / f"process-{jax.process_index():05d}"
 
 
+def load_store_item_info(item_dir: str | os.PathLike, *, check_files: bool = False) -> dict:
+    """What a checkpoint step's store item holds, whoever wrote it: ``load_snapshot_info`` of a lone process's
+    snapshot, or, for a multi-process step (``process-NNNNN`` parts), the parts together: ``version`` (the one
+    every part holds), ``processes`` (each part's process, shards, files and bytes), ``local_shards`` and
+    ``files`` over all parts, and the rest (layout, optimizer, page size) from part 0. Raises ``StoreError`` when a
+    part is missing or unfinished, or the parts disagree on the version or the layout."""
+    item = Path(item_dir)
+    parts = sorted(p for p in item.glob("process-*") if p.is_dir()) if item.is_dir() else []
+    if not parts or (item / SNAPSHOT).exists():
+        return load_snapshot_info(item, check_files=check_files)
+    infos = [load_snapshot_info(part, check_files=check_files) for part in parts]
+    first = infos[0]
+    for part, info in zip(parts, infos):
+        for key in ("version", "layout", "optimizer", "page_bytes"):
+            if info.get(key) != first.get(key):
+                raise StoreError(f"checkpoint store item {item} is inconsistent: {part.name} holds {key} "
+                                 f"{info.get(key)!r}, {parts[0].name} {first.get(key)!r}")
+    shards = sorted(s for info in infos for s in info.get("local_shards") or [])
+    expected = list(range(first["layout"]["num_shards"]))
+    if shards != expected:
+        raise StoreError(f"checkpoint store item {item} holds shards {shards} over its {len(parts)} parts; the "
+                         f"layout has {expected}: a part is missing")
+    combined = {k: v for k, v in first.items() if k not in ("source", "files", "local_shards", "path")}
+    for key, value in first.items():  # the parts' counts add up (files and bytes linked, copied, ...)
+        if isinstance(value, int) and not isinstance(value, bool) and (key.endswith(("_files", "_bytes"))):
+            combined[key] = sum(info.get(key) or 0 for info in infos)
+    combined["method"] = "/".join(sorted({str(info.get("method")) for info in infos}))
+    combined["created"] = max(str(info.get("created")) for info in infos)
+    combined.update(path=str(item.absolute()), local_shards=shards,
+                    files=[{**f, "path": f"{part.name}/{f['path']}"} for part, info in zip(parts, infos)
+                           for f in info["files"]],
+                    processes=[{"process": int(part.name.split("-")[1]), "path": str(part),
+                                "shards": info.get("local_shards"), "files": len(info["files"]),
+                                "bytes": sum(f["bytes"] for f in info["files"])} for part, info in zip(parts, infos)])
+    return combined
+
+
 @ocp.args.register_with_handler(StoreCheckpointHandler, for_save=True)
 @dataclasses.dataclass
 class StoreSave(ocp.args.CheckpointArgs):
