@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import subprocess
+import tempfile
 import sys
 import textwrap
 
@@ -50,9 +51,11 @@ _PRELUDE = textwrap.dedent("""
 
 
 def _run(script: str, *args: str, timeout: float = 240) -> subprocess.CompletedProcess:
-    env = dict(os.environ, PYTHONUNBUFFERED="1")
-    return subprocess.run([sys.executable, "-c", _PRELUDE + textwrap.dedent(script), *args], capture_output=True,
-                          text=True, timeout=timeout, env=env)
+    # The child's temporary stores go in a directory removed when it is done (TMPDIR steers its mkdtemp).
+    with tempfile.TemporaryDirectory(prefix="nsp-lifetime-") as tmp:
+        env = dict(os.environ, PYTHONUNBUFFERED="1", TMPDIR=tmp)
+        return subprocess.run([sys.executable, "-c", _PRELUDE + textwrap.dedent(script), *args],
+                              capture_output=True, text=True, timeout=timeout, env=env)
 
 
 def _crashed(proc: subprocess.CompletedProcess) -> str:
