@@ -30,12 +30,12 @@ def test_store_progress_sums_its_shards(tmp_path):
         n = 3 * 10 * PAGE_ELEMS
         store.initialize({"w": np.zeros(n, np.float32)}, nsp.storage.OptimizerSpec("adam"))
         assert store.progress() == {"running": False, "pages_done": 0, "pages_total": 0, "bytes_done": 0,
-                                    "elapsed_s": 0.0, "updates_begun": 0}
+                                    "bytes_total": 0, "elapsed_s": 0.0, "updates_begun": 0}
         store.update(np.full(n, 1e-3, np.float32), version=0, lr=1e-3, step=1)
         p = store.progress()
         assert not p["running"] and p["updates_begun"] == 1
         assert p["pages_done"] == p["pages_total"] == 30
-        assert p["bytes_done"] == 2 * 3 * 30 * 4 * PAGE_ELEMS  # p, m, v pages, each read and written
+        assert p["bytes_done"] == p["bytes_total"] == 2 * 3 * 30 * 4 * PAGE_ELEMS  # p, m, v: read and written
         assert p["elapsed_s"] > 0
 
 
@@ -84,3 +84,32 @@ def test_progress_moves_while_a_file_update_runs(tmp_path):
         elapsed = [p["elapsed_ns"] for p in running]
         assert elapsed == sorted(elapsed)
 
+
+
+def test_update_watcher_reports_a_long_update_with_rate_and_eta(tmp_path):
+    store, grad = _store("file", tmp_path, n_pages=2048)
+    lines = []
+    with store:
+        with nsp.storage.UpdateWatcher(store, lines.append, every_s=0.0, after_s=0.0, poll_s=0.001):
+            store.update(grad, version=0, lr=1e-3, step=1)
+            store.update(grad, version=1, lr=1e-3, step=2)
+    assert lines, "no progress line for two updates of 2048 pages"
+    assert all(line.startswith("update: ") and "/2048 pages" in line and "GB/s, ETA" in line for line in lines), lines
+
+
+def test_update_watcher_stays_quiet_for_short_updates_and_ends_with_the_store(tmp_path):
+    store, grad = _store("file", tmp_path)
+    lines = []
+    watcher = nsp.storage.UpdateWatcher(store, lines.append, after_s=60.0, poll_s=0.001).start()
+    store.update(grad, version=0, lr=1e-3, step=1)
+    store.close()
+    watcher._thread.join(timeout=10)
+    assert not watcher._thread.is_alive(), "the watcher kept running after its store closed"
+    assert lines == []
+
+
+def test_describe_progress():
+    line = nsp.storage.progress.describe_progress(
+        {"running": True, "pages_done": 25, "pages_total": 100, "bytes_done": 2e9, "bytes_total": 8e9,
+         "elapsed_s": 2.0, "updates_begun": 3})
+    assert line == "update: 25/100 pages (25%), 2.0 of 8.0 GB, 1.00 GB/s, ETA 6 s"

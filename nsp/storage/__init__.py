@@ -2,7 +2,8 @@
 
 One module per concern: ``format`` (the on-disk format: file names, JSON files, zarr arrays, the writer lock),
 ``metadata`` (checks of what is read from disk), ``layout`` (pytree to shards and pages), ``store`` (the
-``StateStore``), ``space`` (the disk a store needs, checked before it writes), ``handle`` (what the update
+``StateStore``), ``space`` (the disk a store needs, checked before it writes), ``progress`` (watching long
+updates), ``handle`` (what the update
 primitives get of a store), ``opening`` (``open``: create, check and recover store directories), ``identity`` (copy and
 re-identify stores), and checkpoints: ``snapshot``, ``restore``, ``placement`` (links/copies of page files),
 ``orbax_handler`` and ``export`` (``checkpoint`` gathers their public names).
@@ -12,8 +13,10 @@ from nsp.storage.format import StoreError
 from nsp.storage.handle import StoreHandle
 from nsp.storage.layout import PAGE_BYTES_DEFAULT, PAGES_IN_FLIGHT_DEFAULT, Layout, Leaf
 from nsp.storage.opening import ExternalShardsWarning, open
+from nsp.storage.progress import UpdateWatcher
 from nsp.storage.space import FileSystemNeed, check_free_space, required_bytes
 from nsp.storage.store import OptimizerSpec, StateStore
 
 __all__ = ["PAGE_BYTES_DEFAULT", "PAGES_IN_FLIGHT_DEFAULT", "Layout", "Leaf", "ExternalShardsWarning", "FileSystemNeed",
-           "OptimizerSpec", "StateStore", "StoreError", "StoreHandle", "check_free_space", "open", "required_bytes"]
+           "OptimizerSpec", "StateStore", "StoreError", "StoreHandle", "UpdateWatcher", "check_free_space", "open",
+           "required_bytes"]

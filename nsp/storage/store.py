@@ -629,17 +629,19 @@ class StateStore:
     def progress(self) -> dict[str, Any]:
         """Where the running (or last) update is, over this process's shards, for a progress display: safe to call
         from another thread while an update runs (inside a jitted step too). Keys: ``running`` (an update is under
-        way on some shard), ``pages_done`` and ``pages_total`` (summed over the shards), ``bytes_done`` (the state
-        bytes those pages moved: each page of every state the optimizer keeps, read and written), ``elapsed_s``
+        way on some shard), ``pages_done`` and ``pages_total`` (summed over the shards), ``bytes_done`` and
+        ``bytes_total`` (the state bytes those pages move: each page of every state the optimizer keeps, read and
+        written), ``elapsed_s``
         (since the earliest shard's update began), ``updates_begun`` (the fewest over the shards: changes when the
         next update starts)."""
         self._check_open()
         shards = [engine.progress() for engine in self._engines]
         states = sum(self.optimizer.states_used()) if self.optimizer is not None else 0
         done = sum(p["pages_done"] for p in shards)
-        return {"running": any(p["running"] for p in shards), "pages_done": done,
-                "pages_total": sum(p["pages_total"] for p in shards),
+        total = sum(p["pages_total"] for p in shards)
+        return {"running": any(p["running"] for p in shards), "pages_done": done, "pages_total": total,
                 "bytes_done": 2 * states * done * self.page_bytes,
+                "bytes_total": 2 * states * total * self.page_bytes,
                 "elapsed_s": max((p["elapsed_ns"] for p in shards), default=0) / 1e9,
                 "updates_begun": min((p["updates_begun"] for p in shards), default=0)}
 
