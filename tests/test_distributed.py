@@ -100,23 +100,30 @@ def test_ckpt_list_and_show_read_a_multi_process_checkpoint(runs, capsys):
     assert shown["bytes"] == sum(on_disk) and shown["total_bytes"] >= sum(on_disk)
 
 
-def test_killed_process_stops_its_peer_and_resume_is_bit_exact(runs):
-    run_dir = runs / "killed"
+def _kill_mid_run(run_dir: Path, victim: int, at_step: int) -> tuple[int, str, float]:
+    """Starts 2 processes of a run, kills process ``victim`` once it printed step ``at_step``, and returns the
+    survivor's exit status, its output, and the seconds it took to stop after the kill."""
     address = f"127.0.0.1:{free_port()}"
     procs = [subprocess.Popen(NSP + TRAIN + ["--run-dir", str(run_dir), "--coordinator", address,
                                              "--num-processes", "2", "--process-id", str(i)],
                               env=_env(2), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
              for i in range(2)]
-    victim, survivor = procs[1], procs[0]
-    for line in victim.stdout:  # kill process 1 mid-run, after the step-4 checkpoint
-        if line.startswith("step     6/"):
+    killed, survivor = procs[victim], procs[1 - victim]
+    for line in killed.stdout:
+        if line.startswith(f"step {at_step:5d}/"):
             break
-    victim.send_signal(signal.SIGKILL)
+    killed.send_signal(signal.SIGKILL)
     killed_at = time.monotonic()
     out, _ = survivor.communicate(timeout=BOUND_S + 30)
     waited = time.monotonic() - killed_at
-    victim.wait()
-    assert survivor.returncode == PEER_LOST_EXIT, out
+    killed.wait()
+    return survivor.returncode, out, waited
+
+
+def test_killed_process_stops_its_peer_and_resume_is_bit_exact(runs):
+    run_dir = runs / "killed"
+    status, out, waited = _kill_mid_run(run_dir, victim=1, at_step=6)  # after the step-4 checkpoint
+    assert status == PEER_LOST_EXIT, out
     assert "stopped answering" in out and "--resume" in out, out
     assert waited < BOUND_S, f"the survivor took {waited:.1f} s to stop (bound {BOUND_S} s)"
     resumed = _launch(run_dir, "--resume")
@@ -193,21 +200,7 @@ def test_abort_guard_exits_cleanly_only_when_the_service_is_gone(service):
 def test_killed_process_0_stops_its_peer_with_the_message(runs):
     """Process 0 hosts the coordination service: its death ends the others with the documented message and exit
     status (never a bare SIGABRT), at once."""
-    run_dir = runs / "killed-0"
-    address = f"127.0.0.1:{free_port()}"
-    procs = [subprocess.Popen(NSP + TRAIN + ["--run-dir", str(run_dir), "--coordinator", address,
-                                             "--num-processes", "2", "--process-id", str(i)],
-                              env=_env(2), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-             for i in range(2)]
-    victim, survivor = procs
-    for line in victim.stdout:
-        if line.startswith("step     3/"):
-            break
-    victim.send_signal(signal.SIGKILL)
-    killed_at = time.monotonic()
-    out, _ = survivor.communicate(timeout=BOUND_S + 30)
-    waited = time.monotonic() - killed_at
-    victim.wait()
-    assert survivor.returncode == PEER_LOST_EXIT, out
+    status, out, waited = _kill_mid_run(runs / "killed-0", victim=0, at_step=3)
+    assert status == PEER_LOST_EXIT, out
     assert "nsp: error: process 1:" in out and "--resume" in out, out
     assert waited < BOUND_S, f"the survivor took {waited:.1f} s to stop (bound {BOUND_S} s)"
