@@ -63,6 +63,7 @@ __all__ = [
     "Block",
     "GPT",
     "abstract_gpt",
+    "gpt_parts",
     "count_params",
     "cross_entropy_loss",
     "generate",
@@ -382,6 +383,30 @@ def abstract_gpt(config: GPTConfig) -> GPT:
     """A GPT whose parameters are ``jax.ShapeDtypeStruct`` (nothing allocated, nothing computed): for parameter
     counts, sharding plans and storage layouts of models too big to build. ``nnx.eval_shape`` under the hood."""
     return nnx.eval_shape(lambda: GPT(config, rngs=nnx.Rngs(0)))
+
+
+def gpt_parts(config: GPTConfig) -> list[tuple[tuple[str | int, ...], Any]]:
+    """The parts ``GPT.__init__`` builds, in the order it builds them: ``[(path, build)]`` where ``path`` is the
+    part's place in ``nnx.state(GPT(...))`` (``("wte",)``, ``("h", 3)``, ...) and ``build(rngs)`` makes that part
+    alone, drawing from ``rngs`` exactly what it draws inside the whole model.
+
+    For models too big to build at once: a part built from ``nnx.Rngs(seed)`` whose stream counter starts where
+    the parts before it left it (each draw is ``fold_in(key, count)``) holds the same values, bit for bit, as in
+    ``GPT(config, rngs=nnx.Rngs(seed))`` (``nsp.train.layerwise`` does this; tests/test_big_model_setup.py checks
+    it). Only for ``dropout == 0``: dropout layers with RNG state are parts of their own. Keep this list in step
+    with ``GPT.__init__``."""
+    if config.dropout > 0:
+        raise ValueError("gpt_parts serves models without dropout (dropout layers hold RNG state of their own)")
+    embed = functools.partial(
+        nnx.Embed, features=config.n_embd, dtype=config.param_dtype, param_dtype=config.param_dtype,
+        embedding_init=_normal(0.02),
+    )
+    return [
+        (("wte",), lambda rngs: embed(config.vocab_size, rngs=rngs)),
+        (("wpe",), lambda rngs: embed(config.block_size, rngs=rngs)),
+        *[(("h", i), lambda rngs: Block(config, rngs=rngs)) for i in range(config.n_layer)],
+        (("ln_f",), lambda rngs: _layer_norm(config, rngs)),
+    ]
 
 
 def count_params(model: nnx.Module) -> int:

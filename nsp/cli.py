@@ -43,6 +43,11 @@ def _train(args: argparse.Namespace) -> int:
     from nsp.train.trainer import TrainError, train_and_evaluate
 
     values = {f.name: getattr(args, f.name) for f in dataclasses.fields(TrainConfig)}
+    if values["bf16_params"]:
+        from nsp.train.trainer import lean_malloc, lean_xla_flags
+
+        lean_xla_flags()  # before JAX's backend starts (nothing has run yet)
+        lean_malloc()
     try:
         config = TrainConfig(**values)
         summary = train_and_evaluate(config)

@@ -65,8 +65,17 @@ class TrainConfig:
     seed: int = 0
     # Compute in bfloat16 (the store keeps fp32 master params either way).
     bf16: bool = False
+    # With --bf16: the Linear matmuls as bf16 x bf16 -> fp32 dots (GPTConfig.f32_accum): XLA:CPU then keeps no fp32
+    # copy of the weights through the step (about 2.5 bytes per parameter less).
+    f32_accum: bool = False
+    # With --bf16: the step holds the params in bfloat16 (the store keeps the fp32 master), and set-up builds the
+    # model part by part straight into the store, never whole in fp32. For models near the machine's memory.
+    bf16_params: bool = False
     # Print and log metrics every this many steps.
     log_every: int = 10
+    # Print where a step in flight is (its forward/backward, or the update's pages done of total) every this many
+    # seconds; 0 = off. For steps that take minutes.
+    progress_s: float = 0.0
     # Held-out loss every this many steps (0 = only at the end).
     eval_every: int = 50
     # Held-out batches averaged per evaluation.
@@ -75,6 +84,9 @@ class TrainConfig:
     ckpt_every: int = 100
     # Checkpoints kept (older ones are deleted).
     keep_checkpoints: int = 3
+    # Save checkpoints. --no-checkpoints: none (the run cannot be resumed), for a store that fills most of its
+    # disk: a checkpoint's hard links keep its version's pages, so the store's next writes of them take new space.
+    checkpoints: bool = True
     # Continue the run in RUN_DIR from its latest checkpoint.
     resume: bool = False
     # Multi-process runs (nsp.distributed): process 0's coordination service as host:port (empty = the
@@ -99,12 +111,15 @@ class TrainConfig:
             (0 <= self.topk_residual_decay <= 1, "topk_residual_decay must be in [0, 1]"),
             (self.page_mib > 0, "page_mib must be > 0"),
             (self.log_every >= 1, "log_every must be >= 1"),
+            (self.progress_s >= 0, "progress_s must be >= 0 (0 = off)"),
             (self.eval_every >= 0 and self.ckpt_every >= 0, "eval_every and ckpt_every must be >= 0"),
             (self.keep_checkpoints >= 1, "keep_checkpoints must be >= 1"),
             (self.stop_after >= 0, "stop_after must be >= 0"),
             (self.staleness in (0, 1), "staleness must be 0 or 1"),
             (self.optimizer in KINDS, f"unknown optimizer {self.optimizer!r} ({', '.join(sorted(KINDS))})"),
             (self.tier in ("file", "memory", "csd"), f"unknown tier {self.tier!r} (file, memory, csd)"),
+            (self.bf16 or not (self.bf16_params or self.f32_accum),
+             "bf16_params and f32_accum need bf16 compute (--bf16)"),
         ]
         for ok, message in checks:
             if not ok:

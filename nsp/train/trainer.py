@@ -22,6 +22,7 @@ import functools
 import json
 import shutil
 import signal
+import threading
 import time
 from pathlib import Path
 from typing import Any, Callable
@@ -42,6 +43,42 @@ from nsp.models import GPT, cross_entropy_loss, get_config
 from nsp.storage import checkpoint as ckpt
 from nsp.train import data as data_lib
 from nsp.train.config import TrainConfig
+from nsp.train.layerwise import LayerwiseInit, SetupProgress, SpecRecorder, fmt_gib, peak_rss_bytes
+
+
+#: XLA options of the step of a ``bf16_params`` run. The storage transform fingerprints the params in a loop over
+#: 64K-element chunks (``nsp.optim.storage``) so that nothing params-sized is materialised; XLA's
+#: while-loop-invariant code motion moves each leaf's integer conversion out of that loop, which makes a 4-byte
+#: copy of every leaf (measured: 4 bytes per parameter of the step's temporaries, 10 GB at 2.5B params). The GPT
+#: step has no other loop, so turning the pass off costs it nothing.
+LEAN_STEP_XLA_OPTIONS = {"xla_disable_hlo_passes": "while-loop-invariant-code-motion"}
+
+
+def lean_xla_flags() -> None:
+    """Adds ``LEAN_STEP_XLA_OPTIONS`` to ``XLA_FLAGS`` for every computation of this process (``tx.init``'s
+    fingerprint of the params too). Effective only before JAX's backend starts: ``nsp train --bf16-params`` calls
+    it first thing; the step of a ``bf16_params`` run is compiled with the options either way."""
+    import os
+
+    flag = "--xla_disable_hlo_passes=" + LEAN_STEP_XLA_OPTIONS["xla_disable_hlo_passes"]
+    flags = os.environ.get("XLA_FLAGS", "")
+    if "xla_disable_hlo_passes" not in flags:
+        os.environ["XLA_FLAGS"] = f"{flags} {flag}".strip()
+
+
+def lean_malloc() -> None:
+    """glibc's malloc as ``bench/max_model.py`` runs its attempts: blocks from 128 KiB up mmapped (and unmapped
+    when freed; glibc's default raises that threshold to the size of the blocks freed, which then stay in the
+    heap), two arenas. For ``bf16_params`` runs near the machine's memory; a no-op elsewhere than glibc."""
+    import ctypes
+    import ctypes.util
+
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        libc.mallopt(-3, 128 << 10)  # M_MMAP_THRESHOLD (also turns glibc's dynamic threshold off)
+        libc.mallopt(-8, 2)  # M_ARENA_MAX
+    except (OSError, AttributeError):
+        pass
 
 
 class TrainError(RuntimeError):
@@ -122,11 +159,59 @@ def load_data(config: TrainConfig) -> TrainData:
                      [eval_batcher.batch(i) for i in range(config.eval_batches)])
 
 
+def model_config(config: TrainConfig, vocab_size: int):
+    """The ``GPTConfig`` of a run: ``config.model`` with ``vocab_size`` tokens, bfloat16 compute with
+    ``config.bf16``, bf16 x bf16 -> fp32 dots with ``config.f32_accum``."""
+    return get_config(config.model, vocab_size=vocab_size, dtype=jnp.bfloat16 if config.bf16 else jnp.float32,
+                      f32_accum=config.f32_accum)
+
+
 def init_model(config: TrainConfig, vocab_size: int) -> tuple[Any, Any]:
     """``(graphdef, params)`` of a fresh GPT ``config.model`` with ``vocab_size`` tokens, initialised from
     ``config.seed`` (bfloat16 compute with ``config.bf16``)."""
-    model_cfg = get_config(config.model, vocab_size=vocab_size, dtype=jnp.bfloat16 if config.bf16 else jnp.float32)
-    return nnx.split(GPT(model_cfg, rngs=nnx.Rngs(config.seed)), nnx.Param)
+    return nnx.split(GPT(model_config(config, vocab_size), rngs=nnx.Rngs(config.seed)), nnx.Param)
+
+
+def init_store_layerwise(config: TrainConfig, layerwise: LayerwiseInit, store, tx: optax.GradientTransformation,
+                         mesh=None, log: Callable[[str], None] = print) -> tuple[Any, Any]:
+    """Writes a fresh model into ``store`` part by part and returns ``(bf16 params, opt_state)``.
+
+    The fp32 values go straight from ``layerwise`` (one part of the model at a time) into the store's version 0
+    through ``StateStore.initialize_from``; the step keeps only a bf16 copy of each leaf. ``tx.init`` on those
+    finds the store initialized (it checks layout and optimizer and takes the committed version): casting the
+    params to bf16 after the fp32 master was written is what the storage transform's fingerprint expects
+    (``nsp.optim.storage``). Progress (MB and pages written, MB/s, ETA) and the peak RSS go to ``log``.
+
+    Raises:
+      TrainError: the store cannot take the state (not enough free space: nothing was written).
+    """
+    # The spec the chain's storage transform asks the store for, learnt from the chain itself on a tiny tree.
+    recorder = SpecRecorder(store)
+    make_optimizer(config, recorder, mesh).init({"probe": jnp.zeros((1,), jnp.float32)})
+    total = layerwise.num_params
+    cast = jnp.bfloat16 if config.bf16_params else jnp.float32
+    log(f"set-up: {config.model} ({total / 1e6:,.1f}M params) built part by part: fp32 master and moments into the "
+        f"store{'' if store.root is None else ' at ' + str(store.root)}, a {jnp.dtype(cast).name} copy of the "
+        "params for the step")
+    leaves: list[Any] = [None] * layerwise.num_leaves
+
+    def produce(i: int) -> np.ndarray:
+        leaf = layerwise(i)
+        leaves[i] = jnp.asarray(leaf).astype(cast)
+        return leaf
+
+    try:
+        # Without checkpoints no update follows one: the disk needs no room for a snapshot's pages.
+        store.initialize_from(layerwise.abstract, produce, recorder.optimizer, staleness=recorder.staleness,
+                              progress=SetupProgress(log, store.page_bytes),
+                              checkpoint_margin=1 if config.checkpoints else 0)
+    except nsp.storage.StoreError as e:
+        raise TrainError(str(e)) from None
+    finally:
+        layerwise.close()
+    params = jax.tree_util.tree_unflatten(layerwise.treedef, leaves)
+    del leaves
+    return params, tx.init(params)  # the store holds the state: init checks it and takes its version
 
 
 def _beside_earlier_default_runs(config: TrainConfig, log: Callable[[str], None]) -> TrainConfig:
@@ -233,7 +318,13 @@ def _build(config: TrainConfig, log: Callable[[str], None]) -> Run:
     num_shards = len(devices)
     shards = list(nsp.distributed.local_shards(num_shards, devices)) if jax.process_count() > 1 else None
 
-    graphdef, params = init_model(config, tokens.vocab_size)
+    setup_t0 = time.perf_counter()
+    if config.bf16_params:
+        # Built part by part into the store at set-up: the whole model is never held in fp32.
+        layerwise = LayerwiseInit(model_config(config, tokens.vocab_size), config.seed)
+        graphdef, params = layerwise.graphdef, None
+    else:
+        graphdef, params = init_model(config, tokens.vocab_size)
     run_dir.mkdir(parents=True, exist_ok=True)
     if shards is not None:
         store_path.parent.mkdir(parents=True, exist_ok=True)
@@ -259,6 +350,9 @@ def _build(config: TrainConfig, log: Callable[[str], None]) -> Run:
             manager, step, None if config.tier == "memory" else store_path, tier=config.tier, overwrite=True,
             shards=shards))
         tx = make_optimizer(config, store, mesh)
+        if params is None:  # bf16 params: restored from the checkpoint, never built
+            params = jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(x.shape, jnp.bfloat16), layerwise.abstract)
+            _check_layout(store, params)
         template = {"params": params, "opt_state": tx.init(params)}  # checks the layout; writes nothing
         if mesh is not None and jax.process_count() > 1:  # restored straight onto the mesh, replicated
             replicated = NamedSharding(mesh, P())
@@ -273,7 +367,11 @@ def _build(config: TrainConfig, log: Callable[[str], None]) -> Run:
             None if config.tier == "memory" else store_path, **store_kw))
         tx = make_optimizer(config, store, mesh)
         try:
-            opt_state = _together("writing the initial state into the store shards", lambda: tx.init(params))
+            if params is None:
+                params, opt_state = _together("writing the initial state into the store shards", lambda: (
+                    init_store_layerwise(config, layerwise, store, tx, mesh, log)))
+            else:
+                opt_state = _together("writing the initial state into the store shards", lambda: tx.init(params))
         except BaseException:
             store.close()
             raise
@@ -288,12 +386,22 @@ def _build(config: TrainConfig, log: Callable[[str], None]) -> Run:
         f"{'' if config.tier == 'memory' else ' at ' + str(store_path)}, {num_shards} shard(s)"
         + (f" ({len(shards)} of them on process {jax.process_index()} of {jax.process_count()})" if shards else "")
         + (f", Top-K {config.topk:.1%}" if config.topk else ""))
+    log(f"set-up: {time.perf_counter() - setup_t0:.1f} s (data, model, store), peak RSS "
+        f"{fmt_gib(peak_rss_bytes())}" + (", params bf16 (fp32 master in the store)" if config.bf16_params else ""))
     b1, b2 = nsp.optim.TOPK_ADAM_BETAS
     if config.topk and config.optimizer in ("adam", "adamw") and config.b1 > b1:
         log(f"note: with Top-K, --b1 {b1:g} (b2 {b2:g}) trained better than b1 {config.b1:g} in what was measured: "
             "nsp.optim.TOPK_ADAM_BETAS")
     return Run(config, graphdef, params, opt_state, store, tx, data.train_batches, data.eval_batches, mesh, step,
                config.batch * config.seq)
+
+
+def _check_layout(store, params) -> None:
+    """Raises ``TrainError`` when ``store`` holds another layout than ``params`` (arrays or abstract leaves)."""
+    layout = nsp.storage.Layout.from_tree(params, num_shards=store.num_shards, page_bytes=store.page_bytes)
+    diff = store.layout.describe_difference(layout)
+    if diff:
+        raise TrainError(f"the checkpoint's store holds another model's layout: {diff}")
 
 
 def make_train_step(graphdef, tx: optax.GradientTransformation, mesh=None):
@@ -422,6 +530,59 @@ class _MetricsWriter:
             self.tb.close()
 
 
+class _StepWatch:
+    """Logs, every ``every_s`` seconds while a step runs, where it is: its forward/backward (until the store's
+    update begins), then the update's pages done of total, rate and time left (``StateStore.progress``, which the
+    engines keep as they go). For steps that take minutes (``--progress-s``)."""
+
+    def __init__(self, store, every_s: float, log: Callable[[str], None]):
+        self.store, self.every_s, self.log = store, every_s, log
+        self.step: int | None = None
+        self.t0 = 0.0
+        self.begun = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="nsp-step-watch", daemon=True)
+        self._thread.start()
+
+    def begin(self, step: int) -> None:
+        """Step ``step`` is about to be dispatched."""
+        self.begun = self.store.progress()["updates_begun"]
+        self.t0 = time.perf_counter()
+        self.step = step
+
+    def end(self) -> None:
+        """The step's result was read."""
+        self.step = None
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.every_s):
+            step = self.step
+            if step is None:
+                continue
+            try:
+                p = self.store.progress()
+            except nsp.storage.StoreError:  # closed under us: the run is ending
+                return
+            elapsed = time.perf_counter() - self.t0
+            if p["running"] and p["pages_total"] and p["pages_done"] >= p["pages_total"]:
+                self.log(f"  step {step}: update making its pages durable ({elapsed:.0f} s into the step)")
+            elif p["running"] and p["pages_total"]:
+                rate = p["bytes_done"] / max(p["elapsed_s"], 1e-9)
+                left = p["elapsed_s"] * (p["pages_total"] - p["pages_done"]) / max(p["pages_done"], 1)
+                self.log(f"  step {step}: update page {p['pages_done']} of {p['pages_total']} "
+                         f"({100 * p['pages_done'] / p['pages_total']:.0f}%), {rate / 1e6:.0f} MB/s, "
+                         f"ETA {left:.0f} s ({elapsed:.0f} s into the step)")
+            elif p["updates_begun"] == self.begun:
+                self.log(f"  step {step}: forward/backward, {elapsed:.0f} s so far")
+            else:
+                self.log(f"  step {step}: update done in {p['elapsed_s']:.0f} s, applying it ({elapsed:.0f} s into "
+                         "the step)")
+
+
 def _bar(step: int, total: int, width: int = 20) -> str:
     done = int(width * step / total)
     return "[" + "=" * done + ">" * (done < width) + " " * (width - done - (done < width)) + "]"
@@ -474,11 +635,31 @@ def train_and_evaluate(config: TrainConfig, *, log: Callable[[str], None] = prin
         if interrupted:
             previous_handler(signum, frame) if callable(previous_handler) else None
         interrupted.append(True)
-        log("\ninterrupt: finishing the step in flight, then checkpointing (Ctrl-C again to abort)")
+        log("\ninterrupt: finishing the step in flight, then " + ("checkpointing" if config.checkpoints else
+            "stopping (no checkpoints: the run cannot be resumed)") + " (Ctrl-C again to abort)")
+
+    def save():
+        if config.checkpoints:
+            _save_checkpoint(run, manager)
 
     signal.signal(signal.SIGINT, on_sigint)
+    if not config.checkpoints:
+        log("checkpoints off (--no-checkpoints): nothing is saved and the run cannot be resumed")
     if run.step == 0:
-        _save_checkpoint(run, manager)  # a run killed before its first checkpoint can still be resumed
+        save()  # a run killed before its first checkpoint can still be resumed
+    if config.bf16_params and run.step < config.steps:
+        # Compiled ahead of the first step, so that the steps' times are the steps' own (a big model's step takes
+        # XLA a minute or more to compile on a CPU).
+        log("compiling the train step ...")
+        t0 = time.perf_counter()
+        first = put_batch(run.train_batches.batch(run.step, local_rows(config.batch, run.mesh)), run.mesh,
+                          global_rows=config.batch)
+        train_step = train_step.lower(run.params, run.opt_state, first).compile(
+            compiler_options=LEAN_STEP_XLA_OPTIONS)
+        log(f"compiled the train step in {time.perf_counter() - t0:.1f} s | peak RSS {fmt_gib(peak_rss_bytes())}")
+    run_t0 = time.perf_counter()
+    losses: list[float] = []
+    watch = _StepWatch(run.store, config.progress_s, log) if config.progress_s else None
     last = {"time": time.perf_counter(), "step": run.step, "stats": run.store.stats()}
     summary: dict = {}
     try:
@@ -492,11 +673,16 @@ def train_and_evaluate(config: TrainConfig, *, log: Callable[[str], None] = prin
                 interrupted.append(True)  # every process stops at the same step (Ctrl-C reaches each)
                 break
             tokens = put_batch(run.train_batches.batch(run.step, rows), run.mesh, global_rows=config.batch)
+            if watch is not None:
+                watch.begin(run.step + 1)
             run.params, run.opt_state, loss = train_step(run.params, run.opt_state, tokens)
             run.step += 1
             final = run.step == end
             if run.step % config.log_every == 0 or final:
                 loss = float(loss)  # waits for the step
+                losses.append(loss)
+                if watch is not None:
+                    watch.end()
                 now, stats = time.perf_counter(), run.store.stats()
                 steps = run.step - last["step"]
                 delta = {k: (stats[k] - last["stats"].get(k, 0)) / steps for k in stats if k != "buffer_bytes"}
@@ -515,34 +701,46 @@ def train_and_evaluate(config: TrainConfig, *, log: Callable[[str], None] = prin
                     "internal_write_bytes": delta["internal_write_bytes"],
                     "skipped_steps": stats.get("skipped", 0),
                     "agree_s": run.agree_s, "process": jax.process_index(),
+                    "peak_rss_bytes": peak_rss_bytes(),
                 }
                 if config.eval_every and (run.step % config.eval_every == 0 or final) or final:
                     row["eval_loss"] = _evaluate(run, eval_step)
                 metrics.write(row)
                 log(f"step {run.step:>5}/{config.steps} {_bar(run.step, config.steps)} loss {loss:.4f}"
                     + (f" eval {row['eval_loss']:.4f}" if "eval_loss" in row else "")
-                    + f" | {row['tokens_per_s'] / 1e3:.1f}k tok/s | step {step_s * 1e3:.0f} ms (fwd/bwd "
+                    + (f" | {row['tokens_per_s'] / 1e3:.1f}k tok/s" if row["tokens_per_s"] >= 100 else
+                       f" | {row['tokens_per_s']:.2f} tok/s")
+                    + f" | step {step_s * 1e3:.0f} ms (fwd/bwd "
                     f"{row['fwd_bwd_s'] * 1e3:.0f}, update {update_s * 1e3:.0f}"
                     + (f" beside the next step, {wait_s * 1e3:.0f} waited" if config.staleness else "")
                     + ") | link in "
                     f"{_fmt_bytes(row['shared_in_bytes'])} out {_fmt_bytes(row['shared_out_bytes'])} | store r "
                     f"{_fmt_bytes(row['internal_read_bytes'])} w {_fmt_bytes(row['internal_write_bytes'])}"
-                    f" | lr {row['lr']:.2e}")
+                    f" | lr {row['lr']:.2e} | peak RSS {fmt_gib(row['peak_rss_bytes'])}")
                 last = {"time": time.perf_counter(), "step": run.step, "stats": stats}
                 summary = row
             elif config.eval_every and run.step % config.eval_every == 0:
                 metrics.write({"step": run.step, "eval_loss": _evaluate(run, eval_step)})
             if config.ckpt_every and run.step % config.ckpt_every == 0 and not final:
-                _save_checkpoint(run, manager)
-        _save_checkpoint(run, manager)
+                save()
+        save()
+        if losses:
+            log(f"done: {len(losses)} logged step(s) in {time.perf_counter() - run_t0:.1f} s, loss "
+                + " -> ".join(f"{x:.4f}" for x in losses)
+                + (f", eval {summary['eval_loss']:.4f}" if "eval_loss" in summary else "")
+                + f" | peak RSS {fmt_gib(peak_rss_bytes())}")
         if interrupted or run.step < config.steps:
-            log(f"stopped at step {run.step} of {config.steps}; continue with the same command and --resume")
+            log(f"stopped at step {run.step} of {config.steps}; "
+                + ("continue with the same command and --resume" if config.checkpoints else
+                   "no checkpoints were saved (--no-checkpoints): the run cannot be resumed"))
             summary["interrupted"] = bool(interrupted)
         summary["step"] = run.step
         summary["params"] = run.params
         finished.append(True)
         return summary
     finally:
+        if watch is not None:
+            watch.close()
         signal.signal(signal.SIGINT, previous_handler)
         manager.wait_until_finished()
         manager.close()
