@@ -30,7 +30,8 @@ class TrainConfig:
     # Optimizer whose state the store keeps: adamw, adam, sgd or adagrad.
     optimizer: str = "adamw"
     # Peak learning rate (linear warmup, then cosine decay to lr * min_lr_ratio). 0 = the model's published recipe
-    # (nsp.train.recipes: GPT-3's Table 2.1 for the gpt3-* sizes), else 3e-3.
+    # (nsp.train.recipes: GPT-3's Table 2.1 for the gpt3-* sizes, scaled by the square root of the batch ratio for
+    # smaller batches), else 3e-3.
     lr: float = 0.0
     # Warmup steps of the learning-rate schedule. -1 = the model's recipe (the same fraction of this run as of the
     # published one, at least 1), else 20.
@@ -137,7 +138,8 @@ class TrainConfig:
 
             filled["seq"] = min(DEFAULT_SEQ, get_config(self.model).block_size)
         if not self.lr:
-            filled["lr"] = recipe.lr if recipe else DEFAULT_LR
+            seq = filled.get("seq", self.seq)
+            filled["lr"] = recipe.lr_for(self.batch * seq) if recipe else DEFAULT_LR
         if self.warmup_steps < 0:
             filled["warmup_steps"] = recipe.warmup_steps(self.steps) if recipe else DEFAULT_WARMUP_STEPS
         return dataclasses.replace(self, **filled) if filled else self
