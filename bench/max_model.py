@@ -30,6 +30,23 @@ Both compute in bf16 on the same batch (1 x ``--seq`` tokens), and both get the 
 
 The store lives in ``--dir`` (default: a temporary directory here; it needs about 12 bytes per parameter of disk).
 The last line reads ``nsp file tier trains <R>x the parameters of optax.adamw under <cap> GiB``.
+
+``--full``: the largest named GPT-3 size each contender trains on the whole machine, without an address-space
+cap. Each contender climbs a short ladder of sizes (``--ladder``, default gpt3-760m, gpt3-1.3b, gpt3-2.7b, with
+the byte vocabulary of ``nsp train``'s default data) and stops at the first that does not fit: an attempt whose
+resident memory passes ``--rss-limit-gib`` (default 20 GiB, what a run may take of this 24 GiB machine beside
+others) is stopped there, as is one whose store the disk cannot hold. Contenders:
+
+  optax       fp32 params and gradients, ``optax.adamw`` moments, all in RAM (~16 bytes per parameter).
+  nsp-memory  ``nsp.optim.adamw`` on a memory-tier store updated in place (fp32 master and moments in RAM: 12 bytes
+              per parameter) with bf16 params for the step: ``nsp train --tier memory --bf16-params``'s set-up.
+  nsp-file    the same on a file-tier store at ``--dir`` (fp32 master and moments on disk, two version slots:
+              24 bytes per parameter of disk): ``nsp train --bf16-params``'s set-up, built part by part.
+
+Each attempt sets up (timed), compiles the step, then runs two steps on different batches; the table gives the
+second step's time split into forward/backward and update (optax: two jitted calls; nsp: ``nsp train``'s one
+step, split by the store's update time), the peak RSS, and the disk the store took. The record goes to
+``bench/results/max_model_full.json``.
 """
 
 from __future__ import annotations
@@ -49,6 +66,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import peak_rss_bytes, print_table, write_json  # noqa: E402
 
 CONTENDERS = ("optax", "nsp-file")
+FULL_CONTENDERS = ("optax", "nsp-memory", "nsp-file")
+FULL_LADDER = ("gpt3-760m", "gpt3-1.3b", "gpt3-2.7b")
 
 
 def child(args) -> None:
@@ -97,6 +116,199 @@ def child(args) -> None:
         store.close()
     print(json.dumps({"params": n_params, "losses": losses, "step_s": times[-1], "setup_s": setup_s,
                       "peak_rss": peak_rss_bytes()}))
+
+
+def full_child(args) -> None:
+    """One attempt of ``--full`` (no cap): ``args.child`` trains ``args.model``; prints a JSON line at the end."""
+    import functools
+
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    import optax
+    from flax import nnx
+
+    import nsp.storage
+    from nsp.models import GPT
+    from nsp.train import trainer
+    from nsp.train.config import TrainConfig
+    from nsp.train.data import Batcher, load_tokens
+
+    config = TrainConfig(model=args.model, tier="file" if args.child == "nsp-file" else "memory", bf16=True,
+                         f32_accum=args.f32_accum, bf16_params=args.child != "optax", batch=1, seq=args.seq,
+                         steps=100, checkpoints=False).resolved()
+    model_cfg = trainer.model_config(config, 256)
+    tokens = load_tokens(None, seq_len=args.seq)
+    batches = Batcher(tokens.tokens, 1, args.seq, seed=0)
+    t0 = time.perf_counter()
+    store = None
+    if args.child == "optax":
+        graphdef, params = nnx.split(GPT(model_cfg, rngs=nnx.Rngs(0)), nnx.Param)
+        tx = optax.chain(optax.clip_by_global_norm(config.clip),
+                         optax.adamw(config.lr, config.b1, config.b2, weight_decay=config.weight_decay))
+        state = tx.init(params)
+        jax.block_until_ready(state)
+    else:
+        from nsp.train.layerwise import LayerwiseInit
+
+        layerwise = LayerwiseInit(model_cfg, 0, keep=jnp.bfloat16)
+        graphdef = layerwise.graphdef
+        store = nsp.storage.open(None if config.tier == "memory" else args.store, tier=config.tier, num_shards=1,
+                                 **({"in_place": True} if config.tier == "memory" else {}))
+        tx = trainer.make_optimizer(config, store, None)
+        params, state = trainer.init_store_layerwise(config, layerwise, store, tx, None, log=lambda line: None)
+    setup_s = time.perf_counter() - t0
+    setup_rss = peak_rss_bytes()
+    n_params = sum(x.size for x in jax.tree_util.tree_leaves(params))
+    batch = [jnp.asarray(batches.batch(i)) for i in range(2)]
+    t0 = time.perf_counter()
+    if args.child == "optax":
+        loss = functools.partial(trainer.loss_fn, graphdef)
+        fwd_bwd = jax.jit(jax.value_and_grad(loss)).lower(params, batch[0]).compile()
+
+        def apply(params, state, grads):
+            updates, state = tx.update(grads, state, params)
+            return optax.apply_updates(params, updates), state
+
+        apply = jax.jit(apply, donate_argnums=(0, 1, 2)).lower(params, state, params).compile()
+    else:
+        step = trainer.make_train_step(graphdef, tx)[0].lower(params, state, batch[0]).compile(
+            compiler_options=trainer.LEAN_STEP_XLA_OPTIONS)
+    compile_s = time.perf_counter() - t0
+    losses, rows = [], []
+    for tokens_ in batch:
+        t0 = time.perf_counter()
+        if args.child == "optax":
+            value, grads = fwd_bwd(params, tokens_)
+            jax.block_until_ready(grads)
+            t1 = time.perf_counter()
+            params, state = apply(params, state, grads)
+            jax.block_until_ready(params)
+            t2 = time.perf_counter()
+            rows.append({"fwd_bwd_s": t1 - t0, "update_s": t2 - t1, "step_s": t2 - t0})
+        else:
+            before = store.stats()["update_ns"]
+            params, state, value = step(params, state, tokens_)
+            jax.block_until_ready(params)
+            t2 = time.perf_counter()
+            update_s = (store.stats()["update_ns"] - before) / 1e9
+            rows.append({"fwd_bwd_s": t2 - t0 - update_s, "update_s": update_s, "step_s": t2 - t0})
+        losses.append(float(value))
+    disk = 0
+    if args.child == "nsp-file":
+        disk = sum(f.stat().st_blocks * 512 for f in Path(args.store).rglob("*") if f.is_file())
+    if store is not None:
+        store.close()
+    print(json.dumps({"params": n_params, "losses": losses, **rows[-1], "setup_s": setup_s, "compile_s": compile_s,
+                      "setup_peak_rss": setup_rss, "peak_rss": peak_rss_bytes(), "disk_bytes": disk}))
+
+
+def full_attempt(contender: str, model: str, args, workdir: Path) -> dict:
+    """Runs one ``--full`` attempt, watching its resident memory; returns its result or why it did not fit."""
+    store = workdir / f"store-{model}"
+    cmd = [sys.executable, __file__, "--full", "--child", contender, "--model", model, "--seq", str(args.seq),
+           "--store", str(store), "--f32-accum" if args.f32_accum else "--no-f32-accum"]
+    env = dict(os.environ, MALLOC_ARENA_MAX="2", MALLOC_MMAP_THRESHOLD_=str(args.mmap_threshold or 131072))
+    if contender != "optax":  # what nsp train --bf16-params sets for itself (nsp.train.trainer.lean_xla_flags)
+        flag = "--xla_disable_hlo_passes=while-loop-invariant-code-motion"
+        env["XLA_FLAGS"] = f"{env.get('XLA_FLAGS', '')} {flag}".strip()
+    limit = int(args.rss_limit_gib * 2**30)
+    t0 = time.perf_counter()
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    peak, status = 0, None
+    try:
+        while proc.poll() is None:
+            rss = _rss_bytes(proc.pid)
+            peak = max(peak, rss)
+            if rss > limit:
+                proc.kill()
+                status = f"over {args.rss_limit_gib:g} GiB RSS"
+            elif time.perf_counter() - t0 > args.timeout:
+                proc.kill()
+                status = "timeout"
+            time.sleep(0.2)
+        out, err = proc.communicate()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        shutil.rmtree(store, ignore_errors=True)
+    wall = time.perf_counter() - t0
+    lines = [line for line in out.splitlines() if line.startswith("{")]
+    result = json.loads(lines[-1]) if proc.returncode == 0 and lines else None
+    if result is None and status is None:
+        lines = err.strip().splitlines()
+        tail = [line for line in lines if "Error" in line.split(":")[0]][-1:] or lines[-1:] or [f"rc {proc.returncode}"]
+        status = "no room on disk" if "not enough disk" in err else f"failed: {tail[0][:200]}"
+    row = {"contender": contender, "model": model, "status": status or "ok", "wall_s": wall,
+           "watched_peak_rss": peak, **(result or {})}
+    extra = (f", {result['params'] / 1e6:.0f}M params, step {result['step_s']:.1f} s, peak RSS "
+             f"{result['peak_rss'] / 2**30:.2f} GiB" if result else f", RSS reached {peak / 2**30:.2f} GiB")
+    print(f"  {contender:10s} {model:10s}: {row['status']} ({wall:.0f} s{extra})", flush=True)
+    return row
+
+
+def _rss_bytes(pid: int) -> int:
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
+
+
+def full(args) -> None:
+    base = Path(args.dir or os.getcwd())
+    base.mkdir(parents=True, exist_ok=True)
+    workdir = Path(tempfile.mkdtemp(prefix="nsp-maxmodel-", dir=base))
+    ladder = args.ladder.split(",")
+    total_ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    free_disk = shutil.disk_usage(workdir).free
+    print(f"largest named GPT each contender trains on the whole machine (batch 1 x {args.seq} tokens, bf16 "
+          f"compute, f32_accum={args.f32_accum}): ladder {', '.join(ladder)}; an attempt stops at "
+          f"{args.rss_limit_gib:g} GiB RSS; RAM {total_ram / 2**30:.1f} GiB, disk free {free_disk / 1e9:.0f} GB "
+          f"at {workdir}", flush=True)
+    attempts, best = [], {}
+    try:
+        for contender in args.contenders.split(","):
+            for model in ladder:
+                row = full_attempt(contender, model, args, workdir)
+                attempts.append(row)
+                if row["status"] != "ok":
+                    break
+                best[contender] = row
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
+    rows = []
+    for contender in args.contenders.split(","):
+        r = best.get(contender, {})
+        rows.append({"contender": contender, "model": r.get("model"), "params_m": r.get("params", 0) / 1e6,
+                     "peak_rss_gib": r["peak_rss"] / 2**30 if r else None,
+                     "setup_s": r.get("setup_s"), "fwd_bwd_s": r.get("fwd_bwd_s"), "update_s": r.get("update_s"),
+                     "step_s": r.get("step_s"), "disk_gb": r["disk_bytes"] / 1e9 if r else None,
+                     "losses": r.get("losses")})
+    base_params = rows[0]["params_m"] if rows and rows[0]["contender"] == "optax" else 0
+    for row in rows:
+        row["ratio"] = row["params_m"] / base_params if base_params else None
+    print_table("largest GPT on the whole machine", rows,
+                [("contender", "contender", ""), ("model", "model", ""), ("params_m", "params (M)", ".0f"),
+                 ("ratio", "vs optax", ".2f"), ("peak_rss_gib", "peak RSS (GiB)", ".2f"),
+                 ("setup_s", "set-up (s)", ".0f"), ("fwd_bwd_s", "fwd/bwd (s)", ".1f"),
+                 ("update_s", "update (s)", ".1f"), ("step_s", "step (s)", ".1f"), ("disk_gb", "disk (GB)", ".1f")])
+    # What this machine allows, from the bytes per parameter each keeps (RAM for the in-RAM contenders; disk,
+    # two version slots of fp32 master and moments, for the file tier).
+    limits = {"ram_bytes": total_ram, "rss_limit_bytes": int(args.rss_limit_gib * 2**30), "disk_free_bytes": free_disk,
+              "optax_max_params_by_ram": int(args.rss_limit_gib * 2**30 / 16),
+              "nsp_file_max_params_by_disk": int(free_disk / 24)}
+    write_json("max_model_full", {"mode": "full", "seq": args.seq, "f32_accum": args.f32_accum, "ladder": ladder,
+                                  "rss_limit_gib": args.rss_limit_gib, "rows": rows, "attempts": attempts,
+                                  "limits": limits}, args.json or str(Path(__file__).parent / "results"
+                                                                      / "max_model_full.json"))
+    nsp_file = next((r for r in rows if r["contender"] == "nsp-file"), None)
+    if nsp_file and nsp_file["ratio"]:
+        print(f"nsp file tier trains {nsp_file['ratio']:.2f}x the parameters of optax.adamw on this machine "
+              f"({nsp_file['params_m']:.0f}M vs {base_params:.0f}M)")
 
 
 def attempt(contender: str, layers: int, args, workdir: Path) -> dict | None:
@@ -149,7 +361,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--cap-gib", type=float, default=3.0, help="address-space cap of each attempt (GiB)")
     parser.add_argument("--width", type=int, default=1024, help="n_embd of the GPTs (n_head = width / 64)")
-    parser.add_argument("--seq", type=int, default=64, help="tokens per sequence (batch 1)")
+    parser.add_argument("--seq", type=int, default=None, help="tokens per sequence (batch 1; default 64, --full 128)")
     parser.add_argument("--max-layers", type=int, default=64, help="upper end of the search")
     parser.add_argument("--timeout", type=float, default=900, help="seconds an attempt may take")
     parser.add_argument("--dir", default=None, help="where the nsp stores go (default: a temp dir here)")
@@ -160,12 +372,29 @@ def main() -> None:
                         help="MALLOC_MMAP_THRESHOLD_ (bytes) of the attempts; 0: glibc's dynamic default")
     parser.add_argument("--verbose", action="store_true", help="print the end of a failed attempt's stderr")
     parser.add_argument("--json", default=None)
-    parser.add_argument("--child", choices=CONTENDERS, help=argparse.SUPPRESS)
+    parser.add_argument("--full", action="store_true",
+                        help="the largest named GPT each contender trains on the whole machine (no cap)")
+    parser.add_argument("--ladder", default=",".join(FULL_LADDER), help="--full: the sizes tried, in order")
+    parser.add_argument("--contenders", default=",".join(FULL_CONTENDERS), help="--full: who is measured")
+    parser.add_argument("--rss-limit-gib", type=float, default=20.0,
+                        help="--full: an attempt whose resident memory passes this is stopped (does not fit)")
+    parser.add_argument("--child", choices=FULL_CONTENDERS, help=argparse.SUPPRESS)
+    parser.add_argument("--model", help=argparse.SUPPRESS)
     parser.add_argument("--layers", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--store", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.seq is None:
+        args.seq = 128 if args.full else 64
+    if args.full and args.child:
+        full_child(args)
+        return
     if args.child:
         child(args)
+        return
+    if args.full:
+        if args.timeout == 900:
+            args.timeout = 1800  # a file-tier attempt at 2.7B sets up 30 GB and runs two steps of a minute or more
+        full(args)
         return
     if args.width % 64:
         parser.error("--width must be a multiple of 64")
