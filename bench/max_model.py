@@ -151,7 +151,7 @@ def full_child(args) -> None:
     else:
         from nsp.train.layerwise import LayerwiseInit
 
-        layerwise = LayerwiseInit(model_cfg, 0, keep=jnp.bfloat16)
+        layerwise = LayerwiseInit(model_cfg, 0)  # init_store_layerwise keeps the bf16 copy itself
         graphdef = layerwise.graphdef
         store = nsp.storage.open(None if config.tier == "memory" else args.store, tier=config.tier, num_shards=1,
                                  **({"in_place": True} if config.tier == "memory" else {}))

@@ -118,3 +118,26 @@ def test_bf16_params_need_bf16_compute():
     with pytest.raises(ValueError, match="bf16"):
         TrainConfig(f32_accum=True)
     TrainConfig(bf16=True, f32_accum=True, bf16_params=True)
+
+
+def test_bf16_params_run_resumes_bit_exactly(tmp_path, corpus):
+    """A --bf16-params run stopped at a checkpoint and resumed ends with the params of one that never stopped (the
+    params are restored from the checkpoint in bf16, never built)."""
+    common = ["--model", "tiny", "--data", corpus, "--seq", "32", "--batch", "4", "--steps", "6", "--log-every", "2",
+              "--eval-batches", "1", "--ckpt-every", "2", "--bf16", "--f32-accum", "--bf16-params"]
+
+    def final(run):
+        import orbax.checkpoint as ocp
+
+        manager = ocp.CheckpointManager(run / "ckpt", item_names=("store", "train_state", "meta"))
+        step = manager.latest_step()
+        restored = manager.restore(step, args=ocp.args.Composite(train_state=ocp.args.StandardRestore(None)))
+        manager.close()
+        return step, jax.tree_util.tree_leaves(restored["train_state"]["params"])
+
+    assert main(["train", "--run-dir", str(tmp_path / "whole"), *common]) == 0
+    assert main(["train", "--run-dir", str(tmp_path / "cut"), *common, "--stop-after", "4"]) == 0
+    assert main(["train", "--run-dir", str(tmp_path / "cut"), *common, "--resume"]) == 0
+    (step_a, whole), (step_b, cut) = final(tmp_path / "whole"), final(tmp_path / "cut")
+    assert step_a == step_b == 6
+    assert all(a.dtype == jnp.bfloat16 and np.array_equal(_bits(a), _bits(b)) for a, b in zip(whole, cut))

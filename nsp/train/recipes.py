@@ -12,8 +12,11 @@ be 2.9 million steps).
 A run with smaller batches than the published ones takes a smaller peak: the published one times the square root
 of the batch ratio (the square-root scaling rule for Adam, Malladi et al. 2022, "On the SDEs and Scaling Rules for
 Adaptive Gradient Algorithms"), never more than the published one. Measured on this repository's default data
-(batch 1 x 128 tokens, ``--bf16-params``): at GPT-3's own peak the 2.7B's first real update sent the loss from 6.2
-to 18.2; at the scaled peak (4.0e-6) the 760M's held-out loss fell 5.92, 5.53, 4.09, 3.91, 3.82 over 5 steps.
+(batch 1 x 128 tokens, ``--bf16-params``; the first update runs at learning rate 0, the start of the warm-up): at
+GPT-3's own peak the 2.7B's first real update sent the loss from 6.2 to 18.2; at the scaled peak (4.0e-6) the
+760M's held-out loss fell 5.92, 5.53, 4.09, 3.91, 3.82 over 5 steps; the 2.7B's at its scaled peak (1.81e-6) went
+5.78, 7.40, 6.05 over 3 steps (the first real update, Adam's sign-like first step, still overshoots at that width
+and depth; the next one, at half the peak, recovers most of it).
 
     >>> recipe = RECIPES["gpt3-2.7b"]
     >>> recipe.lr, recipe.warmup_steps(3), recipe.warmup_steps(2_000_000)
