@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import inspect
 import json
 
 import jax
@@ -20,20 +19,7 @@ from nsp.train.config import TrainConfig
 from nsp.train.layerwise import LayerwiseInit, SetupProgress
 
 
-@pytest.fixture(autouse=True)
-def _isolated_cache(tmp_path, monkeypatch):
-    monkeypatch.setenv("NSP_CACHE_DIR", str(tmp_path / "cache"))
-
-
-@pytest.fixture
-def corpus(tmp_path):
-    """A few hundred KB of real text (stdlib sources), so runs stay fast."""
-    import collections
-    import json as json_mod
-
-    path = tmp_path / "corpus.txt"
-    path.write_text(inspect.getsource(collections) + inspect.getsource(json_mod.decoder))
-    return str(path)
+pytestmark = pytest.mark.usefixtures("isolated_cache")  # conftest: a token cache of each test's own
 
 
 def _bits(x) -> np.ndarray:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import inspect
 import json
 import os
 import subprocess
@@ -16,20 +15,7 @@ from nsp.cli import main
 from nsp.storage import checkpoint as ckpt
 
 
-@pytest.fixture(autouse=True)
-def _isolated_cache(tmp_path, monkeypatch):
-    monkeypatch.setenv("NSP_CACHE_DIR", str(tmp_path / "cache"))
-
-
-@pytest.fixture
-def corpus(tmp_path):
-    """A few hundred KB of real text (stdlib sources), so runs stay fast."""
-    import collections
-    import json as json_mod
-
-    path = tmp_path / "corpus.txt"
-    path.write_text(inspect.getsource(collections) + inspect.getsource(json_mod.decoder))
-    return str(path)
+pytestmark = pytest.mark.usefixtures("isolated_cache")  # conftest: a token cache of each test's own
 
 
 def train(run_dir, corpus, *extra):
