@@ -397,6 +397,14 @@ NB_MODULE(_nsp_ffi, m) {
              CheckLength("out", out, e.size());
              CheckWithoutGil([&] { return e.ReadState(slot, state, out.data()); });
            })
+      .def("read_pages",
+           [](EngineRef& ref, int slot, int state, int64_t first_page, F32Array out) {
+             nsp::ShardEngine& e = ref.get();
+             CheckWithoutGil([&] {
+               return e.ReadPages(slot, state, first_page, out.data(), static_cast<int64_t>(out.shape(0)));
+             });
+           },
+           "Reads whole pages of a state from `first_page` into `out` (its length: whole pages, or to the end).")
       .def("write_state",
            [](EngineRef& ref, int slot, int state, F32In in) {
              nsp::ShardEngine& e = ref.get();

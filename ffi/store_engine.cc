@@ -244,20 +244,28 @@ std::vector<std::string> ShardEngine::Verify(int slot, int state) {
   return problems;
 }
 
-std::string ShardEngine::ReadState(int slot, int state, float* out) {
+std::string ShardEngine::ReadState(int slot, int state, float* out) { return ReadPages(slot, state, 0, out, size_); }
+
+std::string ShardEngine::ReadPages(int slot, int state, int64_t first_page, float* out, int64_t n) {
+  const int64_t begin = first_page * page_elems_;
+  if (first_page < 0 || n < 0 || begin + n > size_ || (n % page_elems_ != 0 && begin + n != size_)) {
+    return "read_pages: " + std::to_string(n) + " elements from page " + std::to_string(first_page) +
+           " are not whole pages of the shard";
+  }
   // Pages that are not addressable go through one aligned page buffer, so the backend can read them its
   // fastest way (direct I/O), then into `out` (a memcpy costs a fraction of the read).
   AlignedBuffer bounce;
   if (backend_->PageAddress(slot, state, 0) == nullptr) bounce = PageBuffer(backend_->PageBufferBytes(page_elems_));
-  for (int64_t page = 0; page < num_pages_; ++page) {
-    const int64_t n = std::min(page_elems_, size_ - page * page_elems_);
-    float* dst = out + page * page_elems_;
+  for (int64_t done = 0; done < n; done += page_elems_) {
+    const int64_t page = first_page + done / page_elems_;
+    const int64_t len = std::min(page_elems_, n - done);
+    float* dst = out + done;
     if (bounce.data == nullptr) {
-      if (std::string e = backend_->ReadPage(slot, state, page, dst, n, false); !e.empty()) return e;
+      if (std::string e = backend_->ReadPage(slot, state, page, dst, len, false); !e.empty()) return e;
       continue;
     }
-    if (std::string e = backend_->ReadPage(slot, state, page, bounce.data, n, true); !e.empty()) return e;
-    std::memcpy(dst, bounce.data, sizeof(float) * static_cast<size_t>(n));
+    if (std::string e = backend_->ReadPage(slot, state, page, bounce.data, len, true); !e.empty()) return e;
+    std::memcpy(dst, bounce.data, sizeof(float) * static_cast<size_t>(len));
   }
   return {};
 }

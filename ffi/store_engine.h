@@ -143,6 +143,8 @@ class ShardEngine {
 
   // Whole-state transfers (initialisation, export): `n` = size elements.
   std::string ReadState(int slot, int state, float* out);
+  // Reads `n` elements of a state from the start of page `first_page` (whole pages, the shard's last one short).
+  std::string ReadPages(int slot, int state, int64_t first_page, float* out, int64_t n);
   std::string WriteState(int slot, int state, const float* in);
   // Writes `n` elements of `state` starting at page `first_page` (whole pages, or through the shard's end), so
   // a state can be written a page at a time without a whole-shard array.

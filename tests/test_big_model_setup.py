@@ -4,6 +4,10 @@
 from __future__ import annotations
 
 import json
+import os
+import signal
+import subprocess
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -16,6 +20,7 @@ from nsp.cli import main
 from nsp.models import GPT, get_config
 from nsp.models.gpt import gpt_parts
 from nsp.train.config import TrainConfig
+from nsp.train import store_resume
 from nsp.train.layerwise import LayerwiseInit, SetupProgress
 
 
@@ -106,11 +111,21 @@ def test_bf16_params_need_bf16_compute():
     TrainConfig(bf16=True, f32_accum=True, bf16_params=True)
 
 
-def test_bf16_params_run_resumes_bit_exactly(tmp_path, corpus):
+def _store_state(store_dir) -> list:
+    store = nsp.storage.open(store_dir)
+    try:
+        return [store.version] + [store.read(state) for state in ("param", "mu", "nu")]
+    finally:
+        store.close()
+
+
+def test_bf16_params_run_resumes_bit_exactly_from_a_checkpoint_or_from_its_store(tmp_path, corpus):
     """A --bf16-params run stopped at a checkpoint and resumed ends with the params of one that never stopped (the
-    params are restored from the checkpoint in bf16, never built)."""
-    common = ["--model", "tiny", "--data", corpus, "--seq", "32", "--batch", "4", "--steps", "6", "--log-every", "2",
-              "--eval-batches", "1", "--ckpt-every", "2", "--bf16", "--f32-accum", "--bf16-params"]
+    params are restored from the checkpoint in bf16, never built). So does a --no-checkpoints run SIGKILLed inside
+    an update: --resume continues from its store's committed version, the bf16 params rounded from the fp32
+    master leaf by leaf (the step's params are always exactly that rounding: float32_updates)."""
+    common = ["--model", "tiny", "--data", corpus, "--seq", "32", "--batch", "4", "--steps", "6", "--log-every", "1",
+              "--eval-batches", "1", "--eval-every", "0", "--bf16", "--f32-accum", "--bf16-params", "--tier", "file"]
 
     def final(run):
         import orbax.checkpoint as ocp
@@ -121,9 +136,52 @@ def test_bf16_params_run_resumes_bit_exactly(tmp_path, corpus):
         manager.close()
         return step, jax.tree_util.tree_leaves(restored["train_state"]["params"])
 
-    assert main(["train", "--run-dir", str(tmp_path / "whole"), *common]) == 0
-    assert main(["train", "--run-dir", str(tmp_path / "cut"), *common, "--stop-after", "4"]) == 0
-    assert main(["train", "--run-dir", str(tmp_path / "cut"), *common, "--resume"]) == 0
-    (step_a, whole), (step_b, cut) = final(tmp_path / "whole"), final(tmp_path / "cut")
+    def losses(run):
+        rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+        return [(r["step"], r["loss"]) for r in rows if "loss" in r]
+
+    whole, cut, killed = tmp_path / "whole", tmp_path / "cut", tmp_path / "killed"
+    assert main(["train", "--run-dir", str(whole), *common, "--ckpt-every", "2"]) == 0
+    assert main(["train", "--run-dir", str(cut), *common, "--ckpt-every", "2", "--stop-after", "4"]) == 0
+    assert main(["train", "--run-dir", str(cut), *common, "--ckpt-every", "2", "--resume"]) == 0
+    (step_a, params_a), (step_b, params_b) = final(whole), final(cut)
     assert step_a == step_b == 6
-    assert all(a.dtype == jnp.bfloat16 and np.array_equal(_bits(a), _bits(b)) for a, b in zip(whole, cut))
+    assert all(a.dtype == jnp.bfloat16 and np.array_equal(_bits(a), _bits(b)) for a, b in zip(params_a, params_b))
+
+    # Each of the 4 shards counts its own page writes: 3 at set-up, 3 per update; the 11th is inside step 3's.
+    env = {**os.environ, "NSP_DEBUG_KILL_AFTER_WRITES": "11"}
+    proc = subprocess.run([sys.executable, "-m", "nsp.cli", "train", "--run-dir", str(killed), *common,
+                           "--no-checkpoints"], env=env, capture_output=True, text=True)
+    assert proc.returncode == -signal.SIGKILL, proc.stdout + proc.stderr
+    assert json.loads((killed / store_resume.RECORD).read_text()) == {"version": 2, "step": 2}
+    assert main(["train", "--run-dir", str(killed), *common, "--no-checkpoints", "--resume"]) == 0
+    ref, got = _store_state(whole / "store"), _store_state(killed / "store")
+    assert ref[0] == got[0] == 6
+    assert all(np.array_equal(_bits(a), _bits(b)) for a, b in zip(ref[1:], got[1:]))  # fp32 p, m, v
+    assert losses(killed) == losses(whole)  # step 3 logged once: after the resume
+
+
+@pytest.mark.parametrize("stored,expected", [(4, 7), (5, 8)])
+def test_the_resumed_step_follows_the_store_version(tmp_path, stored, expected):
+    """The record says step 7 left version 4: a store still at 4 resumes at 7 (the next step never committed, or
+    was skipped), one at 5 at 8 (it committed before its record)."""
+    store_resume.write_record(tmp_path, 4, 7)
+    assert store_resume.step_to_resume(tmp_path, stored) == expected
+    with pytest.raises(ValueError, match="not this run's"):
+        store_resume.step_to_resume(tmp_path, 6)
+    (tmp_path / store_resume.RECORD).unlink()
+    with pytest.raises(ValueError, match="does not say which step"):
+        store_resume.step_to_resume(tmp_path, 4)
+
+
+def test_runs_that_cannot_resume_from_their_store_say_why(tmp_path, corpus, capsys):
+    run = tmp_path / "run"
+    run.mkdir()
+    store_resume.write_record(run, 1, 1)  # even with a record, these runs cannot continue from their store
+    common = ["--model", "tiny", "--data", corpus, "--run-dir", str(run), "--tier", "file", "--no-checkpoints",
+              "--resume"]
+    assert main(["train", *common, "--bf16", "--f32-accum", "--bf16-params", "--topk", "0.1"]) == 2
+    assert "cannot continue from its store: Top-K's error-feedback residual" in capsys.readouterr().err
+    assert main(["train", *common]) == 2  # fp32 params
+    assert "--bf16-params land on its rounding exactly" in capsys.readouterr().err
+    assert store_resume.why_not(TrainConfig(tier="file", bf16=True, f32_accum=True, bf16_params=True)) is None

@@ -9,7 +9,7 @@ BENCH = Path(__file__).resolve().parents[1] / "bench" / "fault_campaign.py"
 
 def test_killed_runs_resume_bit_identically_and_no_store_is_corrupt(tmp_path):
     # One trial per kill mode: random delay, inside an update, at a commit, at a checkpoint snapshot.
-    proc = subprocess.run([sys.executable, str(BENCH), "--trials", "4", "--steps", "6", "--seed", "1", "--dir",
+    proc = subprocess.run([sys.executable, str(BENCH), "--trials", "4", "--steps", "4", "--seed", "1", "--dir",
                            str(tmp_path), "--json", str(tmp_path / "campaign.json")], capture_output=True, text=True)
     last = proc.stdout.strip().splitlines()[-1]
     assert last == "bit-identical: 4/4, corrupt: 0", proc.stdout[-3000:] + proc.stderr[-3000:]

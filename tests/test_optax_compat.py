@@ -340,6 +340,37 @@ def test_updates_have_the_params_dtype_and_land_on_the_master():
         store.close()
 
 
+def test_float32_updates_land_narrow_params_exactly_on_the_master():
+    """With float32_updates=True, bf16 and f16 params take float32 updates and land on the master rounded to their
+    dtype everywhere, also where a step crosses zero (where the default's updates land within an ulp); fp32 params
+    are as by default."""
+    for dtype in (jnp.bfloat16, jnp.float16, jnp.float32):
+        store = storage.open(tier="memory")
+        tx = nsp.optim.adam(LR, store=store, float32_updates=True)
+        params = jax.tree_util.tree_map(lambda x: x * 1e-3, make_params(dtype))  # steps outgrow many params
+        state = tx.init(params)
+        g = jax.grad(loss_fn)(params, 0)
+        updates, state = jax.jit(tx.update)(g, state, params)
+        assert all(u.dtype == jnp.float32 for u in jax.tree_util.tree_leaves(updates))
+        new = optax.apply_updates(params, updates)
+        master = store.layout.unflatten(jnp.asarray(store.read("param")), params, dtype=jnp.float32)
+        crossing = []
+        for p, n, m in zip(*(jax.tree_util.tree_leaves(t) for t in (params, new, master))):
+            assert n.dtype == dtype
+            p, n, t = (np.asarray(x, np.float32) for x in (p, n, m.astype(dtype)))
+            outgrown = np.abs(t - p) > np.minimum(np.abs(p), np.abs(t))  # outside Sterbenz's range
+            crossing.append(outgrown.any())
+            if dtype == jnp.float32:
+                np.testing.assert_array_equal(n[~outgrown], t[~outgrown])
+            else:
+                np.testing.assert_array_equal(n, t)
+        assert any(crossing)
+        # The next step sees the params it led to: no adoption.
+        jax.block_until_ready(jax.jit(tx.update)(g, state, new))
+        assert store.stats()["params_adopted"] == 0
+        store.close()
+
+
 def test_bf16_params_within_a_few_ulps_and_closer_to_fp32():
     fp32, _ = run(optax.adam(LR), make_params(jnp.float32))
     ref, _ = run(optax.adam(LR), make_params(jnp.bfloat16))

@@ -5,8 +5,9 @@ params and moments stay in the store. The learning rate is traced (schedules and
 change it without recompiling); the other hyperparameters are fixed when the store is initialized. ``update`` hands the (possibly compressed) gradient to the store through
 ``nsp.primitives.store_update`` — one side-effecting XLA FFI call per device shard, inside your jitted step — and
 returns updates such that ``optax.apply_updates(params, updates)`` gives the store's new params in the params'
-own dtype. Calling ``update`` twice with the same state gives the same result (the store replays the version);
-a state older than that is a clear error.
+own dtype (with ``float32_updates=True``, bf16 and f16 params take float32 updates and land on the master's
+rounding exactly). Calling ``update`` twice with the same state gives the same result (the store replays the
+version); a state older than that is a clear error.
 
 The store's fp32 master is what the next update normally builds on: the params passed to ``update`` are the ones
 the previous update led to (``optax.apply_updates(params, updates)`` of the updates it returned), and the master
@@ -34,6 +35,7 @@ the fp32 master into the store) and the step holds 2 bytes of params and 2 of gr
 from __future__ import annotations
 
 import contextlib
+import functools
 import numbers
 import threading
 from typing import Any, NamedTuple
@@ -188,16 +190,16 @@ def _init_fingerprint(params) -> jax.Array:
     return jnp.stack([jnp.stack([_hash_leaf(x, cast) for cast in (None, *_INIT_CASTS)]) for x in leaves])
 
 
-@jax.jit
-def _expected_fingerprint(params, new_params) -> jax.Array:
+@functools.partial(jax.jit, static_argnames="wide")
+def _expected_fingerprint(params, new_params, wide: bool = False) -> jax.Array:
     """``[leaves, 4]``: the hash of ``optax.apply_updates(params, updates)``, with the updates the storage
-    transform returns (``_update_in_params_dtype``), computed as they compute them, chunk by chunk: neither the
-    updates nor the next params are materialised for it."""
+    transform returns (``_update_in_params_dtype``, float32 when ``wide``), computed as they compute them, chunk
+    by chunk: neither the updates nor the next params are materialised for it."""
     hashes = []
     for p, t in zip(jax.tree_util.tree_leaves(params), jax.tree_util.tree_leaves(new_params)):
         def words_of(start, size, p=p, t=t):
             ps = _slice(p, start, size)
-            u = _update_in_params_dtype(_slice(t, start, size), ps)
+            u = _update_in_params_dtype(_slice(t, start, size), ps, wide)
             return _leaf_bits(jnp.asarray(ps + u).astype(jnp.asarray(ps).dtype))  # optax.apply_updates
         hashes.append(_hash_elements(jnp.size(p), words_of))
     fp = jnp.stack(hashes) if hashes else jnp.zeros((0,), jnp.uint32)
@@ -231,6 +233,7 @@ def scale_by_storage(
     mesh: Mesh | None = None,
     axis_name: str | None = None,
     staleness: int = 0,
+    float32_updates: bool = False,
 ) -> optax.GradientTransformationExtraArgs:
     """The general storage transform: ``optimizer``'s update of ``store``, at ``learning_rate``.
 
@@ -249,6 +252,11 @@ def scale_by_storage(
         runs, which therefore sees params one step old (Angel-PTM's bounded staleness). Not replayable. On a
         CPU-only machine, give the update CPUs of its own with ``NSP_ENGINE_CPUS`` (README), or it competes with
         the forward/backward for cores.
+      float32_updates: for bf16 and f16 params, return float32 updates: ``optax.apply_updates`` then lands the
+        params exactly on the store's master rounded to their dtype, so they depend on the master alone and a
+        run can continue from its store (``nsp train --no-checkpoints`` does; inside a jitted step XLA fuses the
+        float32 update into the sum). Off by default: optax transforms such as ``optax.apply_if_finite`` expect
+        updates in the gradients' dtype.
 
     Returns:
       An optax transform; its ``update`` needs ``params`` (when they are not the ones the previous update led
@@ -328,23 +336,33 @@ def scale_by_storage(
             out = store_update(handle, flat, version=state.version, lr=lr, step=state.count + 1, mesh=mesh,
                                axis_name=axis_name, params=params_leaves, adopt=adopt)
             new_params, version = layout.unflatten(out.params, params, dtype=jnp.float32), out.version
-        new_updates = jax.tree_util.tree_map(_update_in_params_dtype, new_params, params)
+        new_updates = jax.tree_util.tree_map(
+            functools.partial(_update_in_params_dtype, wide=float32_updates), new_params, params)
         # A skipped step (non-finite gradient) leaves the version, and so the step count, where they were.
         applied = (version - state.version).astype(state.count.dtype)
-        return new_updates, StorageState(state.count + applied, version, _expected_fingerprint(params, new_params))
+        return new_updates, StorageState(state.count + applied, version,
+                                         _expected_fingerprint(params, new_params, float32_updates))
 
     return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 
 
-def _update_in_params_dtype(new: jax.Array, param: jax.Array) -> jax.Array:
-    """The update, in the params' dtype (optax's rule), that ``optax.apply_updates`` turns into the store's new
-    fp32 master rounded to that dtype (``t``): ``p + (t - p)`` is exactly ``t`` whenever the difference is exact
-    in that dtype (Sterbenz: ``t`` and ``p`` within a factor of 2 of each other). A step larger than that (a
-    param near zero, or crossing it) needs a ``u`` finer than the dtype holds at ``u``'s size: ``p + u`` then
-    lands within an ulp of ``t``, as ``p + (t - p)`` does in optax's own arithmetic."""
+def _update_in_params_dtype(new: jax.Array, param: jax.Array, wide: bool = False) -> jax.Array:
+    """The update that ``optax.apply_updates`` turns into the store's new fp32 master rounded to the params' dtype
+    (``t``).
+
+    By default it is ``t - p`` in the params' dtype (optax's rule): ``p + (t - p)`` is exactly ``t`` whenever the
+    difference is exact in that dtype (Sterbenz: ``t`` and ``p`` within a factor of 2 of each other). A step
+    larger than that (a param near zero, or crossing it) needs a ``u`` finer than the dtype holds at ``u``'s size:
+    ``p + u`` then lands within an ulp of ``t``, as ``p + (t - p)`` does in optax's own arithmetic.
+
+    ``wide`` (``float32_updates``): for params narrower than float32 (bfloat16, float16) the update is ``t - p`` in
+    float32, where the difference of two such numbers is exact (or, with ``p`` far below ``t``, off by less than
+    a float32 ulp: nothing that moves ``t`` off its own grid point), so the sum rounded back to the params' dtype
+    is always ``t``: the params depend on the master alone, whatever path led there."""
     target = new.astype(param.dtype)
-    wide = jnp.promote_types(param.dtype, jnp.float32)
-    return (target.astype(wide) - param.astype(wide)).astype(param.dtype)
+    promoted = jnp.promote_types(param.dtype, jnp.float32)
+    update = target.astype(promoted) - param.astype(promoted)
+    return update if wide else update.astype(param.dtype)
 
 
 def _leaves_path(layout, updates, params, mesh) -> bool:
@@ -367,20 +385,21 @@ def _check_lr(learning_rate):
 
 
 def _by_kind(kind: str, store: StateStore, learning_rate, hyper: dict, *, nesterov: bool = False, lazy: bool,
-             mesh, axis_name, staleness) -> optax.GradientTransformationExtraArgs:
+             mesh, axis_name, staleness, float32_updates=False) -> optax.GradientTransformationExtraArgs:
     """The one body of the factories below: ``kind`` with its static hyperparameters (``hyper``: OptimizerSpec
     field -> the value given) as the store's spec, then ``scale_by_storage``."""
     _check_lr(learning_rate)
     static = {name: _static(name, value) for name, value in hyper.items()}
     spec = (None if any(v is None for v in static.values())
             else OptimizerSpec(kind, nesterov=bool(nesterov), lazy=bool(lazy), **static))
-    return scale_by_storage(store, spec, learning_rate, mesh=mesh, axis_name=axis_name, staleness=staleness)
+    return scale_by_storage(store, spec, learning_rate, mesh=mesh, axis_name=axis_name, staleness=staleness,
+                            float32_updates=float32_updates)
 
 
 def scale_by_storage_adam(
     store: StateStore, learning_rate: optax.ScalarOrSchedule, b1: float = 0.9, b2: float = 0.999,
     eps: float = 1e-8, weight_decay: float = 0.0, *, mesh: Mesh | None = None, axis_name: str | None = None,
-    staleness: int = 0, lazy: bool = False,
+    staleness: int = 0, lazy: bool = False, float32_updates: bool = False,
 ) -> optax.GradientTransformationExtraArgs:
     """Adam on state kept in ``store`` (``weight_decay`` as L2 on the gradient, like
     ``optax.chain(optax.add_decayed_weights(wd), optax.adam(...))``).
@@ -399,35 +418,38 @@ def scale_by_storage_adam(
       params = optax.apply_updates(params, updates)
     """
     return _by_kind("adam", store, learning_rate, dict(b1=b1, b2=b2, eps=eps, weight_decay=weight_decay),
-                    lazy=lazy, mesh=mesh, axis_name=axis_name, staleness=staleness)
+                    lazy=lazy, mesh=mesh, axis_name=axis_name, staleness=staleness,
+                    float32_updates=float32_updates)
 
 
 def scale_by_storage_adamw(
     store: StateStore, learning_rate: optax.ScalarOrSchedule, b1: float = 0.9, b2: float = 0.999,
     eps: float = 1e-8, weight_decay: float = 1e-4, *, mesh: Mesh | None = None, axis_name: str | None = None,
-    staleness: int = 0, lazy: bool = False,
+    staleness: int = 0, lazy: bool = False, float32_updates: bool = False,
 ) -> optax.GradientTransformationExtraArgs:
     """AdamW (decoupled weight decay, optax's default 1e-4) on state kept in ``store``."""
     return _by_kind("adamw", store, learning_rate, dict(b1=b1, b2=b2, eps=eps, weight_decay=weight_decay),
-                    lazy=lazy, mesh=mesh, axis_name=axis_name, staleness=staleness)
+                    lazy=lazy, mesh=mesh, axis_name=axis_name, staleness=staleness,
+                    float32_updates=float32_updates)
 
 
 def scale_by_storage_sgd(
     store: StateStore, learning_rate: optax.ScalarOrSchedule, momentum: float | None = None,
     nesterov: bool = False, weight_decay: float = 0.0, *, mesh: Mesh | None = None, axis_name: str | None = None,
-    staleness: int = 0, lazy: bool = False,
+    staleness: int = 0, lazy: bool = False, float32_updates: bool = False,
 ) -> optax.GradientTransformationExtraArgs:
     """SGD, optionally with (Nesterov) momentum, on state kept in ``store`` (like ``optax.sgd``)."""
     hyper = dict(momentum=0.0 if momentum is None else momentum, weight_decay=weight_decay)
     return _by_kind("sgd", store, learning_rate, hyper, nesterov=nesterov, lazy=lazy, mesh=mesh,
-                    axis_name=axis_name, staleness=staleness)
+                    axis_name=axis_name, staleness=staleness, float32_updates=float32_updates)
 
 
 def scale_by_storage_adagrad(
     store: StateStore, learning_rate: optax.ScalarOrSchedule, initial_accumulator_value: float = 0.1,
     eps: float = 1e-7, *, mesh: Mesh | None = None, axis_name: str | None = None, staleness: int = 0,
-    lazy: bool = False,
+    lazy: bool = False, float32_updates: bool = False,
 ) -> optax.GradientTransformationExtraArgs:
     """AdaGrad on state kept in ``store`` (like ``optax.adagrad``)."""
     return _by_kind("adagrad", store, learning_rate, dict(eps=eps, initial_nu=initial_accumulator_value),
-                    lazy=lazy, mesh=mesh, axis_name=axis_name, staleness=staleness)
+                    lazy=lazy, mesh=mesh, axis_name=axis_name, staleness=staleness,
+                    float32_updates=float32_updates)

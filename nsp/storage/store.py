@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 import uuid
 import weakref
 from pathlib import Path
@@ -34,7 +34,7 @@ from nsp import _nsp_ffi
 from nsp.storage.format import (MANIFEST, METADATA, STATES, TIER_BACKENDS, StoreError, array_dir, atomic_write_json,
                                 inside, lock_store, recorded_path, store_metadata, zarr_spec)
 from nsp.storage.handle import StoreHandle
-from nsp.storage.layout import Layout
+from nsp.storage.layout import Layout, Leaf
 from nsp.storage.lifetime import Lifetime
 from nsp.storage.optimizer import OptimizerSpec
 from nsp.storage.space import check_free_space
@@ -571,6 +571,39 @@ class StateStore:
         out = np.empty(self.layout.shard_size, np.float32)
         self._engines[self.local_shards.index(shard)].read_state(version % 2, STATES.index(state), out)
         return out
+
+    def read_leaves(self, state: str = "param", version: int | None = None) -> Iterator[tuple[Leaf, np.ndarray]]:
+        """``(leaf, fp32 array of its shape)`` for every leaf of ``state`` at ``version`` (default: the committed
+        one), in layout order, each read from only the pages it spans: a model's state comes back one leaf at a
+        time, never whole (resuming a big model from its store). Every shard a leaf spans must be this
+        process's."""
+        self._check_open()
+        if not self.initialized:
+            raise StoreError("the store holds no state yet")
+        if state not in STATES or not self.optimizer.states_used()[STATES.index(state)]:
+            raise ValueError(f"{self.optimizer.kind} keeps no state {state!r}")
+        version = self.version if version is None else version
+        if version not in self.held_versions():
+            raise StoreError(f"the store no longer holds version {version} (it holds {self.held_versions()})")
+        size, page = self.layout.shard_size, self.layout.page_elems
+        for leaf in self.layout.leaves:
+            out = np.empty(leaf.size, np.float32)
+            begin, end = leaf.offset, leaf.offset + leaf.size
+            while begin < end:  # the leaf's part in each shard it spans
+                shard, at = divmod(begin, size)
+                if shard not in self.local_shards:
+                    raise StoreError(f"leaf {leaf.path} lies partly in shard {shard}, which is not one of this "
+                                     f"process's shards {list(self.local_shards)}")
+                upto = min(end - shard * size, size)  # where this part ends, within the shard
+                first = at // page
+                n = min(-(-upto // page) * page, size) - first * page  # whole pages (the shard's last one short)
+                pages = np.empty(n, np.float32)
+                self._engines[self.local_shards.index(shard)].read_pages(version % 2, STATES.index(state), first,
+                                                                         pages)
+                skip = first * page  # where the pages start, within the shard
+                out[begin - leaf.offset:shard * size + upto - leaf.offset] = pages[at - skip:upto - skip]
+                begin = shard * size + upto
+            yield leaf, out.reshape(leaf.shape)
 
     def verify(self) -> dict[str, Any]:
         """Reads every page of every state of the committed version, checking its CRC-32C.

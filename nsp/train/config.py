@@ -85,10 +85,11 @@ class TrainConfig:
     ckpt_every: int = 100
     # Checkpoints kept (older ones are deleted).
     keep_checkpoints: int = 3
-    # Save checkpoints. --no-checkpoints: none (the run cannot be resumed), for a store that fills most of its
-    # disk: a checkpoint's hard links keep its version's pages, so the store's next writes of them take new space.
+    # Save checkpoints. --no-checkpoints: none, for a store that fills most of its disk (a checkpoint's hard links
+    # keep its version's pages, so the store's next writes of them take new space); --resume then continues from
+    # the store's committed version where the optimizer keeps everything there (nsp.train.store_resume).
     checkpoints: bool = True
-    # Continue the run in RUN_DIR from its latest checkpoint.
+    # Continue the run in RUN_DIR from its latest checkpoint (or, without checkpoints, from its store).
     resume: bool = False
     # Multi-process runs (nsp.distributed): process 0's coordination service as host:port (empty = the
     # JAX_COORDINATOR_ADDRESS variable or what JAX detects: SLURM, Open MPI, Kubernetes; none = one process).

@@ -42,6 +42,7 @@ import nsp.storage
 from nsp.models import GPT, cross_entropy_loss, get_config
 from nsp.storage import checkpoint as ckpt
 from nsp.train import data as data_lib
+from nsp.train import store_resume
 from nsp.train.config import TrainConfig
 from nsp.train.layerwise import LayerwiseInit, SetupProgress, SpecRecorder, fmt_gib, peak_rss_bytes
 
@@ -114,7 +115,10 @@ def learning_rate_schedule(config: TrainConfig) -> optax.Schedule:
 
 def make_optimizer(config: TrainConfig, store, mesh) -> optax.GradientTransformation:
     schedule = learning_rate_schedule(config)
-    kw = dict(store=store, mesh=mesh, axis_name="data" if mesh is not None else None, staleness=config.staleness)
+    # float32_updates: bf16 params land exactly on the store's master rounded to bf16, so they depend on the master
+    # alone and a run without checkpoints can continue from its store (store_resume).
+    kw = dict(store=store, mesh=mesh, axis_name="data" if mesh is not None else None, staleness=config.staleness,
+              float32_updates=True)
     if config.topk:
         kw["compression"] = nsp.optim.TopK(config.topk, error_feedback=config.error_feedback,
                                            residual_decay=config.topk_residual_decay, lazy=config.topk_lazy)
@@ -277,7 +281,12 @@ def _build(config: TrainConfig, log: Callable[[str], None]) -> Run:
     ckpt_dir = run_dir / "ckpt"
     has_checkpoints = _has_complete_checkpoint(ckpt_dir)
     resume = config.resume
-    if resume and not has_checkpoints:
+    # A run without checkpoints continues from its store's committed version (store_resume), where it can.
+    from_store = resume and not has_checkpoints and not config.checkpoints and (run_dir / store_resume.RECORD).exists()
+    if from_store and (why := store_resume.why_not(config)):
+        raise TrainError(f"--resume: {run_dir} saved no checkpoints (--no-checkpoints) and cannot continue from its "
+                         f"store: {why}")
+    if resume and not has_checkpoints and not from_store:
         if not (run_dir / "config.json").exists():
             raise TrainError(f"--resume: {run_dir} holds no run to resume (no config.json, no checkpoint)")
         # The run stopped before its first checkpoint completed: nothing was saved, so start it afresh (its
@@ -330,7 +339,28 @@ def _build(config: TrainConfig, log: Callable[[str], None]) -> Run:
         store_path.parent.mkdir(parents=True, exist_ok=True)
     store_kw = dict(tier=config.tier, num_shards=num_shards, page_bytes=config.page_bytes, shards=shards)
     step = 0
-    if resume:
+    if from_store:
+        store = _together("opening this process's store shards", lambda: nsp.storage.open(store_path, **store_kw))
+        try:
+            saved = json.loads((run_dir / "config.json").read_text())
+            if saved.get("model") != config.model:
+                raise TrainError(f"{run_dir} is a run of model {saved.get('model')!r}, not {config.model!r}")
+            step = store_resume.step_to_resume(run_dir, store.version)
+            tx = make_optimizer(config, store, mesh)
+            if params is None:  # bf16 params: cast from the store's fp32 master, leaf by leaf
+                params = jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(x.shape, jnp.bfloat16),
+                                                layerwise.abstract)
+            _check_layout(store, params)
+            params = store_resume.params_from_store(store, params)
+            opt_state = tx.init(params)  # the store holds the state: init checks it and takes its version
+        except ValueError as e:
+            store.close()
+            raise TrainError(f"--resume: {e}") from None
+        except BaseException:
+            store.close()
+            raise
+        log(f"resumed {run_dir} at step {step} from its store (version {store.version}; no checkpoints)")
+    elif resume:
         manager = ckpt.make_checkpoint_manager(ckpt_dir, max_to_keep=config.keep_checkpoints)
         # orbax finalises a multi-process step only once every process saved its part: the latest step is the
         # newest version every process holds.
@@ -630,13 +660,17 @@ def train_and_evaluate(config: TrainConfig, *, log: Callable[[str], None] = prin
     schedule = learning_rate_schedule(config)
     interrupted, finished = [], []
     previous_handler = signal.getsignal(signal.SIGINT)
+    # Without checkpoints, a run that can continue from its store records each step's store version for it.
+    record_steps = not config.checkpoints and store_resume.why_not(config) is None
+    resumable = config.checkpoints or record_steps
 
     def on_sigint(signum, frame):  # finish the step in flight, then stop cleanly
         if interrupted:
             previous_handler(signum, frame) if callable(previous_handler) else None
         interrupted.append(True)
         log("\ninterrupt: finishing the step in flight, then " + ("checkpointing" if config.checkpoints else
-            "stopping (no checkpoints: the run cannot be resumed)") + " (Ctrl-C again to abort)")
+            "stopping" + ("" if resumable else " (no checkpoints: the run cannot be resumed)"))
+            + " (Ctrl-C again to abort)")
 
     def save():
         if config.checkpoints:
@@ -644,9 +678,13 @@ def train_and_evaluate(config: TrainConfig, *, log: Callable[[str], None] = prin
 
     signal.signal(signal.SIGINT, on_sigint)
     if not config.checkpoints:
-        log("checkpoints off (--no-checkpoints): nothing is saved and the run cannot be resumed")
+        log("checkpoints off (--no-checkpoints): " + (
+            f"--resume continues from the store's committed version ({store_resume.RECORD} records each step's)"
+            if record_steps else f"nothing is saved and the run cannot be resumed ({store_resume.why_not(config)})"))
     if run.step == 0:
         save()  # a run killed before its first checkpoint can still be resumed
+        if record_steps:  # nor need one killed in its first step be set up again
+            store_resume.write_record(Path(config.run_dir), run.store.version, 0)
     if config.bf16_params and run.step < config.steps:
         # Compiled ahead of the first step, so that the steps' times are the steps' own (a big model's step takes
         # XLA a minute or more to compile on a CPU).
@@ -677,6 +715,9 @@ def train_and_evaluate(config: TrainConfig, *, log: Callable[[str], None] = prin
                 watch.begin(run.step + 1)
             run.params, run.opt_state, loss = train_step(run.params, run.opt_state, tokens)
             run.step += 1
+            if record_steps:  # once the step's update committed (or was skipped)
+                jax.block_until_ready(loss)
+                store_resume.write_record(Path(config.run_dir), run.store.version, run.step)
             final = run.step == end
             if run.step % config.log_every == 0 or final:
                 loss = float(loss)  # waits for the step
@@ -731,7 +772,7 @@ def train_and_evaluate(config: TrainConfig, *, log: Callable[[str], None] = prin
                 + f" | peak RSS {fmt_gib(peak_rss_bytes())}")
         if interrupted or run.step < config.steps:
             log(f"stopped at step {run.step} of {config.steps}; "
-                + ("continue with the same command and --resume" if config.checkpoints else
+                + ("continue with the same command and --resume" if resumable else
                    "no checkpoints were saved (--no-checkpoints): the run cannot be resumed"))
             summary["interrupted"] = bool(interrupted)
         summary["step"] = run.step
