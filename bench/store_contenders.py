@@ -205,9 +205,42 @@ class DiskProbe:
         """Rewrites the file the reads read (untimed, between rounds)."""
         self.run(Method(True, self.direct, 1, False), self.read_path)
 
+    def side_by_side(self) -> tuple[str, Method, Method, Callable[[], None]]:
+        """A contender that reads the read file and rewrites the write file at the same time, each the way a
+        pipelined updater would (direct where the file system takes it, ``depth`` requests in flight, in place).
+
+        Compared with the same read and write one after the other, it says how much any overlap of reads with
+        writes can win on this disk: a disk that serves both from one budget (measured here: a virtual disk whose
+        reads and writes at once took as long as one after the other) gives a pipelined updater nothing over a
+        serial swap but the compute it hides. Returns (name, read method, write method, the call).
+        """
+        depth = self.depth if self.direct else 1
+        read, write = Method(False, self.direct, depth), Method(True, self.direct, depth, False)
+        # Two pools and a second buffer set: the read must not wait for the write's workers, nor land in the
+        # buffers the write is writing.
+        pools = [ThreadPoolExecutor(n, thread_name_prefix="side-by-side") for n in (1, depth)]
+        read_bufs = [mmap.mmap(-1, self.block) for _ in range(depth)]
+        self._side_by_side = (pools, read_bufs)
+        name = f"raw disk read + write at once: {read.label}; {write.label}"
+
+        def call() -> None:
+            self.writes += 1
+            reading = pools[0].submit(transfer, read, self.read_path, self.size, self.block,
+                                      lambda worker, offset: read_bufs[worker], pools[1] if depth > 1 else None)
+            transfer(write, self.path, self.size, self.block, self._stamped, self.pool)
+            reading.result()
+
+        return name, read, write, call
+
     def close(self) -> None:
         for b in self.bufs:
             b.close()
+        if hasattr(self, "_side_by_side"):
+            pools, read_bufs = self._side_by_side
+            for pool in pools:
+                pool.shutdown()
+            for b in read_bufs:
+                b.close()
 
 
 # ---- the perfect serial swap -------------------------------------------------------------------------------------

@@ -21,6 +21,9 @@ OMP_WAIT_POLICY=PASSIVE keep one contender's idle threads off the next one's cor
   raw disk reads     as many bytes read sequentially, O_DIRECT and buffered (uncached), from a file rewritten
                      right before each file-tier update (so it is as old as the state that update writes and
                      the next round reads); the fastest counts
+  read + write at    the same read and an in-place rewrite at the same time, O_DIRECT with pages_in_flight
+  once               requests in flight each: against the two one after the other, what overlapping reads with
+                     writes can win on this disk at all (a disk serving both from one budget: nothing)
   perfect update     derived: bytes read / read bandwidth + bytes written / write bandwidth (p, m, v are read and
                      written: 12 + 12 B/param) -- the roofline of the file tier, which overlaps reads and writes
   perfect serial     measured: p, m, v in three plain files, read whole with the fastest read method of the raw
@@ -29,7 +32,8 @@ OMP_WAIT_POLICY=PASSIVE keep one contender's idle threads off the next one's cor
                      + fsync; nothing overlapped: the floor of any swapper that does not overlap I/O with compute
   nsp file tier      store.update(grad, version=store.version, step=store.version + 1, params_into=out): read,
                      compute and write pages overlapped, then sync + commit of the new version; the new params
-                     land in one reused array (the other contenders update theirs in place too)
+                     land in one reused array (the other contenders update theirs in place too); the
+                     engine's clocks split its time into the page stream, the sync and the commit
   DeepSpeed          ZeRO-Infinity's optimizer swap with DeepSpeed's own ops (bench/deepspeed_swap.py): its aio
                      handle (O_DIRECT, page-locked buffers, documented defaults: 1 MiB blocks, queue depth 8, one
                      I/O thread per handle, overlap_events) and DeepSpeedCPUAdam, per sub-group swap p, m, v in,
@@ -206,15 +210,27 @@ def run(args, work: Workdir, n: int, page_bytes: int, repeats: int, warmup: int,
     stats1 = store.stats()
     read_bytes = stats1["internal_read_bytes"] - stats0["internal_read_bytes"]
     write_bytes = stats1["internal_write_bytes"] - stats0["internal_write_bytes"]
+    # Its second and third updates calibrate the read mode (half their page reads direct, half buffered, each
+    # timed: ffi/read_mode.h), as a run's do once at its start (and 1 update in 32 after): warm-up here too, so
+    # that the timed rounds read the way the file tier settled on.
+    for _ in range(2):
+        store.update(grad, version=store.version, lr=LR, step=store.version + 1)
 
     params_out = np.empty(n, np.float32)  # the params land in one array, reused (as the others update in place)
 
     nsp_reads: list[str] = []  # how each call read its pages (the file tier picks direct or buffered itself)
+    # Where each call's time went (the engine's own clocks): the page stream (read, compute, write overlapped),
+    # the sync that makes the new version durable, the commit that records it.
+    nsp_phases: dict[str, list[float]] = {"stream": [], "sync": [], "commit": []}
 
     def nsp_file() -> None:
         before = store.stats()
         store.update(grad, version=store.version, lr=LR, step=store.version + 1, params_into=params_out)
         after = store.stats()
+        spent = {k: (after[f"{k}_ns"] - before[f"{k}_ns"]) / 1e9 for k in ("update", "sync", "commit")}
+        nsp_phases["stream"].append(spent["update"] - spent["sync"] - spent["commit"])
+        nsp_phases["sync"].append(spent["sync"])
+        nsp_phases["commit"].append(spent["commit"])
         direct = after["pages_read_direct"] - before["pages_read_direct"]
         pages = after["pages_read"] - before["pages_read"]
         nsp_reads.append("O_DIRECT" if direct == pages else "buffered" if direct == 0 else "both (calibrating)")
@@ -238,6 +254,7 @@ def run(args, work: Workdir, n: int, page_bytes: int, repeats: int, warmup: int,
     memory_fns = memory_contenders(work, p0, grad, spec, page_bytes)
 
     writers, readers = probe.contenders(write=True), probe.contenders(write=False)
+    both_name, both_read, both_write, both_fn = probe.side_by_side()
 
     # -- the perfect serial swap reads and writes the way the raw probes found fastest so far in this run: by their
     # medians over CALIBRATION_CALLS interleaved calls before the timed rounds (their warm-up) and the rounds done
@@ -266,14 +283,18 @@ def run(args, work: Workdir, n: int, page_bytes: int, repeats: int, warmup: int,
     ds_fns = {name: functools.partial(swap.step, grad) for name, swap in ds_swaps.items()}
     # Two groups, each interleaved: the disk group, then the memory group (so that no contender in RAM shares a
     # round with the disk's write-back and page-cache work).
-    disk_group = {**writers, **readers, names["nsp"]: nsp_file, names["perfect"]: perfect, **ds_fns}
+    disk_group = {**writers, **readers, both_name: both_fn, names["nsp"]: nsp_file, names["perfect"]: perfect,
+                  **ds_fns}
     memory_group = {MEMORY_NAMES[key]: fn for key, fn in memory_fns.items()}
     # One warm-up call each (the file tier had its own above, the probes theirs in the calibration), then the rest
-    # in time_interleaved.
+    # in time_interleaved; the other swappers take as many untimed steps as the file tier's three, so that all
+    # their params can be compared at the end.
+    swappers = {names["perfect"], *ds_fns}
     t0 = time.perf_counter()
     for name, fn in {**disk_group, **memory_group}.items():
         if name != names["nsp"] and name not in probe.by_name:
-            fn()
+            for _ in range(3 if name in swappers else 1):
+                fn()
     # The read probe's file is rewritten right before each file-tier update (why: DiskProbe's docstring).
     idle_cpu: dict[str, list[float]] = {}
     times = time_interleaved(disk_group, repeats=repeats, warmup=warmup - 1,
@@ -282,7 +303,7 @@ def run(args, work: Workdir, n: int, page_bytes: int, repeats: int, warmup: int,
     times.update(time_interleaved(memory_group, repeats=repeats, warmup=warmup - 1, pause=args.pause,
                                   idle_cpu=idle_cpu))
     timed_s = time.perf_counter() - t0
-    for phases in [perfect.phases] + [swap.phases for swap in ds_swaps.values()]:
+    for phases in [perfect.phases, nsp_phases] + [swap.phases for swap in ds_swaps.values()]:
         for phase in phases.values():  # keep only the timed rounds' phases
             del phase[: len(phase) - repeats]
     med = {name: median(ts) for name, ts in times.items()}
@@ -302,6 +323,11 @@ def run(args, work: Workdir, n: int, page_bytes: int, repeats: int, warmup: int,
     write_bw, read_bw = probe.size / t_write, probe.size / t_read
     perfect_s = read_bytes / read_bw + write_bytes / write_bw
     t_nsp, t_perfect = med[names["nsp"]], med[names["perfect"]]
+    # Reads and writes at once against the same read and write one after the other (the same methods): what
+    # overlapping them can win on this disk at best.
+    t_both = med[both_name]
+    t_both_serial = med[f"raw disk read: {both_read.label}"] + med[f"raw disk write: {both_write.label}"]
+    overlap_speedup = t_both_serial / t_both
     file_pct = perfect_s / t_nsp * 100
     perfect_speedup = t_perfect / t_nsp
     # Per-round figures (each round's own probe), to show the spread.
@@ -329,6 +355,8 @@ def run(args, work: Workdir, n: int, page_bytes: int, repeats: int, warmup: int,
          "vs": "fastest: the roofline's" if k in (best_write, best_read) else "-"}
         for k in (*writers, *readers)
     ] + [
+        {"contender": both_name, "ms": t_both * 1e3, "gbs": 2 * probe.size / t_both / 1e9,
+         "bpp": f"{2 * probe.size / n:.0f}", "vs": f"{overlap_speedup:.2f}x one after the other"},
         {"contender": "perfect update (derived: bytes read/read bw + bytes written/write bw)", "ms": perfect_s * 1e3,
          "gbs": (read_bytes + write_bytes) / perfect_s / 1e9, "bpp": f"{disk_bpp:.0f}", "vs": "100% of disk"},
         {"contender": names["nsp"], "ms": t_nsp * 1e3, "gbs": (read_bytes + write_bytes) / t_nsp / 1e9,
@@ -387,13 +415,17 @@ def run(args, work: Workdir, n: int, page_bytes: int, repeats: int, warmup: int,
               f"{t_n * 1e3:.0f} ms vs perfect serial swap {t_p * 1e3:.0f} ms: nsp {t_p / t_n:.2f}x")
     if not ds_swaps:
         print(f"  DeepSpeed: unavailable -- {ds_info['reason']}")
+    print("  " + phase_line("nsp file tier phases (median; the engine's clocks)", nsp_phases))
     print("  " + phase_line("perfect serial swap phases (median)", perfect.phases))
+    print(f"  reads and writes at once: {t_both * 1e3:.0f} ms against {t_both_serial * 1e3:.0f} ms one after the "
+          f"other (same methods): overlapping them wins {overlap_speedup:.2f}x on this disk at best; a pipelined "
+          f"updater beats a serial swap by no more than that and the compute it hides")
     for name, swap in ds_swaps.items():
         print("  " + phase_line(f"{name.split(':')[0]} phases (median, summed over sub-groups)", swap.phases))
     if ds_swaps:
         print(f"  DeepSpeed {ds_info['version']}: aio {ds_info['aio_defaults']} (its defaults), one page-locked "
               f"buffer set per sub-group in flight, DeepSpeedCPUAdam; no fsync (its swapper does not sync)")
-    print(f"  params after every swapper's {len(times[names['nsp']]) + warmup} steps agree with the nsp file tier's "
+    print(f"  params after every swapper's {len(times[names['nsp']]) + warmup + 2} steps agree with the nsp file tier's "
           f"(max |diff|: {', '.join(f'{v:.1e}' for v in agree.values())}; params moved by up to {moved_p:.1e})")
     print(f"  bytes per update: read {read_bytes / 2**20:.0f} MiB, written {write_bytes / 2**20:.0f} MiB "
           f"(p, m, v; gradient from RAM); raw probe: {probe.size / 2**20:.0f} MiB in "
@@ -445,8 +477,8 @@ def run(args, work: Workdir, n: int, page_bytes: int, repeats: int, warmup: int,
 
     ds_record = dict(ds_info)
     ds_record["rows"] = {name: {**r, "phases_s": ds_swaps[name].phases,
-                                "bytes_read_per_update": ds_swaps[name].bytes_read // (repeats + warmup),
-                                "bytes_written_per_update": ds_swaps[name].bytes_written // (repeats + warmup)}
+                                "bytes_read_per_update": ds_swaps[name].bytes_read // (repeats + warmup + 2),
+                                "bytes_written_per_update": ds_swaps[name].bytes_written // (repeats + warmup + 2)}
                          for name, r in ds_rows.items()}
     path = write_json(
         "store_update",
@@ -456,6 +488,9 @@ def run(args, work: Workdir, n: int, page_bytes: int, repeats: int, warmup: int,
          "probe_bytes": probe.size,
          "bytes_read_per_update": read_bytes, "bytes_written_per_update": write_bytes,
          "write_gbs": write_bw / 1e9, "read_gbs": read_bw / 1e9, "perfect_update_s": perfect_s,
+         "side_by_side": {"name": both_name, "s": t_both, "one_after_the_other_s": t_both_serial,
+                          "overlap_speedup": overlap_speedup},
+         "nsp_phases_s": nsp_phases,
          "file_tier_pct_of_disk": file_pct, "file_tier_pct_per_round": round_pct,
          "baseline": best_ds,
          "baseline_pct_of_disk": ds_rows[best_ds]["pct_of_disk"] if best_ds else None,

@@ -432,6 +432,8 @@ NB_MODULE(_nsp_ffi, m) {
              d["pages_read_direct"] = s.pages_read_direct;
              d["updates"] = s.updates;
              d["update_ns"] = s.update_ns;
+             d["sync_ns"] = s.sync_ns;
+             d["commit_ns"] = s.commit_ns;
              d["skipped"] = s.skipped;
              d["wait_ns"] = s.wait_ns;
              d["params_adopted"] = s.params_adopted;

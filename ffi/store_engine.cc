@@ -179,8 +179,14 @@ std::string ShardEngine::Step(ShardUpdate u, int64_t version) {
     stats_.skipped += 1;
     return CommittedParamsOut(u, version);
   }
-  if (std::string e = Sync(u.dst_slot); !e.empty()) return e;
-  if (std::string e = Commit(version + 1); !e.empty()) return e;
+  {
+    const AddElapsedNs sync_timer(&stats_.sync_ns);
+    if (std::string e = Sync(u.dst_slot); !e.empty()) return e;
+  }
+  {
+    const AddElapsedNs commit_timer(&stats_.commit_ns);
+    if (std::string e = Commit(version + 1); !e.empty()) return e;
+  }
   previous_valid_ = backend_->KeepsPrevious();
   if (u.params_in != nullptr) stats_.params_adopted += 1;
   return {};

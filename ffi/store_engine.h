@@ -41,6 +41,8 @@ struct TrafficStats {
   int64_t pages_read_direct = 0;  // of pages_read, those the backend read with direct I/O
   int64_t updates = 0;
   int64_t update_ns = 0;  // wall time inside Step (update + sync + commit)
+  int64_t sync_ns = 0;    // of update_ns, making the new version's pages durable (the backend's Sync)
+  int64_t commit_ns = 0;  // of update_ns, recording the new version (the manifest, written and synced)
   int64_t skipped = 0;    // steps skipped because the gradient was not finite
   int64_t wait_ns = 0;    // wall time a staleness-1 call held its caller (the part of the update not hidden)
   int64_t params_adopted = 0;  // steps that started from the caller's params instead of the committed ones

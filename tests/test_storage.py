@@ -280,6 +280,25 @@ def test_traffic_counters_follow_table_1(tmp_path):
         assert s["shared_out_bytes"] == 2 * M
 
 
+def test_update_time_is_split_into_stream_sync_and_commit(tmp_path):
+    """stats() splits an update's wall time: the sync that made the new version durable and the commit that recorded
+    it are parts of update_ns, each timed per update (a skipped step neither syncs nor commits)."""
+    with open_store(tmp_path, "file", num_shards=2) as store:
+        store.initialize(make_params(), SPECS["adam"])
+        store.reset_stats()
+        store.update(grad_for(1, store.layout), version=0, lr=0.01, step=1)
+        s = store.stats()
+        assert s["updates"] == 1
+        assert 0 < s["sync_ns"] and 0 < s["commit_ns"]
+        assert s["sync_ns"] + s["commit_ns"] < s["update_ns"]  # the page stream took the rest
+        store.reset_stats()
+        bad = grad_for(2, store.layout)
+        bad[0] = np.nan
+        store.update(bad, version=1, lr=0.01, step=2)
+        s = store.stats()
+        assert s["skipped"] == 1 and (s["sync_ns"], s["commit_ns"]) == (0, 0)
+
+
 def test_second_writer_is_refused(tmp_path):
     with open_store(tmp_path, "file") as store:
         store.initialize(make_params(), SPECS["adam"])

@@ -629,7 +629,8 @@ class StateStore:
         internal one (``internal_read_bytes``/``internal_write_bytes``, ``pages_read``/``pages_written``, and
         ``pages_read_direct``: the file tier's pages read with direct I/O, the rest through the page cache);
         ``updates`` and ``skipped`` steps; ``update_ns``, the wall time of the updates (each step as long as its
-        slowest shard); ``wait_ns``, the time staleness-1 steps held their callers (waiting for the previous
+        slowest shard), of which ``sync_ns`` made the new version's pages durable and ``commit_ns`` recorded it
+        (the manifest); ``wait_ns``, the time staleness-1 steps held their callers (waiting for the previous
         background update, copying the gradient): the part of the update staleness did not hide;
         ``params_adopted``, the steps that started from the caller's params instead of the store's master (the
         params had changed since the update that led to them; ``nsp.optim.scale_by_storage``);
@@ -642,7 +643,7 @@ class StateStore:
                 if key != "backend":  # each device's own figures stay per shard
                     totals[key] = totals.get(key, 0) + value
         # Shards update in parallel: a step takes as long as its slowest shard, and counts once, not per shard.
-        for key in ("updates", "update_ns", "skipped", "wait_ns"):
+        for key in ("updates", "update_ns", "sync_ns", "commit_ns", "skipped", "wait_ns"):
             totals[key] = max((shard[key] for shard in per_shard), default=0)
         totals["buffer_bytes"] = sum(e.buffer_bytes for e in self._engines)
         return totals
