@@ -154,6 +154,7 @@ class DiskProbe:
             b.write(np.random.default_rng(1 + i).bytes(block))  # incompressible, like fp32 state
         self.writes = 0  # write calls so far: part of each block's stamp
         self.direct = direct_io_works(directory)
+        self._side_by_side: tuple[list[ThreadPoolExecutor], list[mmap.mmap]] | None = None  # side_by_side's
         self.by_name = {f"raw disk {'write' if m.write else 'read'}: {m.label}": m
                         for m in self.methods(write=True) + self.methods(write=False)}
         # Every timed call's duration, by method (calibration, warm-up and timed rounds alike).
@@ -235,7 +236,7 @@ class DiskProbe:
     def close(self) -> None:
         for b in self.bufs:
             b.close()
-        if hasattr(self, "_side_by_side"):
+        if self._side_by_side is not None:
             pools, read_bufs = self._side_by_side
             for pool in pools:
                 pool.shutdown()

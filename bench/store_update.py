@@ -89,6 +89,8 @@ STATE_BYTES_PER_PARAM = 12  # fp32 p, m, v
 TARGET_FILE_PCT = 85.0
 CALIBRATION_CALLS = 3  # calls of every raw probe that pick the perfect serial swap's methods (and warm them up)
 TARGET_MEMORY_PCT = 90.0
+# The file tier's 2nd and 3rd updates calibrate its read mode (ffi/read_mode.h): run untimed, as warm-up.
+READ_MODE_CALIBRATION_UPDATES = 2
 
 
 # ---- temporary directory, removed at exit (also on Ctrl-C / SIGTERM) ---------------------------------------------
@@ -213,7 +215,7 @@ def run(args, work: Workdir, n: int, page_bytes: int, repeats: int, warmup: int,
     # Its second and third updates calibrate the read mode (half their page reads direct, half buffered, each
     # timed: ffi/read_mode.h), as a run's do once at its start (and 1 update in 32 after): warm-up here too, so
     # that the timed rounds read the way the file tier settled on.
-    for _ in range(2):
+    for _ in range(READ_MODE_CALIBRATION_UPDATES):
         store.update(grad, version=store.version, lr=LR, step=store.version + 1)
 
     params_out = np.empty(n, np.float32)  # the params land in one array, reused (as the others update in place)
@@ -287,13 +289,13 @@ def run(args, work: Workdir, n: int, page_bytes: int, repeats: int, warmup: int,
                   **ds_fns}
     memory_group = {MEMORY_NAMES[key]: fn for key, fn in memory_fns.items()}
     # One warm-up call each (the file tier had its own above, the probes theirs in the calibration), then the rest
-    # in time_interleaved; the other swappers take as many untimed steps as the file tier's three, so that all
-    # their params can be compared at the end.
+    # in time_interleaved; the other swappers take as many untimed steps as the file tier (its first update and
+    # its calibration updates), so that all their params can be compared at the end.
     swappers = {names["perfect"], *ds_fns}
     t0 = time.perf_counter()
     for name, fn in {**disk_group, **memory_group}.items():
         if name != names["nsp"] and name not in probe.by_name:
-            for _ in range(3 if name in swappers else 1):
+            for _ in range(1 + READ_MODE_CALIBRATION_UPDATES if name in swappers else 1):
                 fn()
     # The read probe's file is rewritten right before each file-tier update (why: DiskProbe's docstring).
     idle_cpu: dict[str, list[float]] = {}
@@ -425,7 +427,7 @@ def run(args, work: Workdir, n: int, page_bytes: int, repeats: int, warmup: int,
     if ds_swaps:
         print(f"  DeepSpeed {ds_info['version']}: aio {ds_info['aio_defaults']} (its defaults), one page-locked "
               f"buffer set per sub-group in flight, DeepSpeedCPUAdam; no fsync (its swapper does not sync)")
-    print(f"  params after every swapper's {len(times[names['nsp']]) + warmup + 2} steps agree with the nsp file tier's "
+    print(f"  params after every swapper's {len(times[names['nsp']]) + warmup + READ_MODE_CALIBRATION_UPDATES} steps agree with the nsp file tier's "
           f"(max |diff|: {', '.join(f'{v:.1e}' for v in agree.values())}; params moved by up to {moved_p:.1e})")
     print(f"  bytes per update: read {read_bytes / 2**20:.0f} MiB, written {write_bytes / 2**20:.0f} MiB "
           f"(p, m, v; gradient from RAM); raw probe: {probe.size / 2**20:.0f} MiB in "
@@ -476,9 +478,10 @@ def run(args, work: Workdir, n: int, page_bytes: int, repeats: int, warmup: int,
         print(f"  DeepSpeed: not measured -- {ds_info['reason']}")
 
     ds_record = dict(ds_info)
+    ds_calls = repeats + warmup + READ_MODE_CALIBRATION_UPDATES
     ds_record["rows"] = {name: {**r, "phases_s": ds_swaps[name].phases,
-                                "bytes_read_per_update": ds_swaps[name].bytes_read // (repeats + warmup + 2),
-                                "bytes_written_per_update": ds_swaps[name].bytes_written // (repeats + warmup + 2)}
+                                "bytes_read_per_update": ds_swaps[name].bytes_read // ds_calls,
+                                "bytes_written_per_update": ds_swaps[name].bytes_written // ds_calls}
                          for name, r in ds_rows.items()}
     path = write_json(
         "store_update",
