@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import platform
+import random
 import statistics
 import time
 from collections.abc import Callable
@@ -22,7 +23,8 @@ RESULTS_DIR = Path(__file__).resolve().parent / "results"
 def time_interleaved(
     contenders: dict[str, Callable[[], Any]], *, repeats: int = 7, warmup: int = 2,
     before: dict[str, Callable[[], Any]] | None = None, pause: float = 0.0,
-    idle_cpu: dict[str, list[float]] | None = None,
+    idle_cpu: dict[str, list[float]] | None = None, shuffle_seed: int | None = None,
+    orders: list[list[str]] | None = None,
 ) -> dict[str, list[float]]:
     """Runs every contender ``warmup`` times, then ``repeats`` interleaved rounds; returns seconds per call.
 
@@ -33,7 +35,12 @@ def time_interleaved(
     (an OpenMP runtime under OMP_WAIT_POLICY=ACTIVE, say) wind down before the next contender starts instead of
     taking its cores. When ``idle_cpu`` is given, it receives, per contender, the CPU seconds this process spent
     during each timed call's pause: about 0 when nothing of that contender keeps running after it returned.
+
+    With ``shuffle_seed``, each timed round runs the contenders in an order drawn afresh (seeded, so a run can be
+    repeated): where one contender leaves work behind that slows the next (a disk's write-back), no contender
+    always follows the same one. ``orders``, when given, receives each timed round's order.
     """
+    rng = random.Random(shuffle_seed) if shuffle_seed is not None else None
     before = before or {}
     unknown = set(before) - set(contenders)
     if unknown:
@@ -56,7 +63,13 @@ def time_interleaved(
         for name in contenders:
             idle_cpu.setdefault(name, [])
     for _ in range(repeats):
-        for name, fn in contenders.items():
+        order = list(contenders)
+        if rng is not None:
+            rng.shuffle(order)
+        if orders is not None:
+            orders.append(order)
+        for name in order:
+            fn = contenders[name]
             if name in before:
                 before[name]()
             t0 = time.perf_counter()
@@ -312,3 +325,38 @@ def write_json(name: str, payload: dict[str, Any], path: str | os.PathLike | Non
     tmp.write_text(json.dumps(record, indent=2) + "\n")
     os.replace(tmp, out)  # a reader never sees half a record
     return out
+
+
+class DeviceTraffic:
+    """Bytes the block device under a directory actually read and wrote, from its /sys/dev/block/M:m/stat
+    (sectors of 512 bytes, whole-machine counters: run nothing else meanwhile). A contender whose device bytes fall
+    short of the bytes it says it moved was served (in part) from a cache, not from the disk.
+
+    ``available`` is False where the directory is not on a block device (tmpfs, overlay, a network file system).
+    """
+
+    SECTOR = 512
+
+    def __init__(self, directory: str | os.PathLike):
+        dev = os.stat(directory).st_dev
+        self.path = f"/sys/dev/block/{os.major(dev)}:{os.minor(dev)}/stat"
+        self.available = os.path.exists(self.path)
+
+    def read(self) -> tuple[int, int, int]:
+        """(bytes read, bytes written, ms with I/O in flight) by the device since boot; zeros when unavailable."""
+        if not self.available:
+            return 0, 0, 0
+        with open(self.path) as f:
+            fields = f.read().split()
+        return int(fields[2]) * self.SECTOR, int(fields[6]) * self.SECTOR, int(fields[9])
+
+    def counted(self, fn: Callable[[], Any], into: list[tuple[int, int, int]]) -> Callable[[], Any]:
+        """``fn`` that appends each call's (device bytes read, bytes written, busy ms) to ``into``: busy well
+        below the call's time means the device sat idle while the call ran (the caller, not the disk, was slow)."""
+        def call() -> Any:
+            before = self.read()
+            out = fn()
+            into.append(tuple(b - a for a, b in zip(before, self.read())))
+            return out
+
+        return call

@@ -12,8 +12,8 @@ DeepSpeed is an optional contender. To install it (Debian/Ubuntu; its async I/O 
 one.) Its C++ ops (async_io, cpu_adam) are compiled with ninja the first time they are used (minutes on 2 cores,
 once). Where it cannot be installed or built, the table says why and the other contenders still run.
 
-Contenders (median of N interleaved rounds after a warm-up, in two groups: the disk contenders, then the
-contenders in RAM; the gradient is made once, lives in RAM and is never timed; a pause after every call and
+Contenders (median of N interleaved rounds after a warm-up, in two groups: the disk contenders, in a fresh seeded
+order each round, then the contenders in RAM; the gradient is made once, lives in RAM and is never timed; a pause after every call and
 OMP_WAIT_POLICY=PASSIVE keep one contender's idle threads off the next one's cores -- see bench/wait_policy.py):
   raw disk writes    the bytes an update writes, sequential page-sized requests + fsync: a new file (its blocks
                      allocated anew) and a rewrite in place (blocks already allocated), each O_DIRECT from
@@ -76,8 +76,8 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import wait_policy  # noqa: E402
-from common import (median, peak_rss_bytes, print_table, reset_peak_rss, status_kib,  # noqa: E402
-                    time_interleaved, write_json)
+from common import (DeviceTraffic, median, peak_rss_bytes, print_table, reset_peak_rss,  # noqa: E402
+                    status_kib, time_interleaved, write_json)
 from store_contenders import (B1, B2, EPS, LR, MEMORY_NAMES, DiskProbe, PerfectSerialSwap,  # noqa: E402
                               in_ram_adam, memory_contenders, setup_deepspeed)
 
@@ -91,6 +91,7 @@ CALIBRATION_CALLS = 3  # calls of every raw probe that pick the perfect serial s
 TARGET_MEMORY_PCT = 90.0
 # The file tier's 2nd and 3rd updates calibrate its read mode (ffi/read_mode.h): run untimed, as warm-up.
 READ_MODE_CALIBRATION_UPDATES = 2
+DISK_ORDER_SEED = 0  # the disk group's order is shuffled each round from this seed (recorded as disk_orders)
 
 
 # ---- temporary directory, removed at exit (also on Ctrl-C / SIGTERM) ---------------------------------------------
@@ -287,6 +288,11 @@ def run(args, work: Workdir, n: int, page_bytes: int, repeats: int, warmup: int,
     # round with the disk's write-back and page-cache work).
     disk_group = {**writers, **readers, both_name: both_fn, names["nsp"]: nsp_file, names["perfect"]: perfect,
                   **ds_fns}
+    # Every disk contender's calls also count the bytes the block device under --dir moved (the kernel's own
+    # counters): a contender served from a cache shows fewer device bytes than it moved.
+    device = DeviceTraffic(work.path)
+    device_bytes: dict[str, list[tuple[int, int]]] = {name: [] for name in disk_group}
+    disk_group = {name: device.counted(fn, device_bytes[name]) for name, fn in disk_group.items()}
     memory_group = {MEMORY_NAMES[key]: fn for key, fn in memory_fns.items()}
     # One warm-up call each (the file tier had its own above, the probes theirs in the calibration), then the rest
     # in time_interleaved; the other swappers take as many untimed steps as the file tier (its first update and
@@ -297,11 +303,17 @@ def run(args, work: Workdir, n: int, page_bytes: int, repeats: int, warmup: int,
         if name != names["nsp"] and name not in probe.by_name:
             for _ in range(1 + READ_MODE_CALIBRATION_UPDATES if name in swappers else 1):
                 fn()
-    # The read probe's file is rewritten right before each file-tier update (why: DiskProbe's docstring).
+    # The read probe's file is rewritten right before each file-tier update (why: DiskProbe's docstring). The disk
+    # group runs in a fresh seeded order each round: on this virtual disk what ran just before a contender moved its
+    # time by up to a third (the file tier measured 0.81x the perfect swap right after the probes' writes and 0.61x
+    # right after DeepSpeed's unsynced writes, in two runs with fixed orders), so no contender always follows the
+    # same one.
     idle_cpu: dict[str, list[float]] = {}
+    disk_orders: list[list[str]] = []
     times = time_interleaved(disk_group, repeats=repeats, warmup=warmup - 1,
                              before={names["nsp"]: probe.refresh, names["perfect"]: choose_perfect_methods},
-                             pause=args.pause, idle_cpu=idle_cpu)
+                             pause=args.pause, idle_cpu=idle_cpu, shuffle_seed=DISK_ORDER_SEED,
+                             orders=disk_orders)
     times.update(time_interleaved(memory_group, repeats=repeats, warmup=warmup - 1, pause=args.pause,
                                   idle_cpu=idle_cpu))
     timed_s = time.perf_counter() - t0
@@ -417,6 +429,18 @@ def run(args, work: Workdir, n: int, page_bytes: int, repeats: int, warmup: int,
               f"{t_n * 1e3:.0f} ms vs perfect serial swap {t_p * 1e3:.0f} ms: nsp {t_p / t_n:.2f}x")
     if not ds_swaps:
         print(f"  DeepSpeed: unavailable -- {ds_info['reason']}")
+    device_mib = {}
+    if device.available:
+        print(f"  device traffic per call (median over the timed rounds; {device.path}, whole machine): MiB read, MiB "
+              f"written, ms the device was busy of the call's ms")
+        for name, counts in device_bytes.items():
+            timed = counts[len(counts) - repeats:]
+            device_mib[name] = {"read_bytes": median([c[0] for c in timed]),
+                                "written_bytes": median([c[1] for c in timed]),
+                                "busy_s": median([c[2] / 1e3 for c in timed])}
+            c = device_mib[name]
+            print(f"    {name[:60]:60s} r {c['read_bytes'] / 2**20:4.0f}  w {c['written_bytes'] / 2**20:4.0f}  busy "
+                  f"{c['busy_s'] * 1e3:4.0f} of {med[name] * 1e3:4.0f} ms")
     print("  " + phase_line("nsp file tier phases (median; the engine's clocks)", nsp_phases))
     print("  " + phase_line("perfect serial swap phases (median)", perfect.phases))
     print(f"  reads and writes at once: {t_both * 1e3:.0f} ms against {t_both_serial * 1e3:.0f} ms one after the "
@@ -487,6 +511,8 @@ def run(args, work: Workdir, n: int, page_bytes: int, repeats: int, warmup: int,
         "store_update",
         {"params": n, "state_bytes": state_bytes, "threads": threads, "isa": kernel_isa(), "repeats": repeats,
          "warmup": warmup, "page_bytes": page_bytes, "pages_in_flight": args.pages_in_flight,
+         "disk_order_seed": DISK_ORDER_SEED, "disk_orders": disk_orders,
+         "device_traffic_per_call": {"source": device.path, "by_contender": device_mib} if device.available else None,
          "directory": os.path.dirname(work.path), "probe_write": best_write, "probe_read": best_read,
          "probe_bytes": probe.size,
          "bytes_read_per_update": read_bytes, "bytes_written_per_update": write_bytes,

@@ -1,0 +1,52 @@
+"""bench/common.py's interleaved timing and device counters, which every benchmark record rests on."""
+
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
+from common import DeviceTraffic, time_interleaved  # noqa: E402
+
+
+def test_shuffled_rounds_run_everyone_once_with_their_before_hook_first():
+    calls: list[str] = []
+    contenders = {name: (lambda name=name: calls.append(name)) for name in "abcdef"}
+    orders: list[list[str]] = []
+    times = time_interleaved(contenders, repeats=6, warmup=0, before={"c": lambda: calls.append("before c")},
+                             shuffle_seed=3, orders=orders)
+    assert all(len(t) == 6 for t in times.values())
+    assert len(orders) == 6 and all(sorted(o) == list("abcdef") for o in orders)
+    assert len({tuple(o) for o in orders}) > 1, "the order must change between rounds"
+    ran = [c for c in calls if c != "before c"]
+    assert ran == [name for order in orders for name in order]
+    assert all(calls[i + 1] == "c" for i, c in enumerate(calls) if c == "before c")
+    again: list[list[str]] = []
+    time_interleaved(contenders, repeats=6, warmup=0, shuffle_seed=3, orders=again)
+    assert again == orders, "a seed must give the same orders"
+
+
+def test_unshuffled_rounds_keep_the_given_order():
+    orders: list[list[str]] = []
+    time_interleaved({n: (lambda: None) for n in "xyz"}, repeats=3, warmup=0, orders=orders)
+    assert orders == [list("xyz")] * 3
+
+
+def test_device_traffic_counts_a_synced_write(tmp_path):
+    device = DeviceTraffic(tmp_path)
+    if not device.available:
+        pytest.skip(f"{tmp_path} is not on a block device ({device.path} is absent)")
+    counts: list[tuple[int, int, int]] = []
+    size = 8 << 20
+
+    def write() -> None:
+        with open(tmp_path / "f.bin", "wb") as f:
+            f.write(os.urandom(size))
+            f.flush()
+            os.fsync(f.fileno())
+
+    device.counted(write, counts)()
+    (_, written, busy_ms), = counts
+    assert written >= size, f"the device wrote {written} bytes of an fsynced {size}-byte file"
+    assert busy_ms >= 0
