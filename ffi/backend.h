@@ -85,6 +85,10 @@ class Backend {
   // may tune its I/O by what it measures in between (`ok` false: the update failed, not a fair measurement).
   virtual void StreamStarted() {}
   virtual void StreamFinished(bool /*ok*/) {}
+  // Called before the engine writes `slot`'s pages (each update's destination, and a slot being initialised) with
+  // the states it uses: a backend may lay out that slot's storage the way updates read it. The slot holds no
+  // committed version then. Returns "" or an error naming the problem.
+  virtual std::string PrepareSlot(int /*slot*/, const bool* /*used*/) { return {}; }
   // Whether writing one slot leaves the other's version whole (false when both slots are one memory: an
   // in-place store, which cannot replay a step).
   virtual bool KeepsPrevious() const { return true; }
@@ -120,6 +124,7 @@ struct FileIoSettings {
   ReadMode read_mode = ReadMode::kAuto;  // NSP_READ_MODE (read_mode.h)
   bool direct_writes = true;             // NSP_BUFFERED_WRITES unset: page writes from engine buffers go direct
   bool rewrite_in_place = true;          // NSP_REPLACE_PAGES unset: a page nothing else shares is rewritten in place
+  bool lay_out_slots = true;             // NSP_NO_SLOT_LAYOUT unset: a slot's page files are made in read order
 };
 // Returns "" or an error naming a variable whose value is not one it takes.
 std::string FileIoSettingsFromEnv(FileIoSettings* settings);

@@ -56,6 +56,7 @@ class FaultInjectingBackend final : public Backend {
   }
   IoCounts Io() const override { return inner_->Io(); }
   void StreamStarted() override { inner_->StreamStarted(); }
+  std::string PrepareSlot(int slot, const bool* used) override { return inner_->PrepareSlot(slot, used); }
   void StreamFinished(bool ok) override { inner_->StreamFinished(ok); }
   bool KeepsPrevious() const override { return inner_->KeepsPrevious(); }
 

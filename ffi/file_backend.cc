@@ -38,7 +38,8 @@ class FileBackend final : public Backend {
         direct_(io.direct_io),
         read_mode_(io.read_mode),
         direct_writes_(io.direct_writes),
-        rewrite_in_place_(io.rewrite_in_place) {
+        rewrite_in_place_(io.rewrite_in_place),
+        lay_out_slots_(io.lay_out_slots && io.rewrite_in_place) {
     chunk_bytes_ = static_cast<size_t>(page_elems_) * sizeof(float);
     file_bytes_ = chunk_bytes_ + (checksum_ ? 4 : 0);
     // Only a shard's last page is partial; its padding needs these (allocated once, never in the update).
@@ -96,6 +97,54 @@ class FileBackend final : public Backend {
   // The read mode (read_mode.h) decides between updates; a calibrating update times its reads each way.
   void StreamStarted() override { read_mode_.StreamStarted(direct_.load()); }
   void StreamFinished(bool ok) override { read_mode_.StreamFinished(ok); }
+
+  // Lays a slot's page files out on disk in the order an update reads them (page by page, its states side by
+  // side): every page file the slot lacks, shares with a snapshot or holds at another size is made anew here, one
+  // after another on this thread, its blocks reserved at once (fallocate), so that the file system places them in
+  // that order; the writers then rewrite them in place. Left to the writers, a slot's files were allocated in the
+  // order two threads happened to write them. Measured on a virtual disk, interleaved over 6 updates each with
+  // 3 GB of other writes in between: updates 1.11x faster (paired median) with the slot laid out here; with no
+  // other writes in between, no difference. Files that can be rewritten in place (every update after a slot's
+  // first, unless a checkpoint linked them) are only looked at. The slot holds no committed version
+  // (Backend::PrepareSlot), so replacing its files early changes nothing anyone may read; a snapshot's links keep
+  // their own bytes. NSP_NO_SLOT_LAYOUT=1 (or NSP_REPLACE_PAGES=1) leaves the layout to the writers.
+  std::string PrepareSlot(int slot, const bool* used) override {
+    if (!lay_out_slots_) return {};
+    const int64_t pages = (size_ + page_elems_ - 1) / page_elems_;
+    for (int64_t page = 0; page < pages; ++page) {
+      for (int s = 0; s < kNumStates; ++s) {
+        if (!used[s]) continue;
+        const std::string path = PagePath(slot, s, page);
+        struct stat st;
+        if (::stat(path.c_str(), &st) == 0 && st.st_nlink == 1 && static_cast<size_t>(st.st_size) == file_bytes_) {
+          continue;
+        }
+        const std::string tmp = path + ".nsp-tmp";
+        const int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+        if (fd < 0) {
+          if (errno == ENOENT) return {};  // the slot's directories are not made yet: the writers make its files
+          return page_file::ErrnoMessage("cannot create", tmp);
+        }
+        const int rc = ::posix_fallocate(fd, 0, static_cast<off_t>(file_bytes_));
+        ::close(fd);
+        if (rc != 0) {
+          ::unlink(tmp.c_str());
+          if (rc == EOPNOTSUPP || rc == EINVAL) {  // no fallocate here: leave the layout to the writers
+            lay_out_slots_ = false;
+            return {};
+          }
+          errno = rc;
+          return page_file::ErrnoMessage("cannot reserve space for", tmp);
+        }
+        if (::rename(tmp.c_str(), path.c_str()) != 0) {
+          const std::string err = page_file::ErrnoMessage("cannot rename into", path);
+          ::unlink(tmp.c_str());
+          return err;
+        }
+      }
+    }
+    return {};
+  }
 
   std::string ReadPageOnce(int slot, int state, int64_t page, float* dst, int64_t n, bool scratch) {
     if (!read_mode_.calibrating() || !scratch) {
@@ -429,6 +478,7 @@ class FileBackend final : public Backend {
   ReadModeChooser read_mode_;
   const bool direct_writes_;
   const bool rewrite_in_place_;
+  bool lay_out_slots_;  // PrepareSlot makes missing page files in read order (off, or the file system lacks fallocate)
   struct Written {
     std::string path;
     bool cached;  // written through the page cache (to be dropped from it after the sync)
@@ -443,6 +493,7 @@ std::string FileIoSettingsFromEnv(FileIoSettings* settings) {
   settings->direct_io = std::getenv("NSP_NO_DIRECT_IO") == nullptr;
   settings->direct_writes = std::getenv("NSP_BUFFERED_WRITES") == nullptr;
   settings->rewrite_in_place = std::getenv("NSP_REPLACE_PAGES") == nullptr;
+  settings->lay_out_slots = std::getenv("NSP_NO_SLOT_LAYOUT") == nullptr;
   return ReadModeFromEnv(&settings->read_mode);
 }
 

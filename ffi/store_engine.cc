@@ -282,6 +282,10 @@ std::string ShardEngine::WritePages(int slot, int state, int64_t first_page, con
     return "write_pages: " + std::to_string(n) + " elements from page " + std::to_string(first_page) +
            " are not whole pages of the shard";
   }
+  if (!prepared_[slot]) {  // once per slot written this way (initialisation): the updates prepare their own
+    if (std::string e = backend_->PrepareSlot(slot, used_.data()); !e.empty()) return e;
+    prepared_[slot] = true;
+  }
   for (int64_t done = 0; done < n; done += page_elems_) {
     const int64_t len = std::min(page_elems_, n - done);
     if (std::string e = backend_->WritePage(slot, state, first_page + done / page_elems_, const_cast<float*>(in) + done,

@@ -693,10 +693,11 @@ def test_non_finite_gradient_skips_the_step_and_leaves_the_store_untouched(tmp_p
 
 
 @pytest.mark.parametrize("variable", ["NSP_BUFFERED_WRITES", "NSP_NO_DIRECT_IO", "NSP_REPLACE_PAGES",
-                                      "NSP_READ_MODE=buffered", "NSP_READ_MODE=direct"])
+                                      "NSP_NO_SLOT_LAYOUT", "NSP_READ_MODE=buffered", "NSP_READ_MODE=direct"])
 def test_other_io_paths_give_the_same_bytes(tmp_path, monkeypatch, variable):
     """Buffered writes (opt-out of direct writes), fully buffered I/O (opt-out of direct reads and writes),
-    replacing every page (opt-out of in-place rewrites) and either read mode fixed store exactly the same state."""
+    replacing every page (opt-out of in-place rewrites), page files left to the writers (opt-out of the slot
+    layout) and either read mode fixed store exactly the same state."""
     variable, _, value = variable.partition("=")
     monkeypatch.setenv(variable, value or "1")
     params, spec = make_params(), SPECS["adamw"]
