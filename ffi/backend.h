@@ -85,10 +85,12 @@ class Backend {
   // may tune its I/O by what it measures in between (`ok` false: the update failed, not a fair measurement).
   virtual void StreamStarted() {}
   virtual void StreamFinished(bool /*ok*/) {}
-  // Called before the engine writes `slot`'s pages (each update's destination, and a slot being initialised) with
-  // the states it uses: a backend may lay out that slot's storage the way updates read it. The slot holds no
-  // committed version then. Returns "" or an error naming the problem.
-  virtual std::string PrepareSlot(int /*slot*/, const bool* /*used*/) { return {}; }
+  // Called right before the engine writes pages [first, end) of the states `used` marks in `slot` (an update's
+  // destination slot, or a slot being initialised), all of which it then writes whole: a backend may lay out their
+  // storage the way updates read it. Returns "" or an error naming the problem.
+  virtual std::string PrepareSlot(int /*slot*/, const bool* /*used*/, int64_t /*first*/, int64_t /*end*/) {
+    return {};
+  }
   // Whether writing one slot leaves the other's version whole (false when both slots are one memory: an
   // in-place store, which cannot replay a step).
   virtual bool KeepsPrevious() const { return true; }

@@ -56,7 +56,9 @@ class FaultInjectingBackend final : public Backend {
   }
   IoCounts Io() const override { return inner_->Io(); }
   void StreamStarted() override { inner_->StreamStarted(); }
-  std::string PrepareSlot(int slot, const bool* used) override { return inner_->PrepareSlot(slot, used); }
+  std::string PrepareSlot(int slot, const bool* used, int64_t first, int64_t end) override {
+    return inner_->PrepareSlot(slot, used, first, end);
+  }
   void StreamFinished(bool ok) override { inner_->StreamFinished(ok); }
   bool KeepsPrevious() const override { return inner_->KeepsPrevious(); }
 

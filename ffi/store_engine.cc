@@ -252,7 +252,19 @@ std::vector<std::string> ShardEngine::Verify(int slot, int state) {
 
 std::string ShardEngine::ReadState(int slot, int state, float* out) { return ReadPages(slot, state, 0, out, size_); }
 
+namespace {
+
+// "" when `slot` and `state` name one of the two version slots and one of p, m, v; else the message.
+std::string CheckSlotAndState(const char* what, int slot, int state) {
+  if (slot >= 0 && slot <= 1 && state >= 0 && state < kNumStates) return {};
+  return std::string(what) + ": slot must be 0 or 1 and state 0 (param), 1 (mu) or 2 (nu), got slot " +
+         std::to_string(slot) + ", state " + std::to_string(state);
+}
+
+}  // namespace
+
 std::string ShardEngine::ReadPages(int slot, int state, int64_t first_page, float* out, int64_t n) {
+  if (std::string e = CheckSlotAndState("read_pages", slot, state); !e.empty()) return e;
   const int64_t begin = first_page * page_elems_;
   if (first_page < 0 || n < 0 || begin + n > size_ || (n % page_elems_ != 0 && begin + n != size_)) {
     return "read_pages: " + std::to_string(n) + " elements from page " + std::to_string(first_page) +
@@ -277,14 +289,17 @@ std::string ShardEngine::ReadPages(int slot, int state, int64_t first_page, floa
 }
 
 std::string ShardEngine::WritePages(int slot, int state, int64_t first_page, const float* in, int64_t n) {
+  if (std::string e = CheckSlotAndState("write_pages", slot, state); !e.empty()) return e;
   const int64_t begin = first_page * page_elems_;
   if (first_page < 0 || begin + n > size_ || n < 0 || (n % page_elems_ != 0 && begin + n != size_)) {
     return "write_pages: " + std::to_string(n) + " elements from page " + std::to_string(first_page) +
            " are not whole pages of the shard";
   }
-  if (!prepared_[slot]) {  // once per slot written this way (initialisation): the updates prepare their own
-    if (std::string e = backend_->PrepareSlot(slot, used_.data()); !e.empty()) return e;
-    prepared_[slot] = true;
+  std::array<bool, kNumStates> only{};  // the one state this call writes
+  only[static_cast<size_t>(state)] = true;
+  if (std::string e = backend_->PrepareSlot(slot, only.data(), first_page, first_page + (n + page_elems_ - 1) / page_elems_);
+      !e.empty()) {
+    return e;
   }
   for (int64_t done = 0; done < n; done += page_elems_) {
     const int64_t len = std::min(page_elems_, n - done);

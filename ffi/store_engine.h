@@ -203,7 +203,6 @@ class ShardEngine {
   int64_t size_, page_elems_, num_pages_;
   int pages_in_flight_;
   std::array<bool, kNumStates> used_;
-  bool prepared_[2] = {false, false};  // WritePages has had the backend prepare the slot
   // A page buffer: 4 KiB aligned (direct I/O), sized by the backend (page + checksum + padding). Host memory, or,
   // when `owner` is set, the backend's own (Backend::AllocPageBuffer: near the state), given back to it.
   struct AlignedBuffer {

@@ -113,7 +113,7 @@ std::string ShardEngine::UpdateStreamed(const ShardUpdate& u) {
     }
   }
   auto page_len = [&](int64_t page) { return std::min(page_elems_, size_ - page * page_elems_); };
-  if (std::string e = backend_->PrepareSlot(u.dst_slot, used_.data()); !e.empty()) return e;
+  if (std::string e = backend_->PrepareSlot(u.dst_slot, used_.data(), 0, num_pages_); !e.empty()) return e;
   backend_->StreamStarted();
   Queue free_sets, ready;
   WriteQueue writes;

@@ -715,6 +715,46 @@ def test_other_io_paths_give_the_same_bytes(tmp_path, monkeypatch, variable):
         np.testing.assert_array_equal(store.read("param"), np.asarray(ref.p))
 
 
+def test_slot_layout_replaces_only_pages_about_to_be_written_and_spares_snapshots(tmp_path):
+    """The file tier makes a slot's missing, snapshot-shared or wrong-sized page files before writing them (in
+    read order): afterwards every page file of both slots is whole and unshared, nothing temporary is left, and a
+    snapshot that hard-linked the pages an update then rewrote still holds its own bytes."""
+    from nsp.storage.snapshot import snapshot_store
+
+    params, spec = make_params(), SPECS["adamw"]
+    with open_store(tmp_path, "file", num_shards=1) as store:
+        store.initialize(params, spec)
+        store.update(grad_for(1, store.layout), version=0, lr=0.01, step=1)
+        # Slot 1 holds version 1; link it into a snapshot, then step twice: the second step writes slot 1 again.
+        snap = tmp_path / "snap"
+        snapshot_store(store, snap, mode="link")
+        linked = sorted(p for p in snap.rglob("*") if p.is_file() and p.stat().st_nlink > 1)
+        assert linked, "the snapshot should share page files with the store"
+        before = {p: p.read_bytes() for p in linked}
+        store.update(grad_for(2, store.layout), version=1, lr=0.01, step=2)
+        store.update(grad_for(3, store.layout), version=2, lr=0.01, step=3)
+        assert all(p.read_bytes() == b for p, b in before.items()), "a snapshot's page changed"
+        assert all(p.stat().st_nlink == 1 for p in linked), "the store still shares pages the update rewrote"
+        shard = tmp_path / "store" / "shards" / "00000"
+        pages = [p for p in shard.rglob("c/*") if p.is_file()]
+        assert pages and not [p for p in shard.rglob("*.nsp-tmp")]
+        sizes = {p.stat().st_size for p in pages}
+        assert len(sizes) == 1 and all(p.stat().st_nlink == 1 for p in pages)
+        assert store.verify()["problems"] == []
+
+
+@pytest.mark.parametrize("call", ["read_pages", "write_pages"])
+@pytest.mark.parametrize(("slot", "state"), [(2, 0), (-1, 0), (0, 3), (1, -1)])
+def test_engine_page_calls_reject_a_bad_slot_or_state(tmp_path, call, slot, state):
+    params, spec = make_params(), SPECS["adamw"]
+    with open_store(tmp_path, "file", num_shards=1) as store:
+        store.initialize(params, spec)
+        engine = store._engines[0]
+        buf = np.zeros(store.layout.page_elems, np.float32)
+        with pytest.raises(Exception, match=f"{call}: slot must be 0 or 1 and state 0 \\(param\\)"):
+            getattr(engine, call)(slot, state, 0, buf)
+
+
 def _direct_io_works(directory) -> bool:
     """Whether the file system under ``directory`` accepts O_DIRECT (tmpfs does not)."""
     probe = os.path.join(directory, "direct-probe")
