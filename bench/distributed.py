@@ -43,7 +43,8 @@ def _run(layout: str, a, run_dir: Path) -> dict:
     if layout == "1x4":
         cmd, env = NSP + _train_args(a, run_dir), _env(4)
     else:
-        cmd, env = NSP + ["launch", "-n", "2", "--devices-per-process", "2", "--"] + NSP + _train_args(a, run_dir), _env(2)
+        launch = NSP + ["launch", "-n", "2", "--devices-per-process", "2", "--"]
+        cmd, env = launch + NSP + _train_args(a, run_dir), _env(2)
     done = subprocess.run(cmd, env=env, capture_output=True, text=True)
     if done.returncode:
         raise SystemExit(f"{layout} failed:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}")

@@ -13,8 +13,9 @@ one.) Its C++ ops (async_io, cpu_adam) are compiled with ninja the first time th
 once). Where it cannot be installed or built, the table says why and the other contenders still run.
 
 Contenders (median of N interleaved rounds after a warm-up, in two groups: the disk contenders, in a fresh seeded
-order each round, then the contenders in RAM; the gradient is made once, lives in RAM and is never timed; a pause after every call and
-OMP_WAIT_POLICY=PASSIVE keep one contender's idle threads off the next one's cores -- see bench/wait_policy.py):
+order each round, then the contenders in RAM; the gradient is made once, lives in RAM and is never timed; a pause
+after every call and OMP_WAIT_POLICY=PASSIVE keep one contender's idle threads off the next one's cores -- see
+bench/wait_policy.py):
   raw disk writes    the bytes an update writes, sequential page-sized requests + fsync: a new file (its blocks
                      allocated anew) and a rewrite in place (blocks already allocated), each O_DIRECT from
                      page-aligned (mmap) buffers and buffered; the fastest is the roofline's write bandwidth
@@ -291,7 +292,7 @@ def run(args, work: Workdir, n: int, page_bytes: int, repeats: int, warmup: int,
     # Every disk contender's calls also count the bytes the block device under --dir moved (the kernel's own
     # counters): a contender served from a cache shows fewer device bytes than it moved.
     device = DeviceTraffic(work.path)
-    device_bytes: dict[str, list[tuple[int, int]]] = {name: [] for name in disk_group}
+    device_bytes: dict[str, list[tuple[int, int, int]]] = {name: [] for name in disk_group}
     disk_group = {name: device.counted(fn, device_bytes[name]) for name, fn in disk_group.items()}
     memory_group = {MEMORY_NAMES[key]: fn for key, fn in memory_fns.items()}
     # One warm-up call each (the file tier had its own above, the probes theirs in the calibration), then the rest
@@ -451,7 +452,8 @@ def run(args, work: Workdir, n: int, page_bytes: int, repeats: int, warmup: int,
     if ds_swaps:
         print(f"  DeepSpeed {ds_info['version']}: aio {ds_info['aio_defaults']} (its defaults), one page-locked "
               f"buffer set per sub-group in flight, DeepSpeedCPUAdam; no fsync (its swapper does not sync)")
-    print(f"  params after every swapper's {len(times[names['nsp']]) + warmup + READ_MODE_CALIBRATION_UPDATES} steps agree with the nsp file tier's "
+    steps = len(times[names["nsp"]]) + warmup + READ_MODE_CALIBRATION_UPDATES
+    print(f"  params after every swapper's {steps} steps agree with the nsp file tier's "
           f"(max |diff|: {', '.join(f'{v:.1e}' for v in agree.values())}; params moved by up to {moved_p:.1e})")
     print(f"  bytes per update: read {read_bytes / 2**20:.0f} MiB, written {write_bytes / 2**20:.0f} MiB "
           f"(p, m, v; gradient from RAM); raw probe: {probe.size / 2**20:.0f} MiB in "

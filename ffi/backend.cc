@@ -22,6 +22,12 @@ const char* StateName(int state) {
   return state >= 0 && state < kNumStates ? kNames[state] : "?";
 }
 
+std::string CheckSlotAndState(const char* what, int slot, int state) {
+  if (slot >= 0 && slot <= 1 && state >= 0 && state < kNumStates) return {};
+  return std::string(what) + ": slot must be 0 or 1 and state 0 (param), 1 (mu) or 2 (nu), got slot " +
+         std::to_string(slot) + ", state " + std::to_string(state);
+}
+
 void Backend::Compute(const UpdateHyperParams& hp, const StateSpan& span, const PageGrad& grad) {
   if (grad.dense != nullptr) {
     UpdateDense(hp, span, grad.dense, grad.type);

@@ -18,6 +18,8 @@ namespace nsp {
 // The optimizer states of one shard, in a fixed order.
 enum StateId : int { kParamState = 0, kMuState = 1, kNuState = 2, kNumStates = 3 };
 const char* StateName(int state);
+// "" when `slot` names one of the two version slots and `state` one of p, m, v; else "<what>: slot must be ...".
+std::string CheckSlotAndState(const char* what, int slot, int state);
 
 // A shard's gradient for one page: dense (n elements of `type`) or a run of sorted compressed pairs whose
 // indices are shard positions (the page starts at `index_base`).

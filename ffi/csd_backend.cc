@@ -91,8 +91,8 @@ struct nsp_backend_device : nsp::plugin::PluginDevice {
   // "<device>: reading page 3 of state 'mu' in slot 1 failed: injected fault (fail_read_at=2: ...)".
   std::string Injected(const char* what, int32_t slot, int64_t page, int32_t state, int64_t ordinal,
                        const char* option) const {
-    return Name() + ": " + what + " " + nsp::plugin::PageName(slot, state, page) + " failed: injected fault (" + option +
-           "=" + std::to_string(ordinal) + ": the device's " + std::to_string(ordinal) + Ordinal(ordinal) +
+    return Name() + ": " + what + " " + nsp::plugin::PageName(slot, state, page) + " failed: injected fault (" +
+           option + "=" + std::to_string(ordinal) + ": the device's " + std::to_string(ordinal) + Ordinal(ordinal) +
            " such operation)";
   }
   void RunWorker();

@@ -70,10 +70,8 @@ void CheckWithoutGil(Call&& call) {
   Check(err);
 }
 
-void CheckSlotState(int slot, int state) {
-  if (slot < 0 || slot > 1 || state < 0 || state >= nsp::kNumStates) {
-    throw nb::value_error(("no slot " + std::to_string(slot) + " / state " + std::to_string(state)).c_str());
-  }
+void CheckSlotState(const char* what, int slot, int state) {
+  if (std::string e = nsp::CheckSlotAndState(what, slot, state); !e.empty()) throw nb::value_error(e.c_str());
 }
 
 template <typename A>
@@ -499,14 +497,14 @@ NB_MODULE(_nsp_ffi, m) {
       .def(
           "page_checksums",
           [](EngineRef& ref, int slot, int state) {
-            CheckSlotState(slot, state);
+            CheckSlotState("page_checksums", slot, state);
             return ref.get().backend().PageChecksums(slot, state);
           },
           nb::arg("slot"), nb::arg("state"), "Each page's checksum in `slot` (empty: not all known).")
       .def(
           "set_page_checksums",
           [](EngineRef& ref, int slot, int state, std::vector<uint32_t> crcs) {
-            CheckSlotState(slot, state);
+            CheckSlotState("set_page_checksums", slot, state);
             Check(ref.get().backend().SetPageChecksums(slot, state, crcs));
           },
           nb::arg("slot"), nb::arg("state"), nb::arg("crcs"),

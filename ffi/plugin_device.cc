@@ -84,7 +84,8 @@ bool IsDir(const std::string& path) {
 int CheckConfig(const nsp_backend_config* c, const char* kind, const char* missing_dir, PluginDevice* d, char* err,
                 size_t err_len) {
   if (c == nullptr || c->struct_size < sizeof(nsp_backend_config)) {
-    return plugin::Fail(err, err_len, std::string(kind) + ": the config struct is from another ABI version (too small)");
+    return plugin::Fail(err, err_len,
+                        std::string(kind) + ": the config struct is from another ABI version (too small)");
   }
   d->kind = kind;
   d->dir = c->shard_dir ? c->shard_dir : "";

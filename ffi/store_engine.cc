@@ -252,17 +252,6 @@ std::vector<std::string> ShardEngine::Verify(int slot, int state) {
 
 std::string ShardEngine::ReadState(int slot, int state, float* out) { return ReadPages(slot, state, 0, out, size_); }
 
-namespace {
-
-// "" when `slot` and `state` name one of the two version slots and one of p, m, v; else the message.
-std::string CheckSlotAndState(const char* what, int slot, int state) {
-  if (slot >= 0 && slot <= 1 && state >= 0 && state < kNumStates) return {};
-  return std::string(what) + ": slot must be 0 or 1 and state 0 (param), 1 (mu) or 2 (nu), got slot " +
-         std::to_string(slot) + ", state " + std::to_string(state);
-}
-
-}  // namespace
-
 std::string ShardEngine::ReadPages(int slot, int state, int64_t first_page, float* out, int64_t n) {
   if (std::string e = CheckSlotAndState("read_pages", slot, state); !e.empty()) return e;
   const int64_t begin = first_page * page_elems_;
@@ -297,7 +286,8 @@ std::string ShardEngine::WritePages(int slot, int state, int64_t first_page, con
   }
   std::array<bool, kNumStates> only{};  // the one state this call writes
   only[static_cast<size_t>(state)] = true;
-  if (std::string e = backend_->PrepareSlot(slot, only.data(), first_page, first_page + (n + page_elems_ - 1) / page_elems_);
+  const int64_t end_page = first_page + (n + page_elems_ - 1) / page_elems_;
+  if (std::string e = backend_->PrepareSlot(slot, only.data(), first_page, end_page);
       !e.empty()) {
     return e;
   }

@@ -1,5 +1,5 @@
-"""The ``nsp`` command: ``nsp train``, ``nsp launch``, ``nsp sample``, ``nsp ckpt list|show|export``, ``nsp store verify|copy|reidentify``,
-``nsp plan``.
+"""The ``nsp`` command: ``nsp train``, ``nsp launch``, ``nsp sample``, ``nsp ckpt list|show|export``,
+``nsp store verify|copy|reidentify``, ``nsp plan``.
 
 ``nsp train`` with no arguments trains the ``small`` GPT on the Python standard library's source files with
 its optimizer state on disk (RUN_DIR/store), printing progress and writing metrics and checkpoints to

@@ -27,26 +27,44 @@ if QUICK:
 
 # (name, fused_update keyword arguments, optax reference, initial nu)
 CONFIGS = {
-    "adam": (dict(kind="adam", b1=0.9, b2=0.999, eps=1e-8), lambda learning_rate: optax.adam(learning_rate, 0.9, 0.999, 1e-8), 0.0),
+    "adam": (
+        dict(kind="adam", b1=0.9, b2=0.999, eps=1e-8),
+        lambda learning_rate: optax.adam(learning_rate, 0.9, 0.999, 1e-8),
+        0.0,
+    ),
     "adam_l2": (
         dict(kind="adam", weight_decay=0.01),
         lambda learning_rate: optax.chain(optax.add_decayed_weights(0.01), optax.adam(learning_rate)),
         0.0,
     ),
-    "adamw": (dict(kind="adamw", weight_decay=0.0), lambda learning_rate: optax.adamw(learning_rate, weight_decay=0.0), 0.0),
+    "adamw": (
+        dict(kind="adamw", weight_decay=0.0),
+        lambda learning_rate: optax.adamw(learning_rate, weight_decay=0.0),
+        0.0,
+    ),
     "adamw_wd": (
         dict(kind="adamw", b1=0.8, b2=0.99, eps=1e-6, weight_decay=0.05),
         lambda learning_rate: optax.adamw(learning_rate, b1=0.8, b2=0.99, eps=1e-6, weight_decay=0.05),
         0.0,
     ),
     "sgd": (dict(kind="sgd"), lambda learning_rate: optax.sgd(learning_rate), None),
-    "sgd_momentum": (dict(kind="sgd", momentum=0.9), lambda learning_rate: optax.sgd(learning_rate, momentum=0.9), None),
-    "sgd_nesterov_l2": (
-        dict(kind="sgd", momentum=0.9, nesterov=True, weight_decay=1e-3),
-        lambda learning_rate: optax.chain(optax.add_decayed_weights(1e-3), optax.sgd(learning_rate, momentum=0.9, nesterov=True)),
+    "sgd_momentum": (
+        dict(kind="sgd", momentum=0.9),
+        lambda learning_rate: optax.sgd(learning_rate, momentum=0.9),
         None,
     ),
-    "adagrad": (dict(kind="adagrad"), lambda learning_rate: optax.adagrad(learning_rate, initial_accumulator_value=0.1), 0.1),
+    "sgd_nesterov_l2": (
+        dict(kind="sgd", momentum=0.9, nesterov=True, weight_decay=1e-3),
+        lambda learning_rate: optax.chain(
+            optax.add_decayed_weights(1e-3), optax.sgd(learning_rate, momentum=0.9, nesterov=True)
+        ),
+        None,
+    ),
+    "adagrad": (
+        dict(kind="adagrad"),
+        lambda learning_rate: optax.adagrad(learning_rate, initial_accumulator_value=0.1),
+        0.1,
+    ),
 }
 
 

@@ -743,7 +743,7 @@ def test_slot_layout_replaces_only_pages_about_to_be_written_and_spares_snapshot
         assert store.verify()["problems"] == []
 
 
-@pytest.mark.parametrize("call", ["read_pages", "write_pages"])
+@pytest.mark.parametrize("call", ["read_pages", "write_pages", "page_checksums", "set_page_checksums"])
 @pytest.mark.parametrize(("slot", "state"), [(2, 0), (-1, 0), (0, 3), (1, -1)])
 def test_engine_page_calls_reject_a_bad_slot_or_state(tmp_path, call, slot, state):
     params, spec = make_params(), SPECS["adamw"]
@@ -751,8 +751,9 @@ def test_engine_page_calls_reject_a_bad_slot_or_state(tmp_path, call, slot, stat
         store.initialize(params, spec)
         engine = store._engines[0]
         buf = np.zeros(store.layout.page_elems, np.float32)
+        args = {"read_pages": (0, buf), "write_pages": (0, buf), "page_checksums": (), "set_page_checksums": ([],)}
         with pytest.raises(Exception, match=f"{call}: slot must be 0 or 1 and state 0 \\(param\\)"):
-            getattr(engine, call)(slot, state, 0, buf)
+            getattr(engine, call)(slot, state, *args[call])
 
 
 def _direct_io_works(directory) -> bool:

@@ -2,7 +2,8 @@
 
 The optax state holds only small things (the step count, the store version it refers to, a params hash); the fp32 master
 params and moments stay in the store. The learning rate is traced (schedules and ``optax.inject_hyperparams``
-change it without recompiling); the other hyperparameters are fixed when the store is initialized. ``update`` hands the (possibly compressed) gradient to the store through
+change it without recompiling); the other hyperparameters are fixed when the store is initialized. ``update`` hands
+the (possibly compressed) gradient to the store through
 ``nsp.primitives.store_update`` — one side-effecting XLA FFI call per device shard, inside your jitted step — and
 returns updates such that ``optax.apply_updates(params, updates)`` gives the store's new params in the params'
 own dtype (with ``float32_updates=True``, bf16 and f16 params take float32 updates and land on the master's

@@ -200,7 +200,8 @@ def store_update_leaves(
         raise ValueError(f"{len(grads)} gradient leaves, the store's layout has {len(layout.leaves)}")
     dtype = grads[0].dtype if grads else None
     if dtype not in (jnp.float32, jnp.bfloat16) or any(g.dtype != dtype for g in grads):
-        raise TypeError(f"gradient leaves must all be float32 or all bfloat16, got {sorted({str(g.dtype) for g in grads})}")
+        dtypes = sorted({str(g.dtype) for g in grads})
+        raise TypeError(f"gradient leaves must all be float32 or all bfloat16, got {dtypes}")
     for g, spec in zip(grads, layout.leaves):
         if tuple(g.shape) != spec.shape:
             raise ValueError(f"gradient leaf {spec.path} has shape {tuple(g.shape)}, the layout says {spec.shape}")

@@ -14,6 +14,7 @@ from nsp.storage.snapshot import (CHECKSUMS, SNAPSHOT, SNAPSHOT_FORMAT, SNAPSHOT
                                   load_snapshot_info, read_snapshot, snapshot_store)
 
 __all__ = [
-    "SNAPSHOT", "StoreCheckpointHandler", "StoreRestore", "StoreSave", "export_checkpoint", "load_snapshot_info", "load_store_item_info",
-    "make_checkpoint_manager", "restore_checkpoint", "restore_store", "save_checkpoint", "snapshot_store",
+    "SNAPSHOT", "StoreCheckpointHandler", "StoreRestore", "StoreSave", "export_checkpoint", "load_snapshot_info",
+    "load_store_item_info", "make_checkpoint_manager", "restore_checkpoint", "restore_store", "save_checkpoint",
+    "snapshot_store",
 ]

@@ -10,7 +10,8 @@ copy instead (both slots name it): updates run in place, in half the RAM, and ca
 On disk (``file`` and ``csd`` tiers) every state array of every slot is a zarr v3 array that plain
 ``tensorstore.open`` reads; ``format.py`` describes the files. Each shard's engine runs on a backend: ``memory`` or
 ``file``, built in, or a backend library loaded by name (the ``csd`` tier's emulated device, or a vendor's), whose
-devices keep the same files in their shard's directory. Every shard knows its store: a shard of another store is refused at open
+devices keep the same files in their shard's directory. Every shard knows its store: a shard of another store is
+refused at open
 (``opening.py``, which also creates new stores and recovers existing ones), and the manifest ties each page's
 checksum to its store, shard, state, page and version, so a valid page put in another page's place is reported as
 damage. Snapshots, restores and identity changes use only this module's public API.

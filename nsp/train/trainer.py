@@ -222,7 +222,8 @@ def _beside_earlier_default_runs(config: TrainConfig, log: Callable[[str], None]
     """``nsp train`` run again with the default run directory starts a new run beside the earlier ones
     (``runs/default-2``, ...) instead of refusing; a run directory given on purpose is never switched."""
     default = TrainConfig.run_dir
-    if config.resume or jax.process_count() > 1 or config.store_dir or config.run_dir != default or not _holds_files(Path(default)):
+    chosen = config.resume or config.store_dir or config.run_dir != default
+    if chosen or jax.process_count() > 1 or not _holds_files(Path(default)):
         return config
     n = 2
     while _holds_files(Path(f"{default}-{n}")):
