@@ -8,6 +8,7 @@ median of each contender's times is reported next to its ratio to the reference 
 from __future__ import annotations
 
 import json
+import mmap
 import os
 import platform
 import random
@@ -15,7 +16,7 @@ import statistics
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 
@@ -327,10 +328,35 @@ def write_json(name: str, payload: dict[str, Any], path: str | os.PathLike | Non
     return out
 
 
+def io_buffer(nbytes: int) -> mmap.mmap:
+    """Page-aligned memory for direct I/O, in huge pages where the kernel allows (``MADV_HUGEPAGE``, as nsp's own
+    page buffers, ffi/backend.cc): physically contiguous memory lets a 4 MiB request reach the device whole instead
+    of cut into several, so no contender loses to another only by how its buffers were allocated."""
+    buf = mmap.mmap(-1, nbytes)
+    if hasattr(mmap, "MADV_HUGEPAGE"):
+        try:
+            buf.madvise(mmap.MADV_HUGEPAGE)
+        except OSError:  # transparent huge pages not built in: plain pages
+            pass
+    return buf
+
+
+class DeviceCounts(NamedTuple):
+    """What a block device did, from its stat file (Documentation/block/stat.rst): totals since boot, or the
+    difference over one call."""
+
+    read_bytes: int
+    written_bytes: int
+    busy_ms: int  # ms with at least one request in flight (io_ticks)
+    reads: int  # read requests completed (after merging: what the device was sent)
+    writes: int  # write requests completed
+
+
 class DeviceTraffic:
     """Bytes the block device under a directory actually read and wrote, from its /sys/dev/block/M:m/stat
     (sectors of 512 bytes, whole-machine counters: run nothing else meanwhile). A contender whose device bytes fall
-    short of the bytes it says it moved was served (in part) from a cache, not from the disk.
+    short of the bytes it says it moved was served (in part) from a cache, not from the disk; one that needs more
+    requests for the same bytes sends the device smaller ones.
 
     ``available`` is False where the directory is not on a block device (tmpfs, overlay, a network file system).
     """
@@ -342,21 +368,22 @@ class DeviceTraffic:
         self.path = f"/sys/dev/block/{os.major(dev)}:{os.minor(dev)}/stat"
         self.available = os.path.exists(self.path)
 
-    def read(self) -> tuple[int, int, int]:
-        """(bytes read, bytes written, ms with I/O in flight) by the device since boot; zeros when unavailable."""
+    def read(self) -> DeviceCounts:
+        """What the device did since boot; zeros when unavailable."""
         if not self.available:
-            return 0, 0, 0
+            return DeviceCounts(0, 0, 0, 0, 0)
         with open(self.path) as f:
-            fields = f.read().split()
-        return int(fields[2]) * self.SECTOR, int(fields[6]) * self.SECTOR, int(fields[9])
+            fields = [int(x) for x in f.read().split()]
+        return DeviceCounts(read_bytes=fields[2] * self.SECTOR, written_bytes=fields[6] * self.SECTOR,
+                            busy_ms=fields[9], reads=fields[0], writes=fields[4])
 
-    def counted(self, fn: Callable[[], Any], into: list[tuple[int, int, int]]) -> Callable[[], Any]:
-        """``fn`` that appends each call's (device bytes read, bytes written, busy ms) to ``into``: busy well
-        below the call's time means the device sat idle while the call ran (the caller, not the disk, was slow)."""
+    def counted(self, fn: Callable[[], Any], into: list[DeviceCounts]) -> Callable[[], Any]:
+        """``fn`` that appends what the device did during each call to ``into``: busy well below the call's time
+        means the device sat idle while the call ran (the caller, not the disk, was slow)."""
         def call() -> Any:
             before = self.read()
             out = fn()
-            into.append(tuple(b - a for a, b in zip(before, self.read())))
+            into.append(DeviceCounts(*(b - a for a, b in zip(before, self.read()))))
             return out
 
         return call

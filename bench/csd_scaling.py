@@ -42,7 +42,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import functools
-import mmap
 import os
 import shutil
 import statistics
@@ -56,7 +55,7 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # common.py sits beside this script
-from common import print_table, write_json  # noqa: E402
+from common import io_buffer, print_table, write_json  # noqa: E402
 
 from nsp.csd import LABELS, SCHEMES, LinkFigures, Setting, scaling, traffic  # noqa: E402
 from nsp.csd import paper  # noqa: E402
@@ -219,11 +218,11 @@ class DiskProbe:
     def __init__(self, path: str, size: int, block: int, depth: int, direct: bool, seed: int):
         self.path, self.block, self.depth, self.direct = path, block, depth, direct
         self.size = -(-size // block) * block  # whole requests (O_DIRECT needs aligned lengths)
-        self.data = mmap.mmap(-1, self.size)  # page-aligned, as O_DIRECT wants
+        self.data = io_buffer(self.size)
         self.data.write(np.random.default_rng(seed).bytes(self.size))
         self.words = np.frombuffer(self.data, np.uint64)[::self.STAMP // 8]
         self.writes = 0
-        self.bufs = [mmap.mmap(-1, block) for _ in range(depth)]  # where reads land
+        self.bufs = [io_buffer(block) for _ in range(depth)]  # where reads land
         self.pool = ThreadPoolExecutor(depth, thread_name_prefix="disk-probe")
 
     def _run(self, write: bool) -> float:

@@ -23,7 +23,7 @@ import numpy as np
 
 import deepspeed_swap
 from adam_steps import nsp_adam_step, torch_fused_adam
-from common import median
+from common import io_buffer, median
 
 import nsp.storage
 from nsp.primitives import store_update_leaves
@@ -149,7 +149,7 @@ class DiskProbe:
         self.size = -(-size // block) * block  # whole blocks (O_DIRECT needs aligned lengths)
         self.depth = depth
         self.pool = pool
-        self.bufs = [mmap.mmap(-1, block) for _ in range(depth)]  # page-aligned, as O_DIRECT wants
+        self.bufs = [io_buffer(block) for _ in range(depth)]
         for i, b in enumerate(self.bufs):
             b.write(np.random.default_rng(1 + i).bytes(block))  # incompressible, like fp32 state
         self.writes = 0  # write calls so far: part of each block's stamp
@@ -220,7 +220,7 @@ class DiskProbe:
         # Two pools and a second buffer set: the read must not wait for the write's workers, nor land in the
         # buffers the write is writing.
         pools = [ThreadPoolExecutor(n, thread_name_prefix="side-by-side") for n in (1, depth)]
-        read_bufs = [mmap.mmap(-1, self.block) for _ in range(depth)]
+        read_bufs = [io_buffer(self.block) for _ in range(depth)]
         self._side_by_side = (pools, read_bufs)
         name = f"raw disk read + write at once: {read.label}; {write.label}"
 
@@ -263,7 +263,7 @@ class PerfectSerialSwap:
         n = p0.size
         self.nbytes = n * 4
         assert self.nbytes % block == 0, "whole blocks only (O_DIRECT needs aligned lengths)"
-        self._maps = [mmap.mmap(-1, self.nbytes) for _ in range(3)]  # page-aligned
+        self._maps = [io_buffer(self.nbytes) for _ in range(3)]
         self.bufs = [np.frombuffer(m, np.float32) for m in self._maps]
         self.bufs[0][:] = p0
         self.version = 0

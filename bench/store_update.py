@@ -77,7 +77,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import wait_policy  # noqa: E402
-from common import (DeviceTraffic, median, peak_rss_bytes, print_table, reset_peak_rss,  # noqa: E402
+from common import (DeviceCounts, DeviceTraffic, median, peak_rss_bytes, print_table, reset_peak_rss,  # noqa: E402
                     status_kib, time_interleaved, write_json)
 from store_contenders import (B1, B2, EPS, LR, MEMORY_NAMES, DiskProbe, PerfectSerialSwap,  # noqa: E402
                               in_ram_adam, memory_contenders, setup_deepspeed)
@@ -292,7 +292,7 @@ def run(args, work: Workdir, n: int, page_bytes: int, repeats: int, warmup: int,
     # Every disk contender's calls also count the bytes the block device under --dir moved (the kernel's own
     # counters): a contender served from a cache shows fewer device bytes than it moved.
     device = DeviceTraffic(work.path)
-    device_bytes: dict[str, list[tuple[int, int, int]]] = {name: [] for name in disk_group}
+    device_bytes: dict[str, list[DeviceCounts]] = {name: [] for name in disk_group}
     disk_group = {name: device.counted(fn, device_bytes[name]) for name, fn in disk_group.items()}
     memory_group = {MEMORY_NAMES[key]: fn for key, fn in memory_fns.items()}
     # One warm-up call each (the file tier had its own above, the probes theirs in the calibration), then the rest
@@ -433,15 +433,18 @@ def run(args, work: Workdir, n: int, page_bytes: int, repeats: int, warmup: int,
     device_mib = {}
     if device.available:
         print(f"  device traffic per call (median over the timed rounds; {device.path}, whole machine): MiB read, MiB "
-              f"written, ms the device was busy of the call's ms")
+              f"written, ms the device was busy of the call's ms, requests the device completed (after merging)")
         for name, counts in device_bytes.items():
             timed = counts[len(counts) - repeats:]
-            device_mib[name] = {"read_bytes": median([c[0] for c in timed]),
-                                "written_bytes": median([c[1] for c in timed]),
-                                "busy_s": median([c[2] / 1e3 for c in timed])}
+            device_mib[name] = {"read_bytes": median([c.read_bytes for c in timed]),
+                                "written_bytes": median([c.written_bytes for c in timed]),
+                                "busy_s": median([c.busy_ms / 1e3 for c in timed]),
+                                "read_requests": median([c.reads for c in timed]),
+                                "write_requests": median([c.writes for c in timed])}
             c = device_mib[name]
             print(f"    {name[:60]:60s} r {c['read_bytes'] / 2**20:4.0f}  w {c['written_bytes'] / 2**20:4.0f}  busy "
-                  f"{c['busy_s'] * 1e3:4.0f} of {med[name] * 1e3:4.0f} ms")
+                  f"{c['busy_s'] * 1e3:4.0f} of {med[name] * 1e3:4.0f} ms  requests r {c['read_requests']:5.0f} "
+                  f"w {c['write_requests']:5.0f}")
     print("  " + phase_line("nsp file tier phases (median; the engine's clocks)", nsp_phases))
     print("  " + phase_line("perfect serial swap phases (median)", perfect.phases))
     print(f"  reads and writes at once: {t_both * 1e3:.0f} ms against {t_both_serial * 1e3:.0f} ms one after the "

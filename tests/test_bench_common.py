@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
-from common import DeviceTraffic, time_interleaved  # noqa: E402
+from common import DeviceCounts, DeviceTraffic, time_interleaved  # noqa: E402
 
 
 def test_shuffled_rounds_run_everyone_once_with_their_before_hook_first():
@@ -37,7 +37,7 @@ def test_device_traffic_counts_a_synced_write(tmp_path):
     device = DeviceTraffic(tmp_path)
     if not device.available:
         pytest.skip(f"{tmp_path} is not on a block device ({device.path} is absent)")
-    counts: list[tuple[int, int, int]] = []
+    counts: list[DeviceCounts] = []
     size = 8 << 20
 
     def write() -> None:
@@ -47,6 +47,6 @@ def test_device_traffic_counts_a_synced_write(tmp_path):
             os.fsync(f.fileno())
 
     device.counted(write, counts)()
-    (_, written, busy_ms), = counts
-    assert written >= size, f"the device wrote {written} bytes of an fsynced {size}-byte file"
-    assert busy_ms >= 0
+    (c,) = counts
+    assert c.written_bytes >= size, f"the device wrote {c.written_bytes} bytes of an fsynced {size}-byte file"
+    assert c.writes >= 1 and c.busy_ms >= 0
