@@ -33,9 +33,10 @@ SETUP_LINES = ("creating .venv", "installing nsp", "rebuilding nsp")
 
 # Variables a surrounding make, virtual environment or pytest run would hand down, which a newcomer's shell lacks
 # (MAKEFLAGS carries the outer make's command-line variables, such as PYTEST_ARGS; tests/conftest.py sets
-# XLA_FLAGS).
+# XLA_FLAGS and the JAX compilation cache's).
 _INHERITED = ("MAKEFLAGS", "MFLAGS", "MAKELEVEL", "MAKEOVERRIDES", "VIRTUAL_ENV", "PYTHONPATH", "PYTHONHOME",
-              "PYTEST_ADDOPTS", "PYTEST_CURRENT_TEST", "XLA_FLAGS")
+              "PYTEST_ADDOPTS", "PYTEST_CURRENT_TEST", "XLA_FLAGS", "JAX_COMPILATION_CACHE_DIR",
+              "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES")
 
 
 def _newcomer_env():
