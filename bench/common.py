@@ -331,8 +331,10 @@ def write_json(name: str, payload: dict[str, Any], path: str | os.PathLike | Non
 def io_buffer(nbytes: int) -> mmap.mmap:
     """Page-aligned memory for direct I/O, in huge pages where the kernel allows (``MADV_HUGEPAGE``, as nsp's own
     page buffers, ffi/backend.cc): physically contiguous memory lets a 4 MiB request reach the device whole instead
-    of cut into several, so no contender loses to another only by how its buffers were allocated."""
-    buf = mmap.mmap(-1, nbytes)
+    of cut into several, so no contender loses to another only by how its buffers were allocated. Private, not
+    ``mmap``'s default shared mapping: shared anonymous memory is shmem, which takes huge pages only where
+    /sys/kernel/mm/transparent_hugepage/shmem_enabled allows (``never`` by default)."""
+    buf = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE)
     if hasattr(mmap, "MADV_HUGEPAGE"):
         try:
             buf.madvise(mmap.MADV_HUGEPAGE)

@@ -43,7 +43,14 @@ def render_update_kernel(d: dict, out: Path) -> tuple[str, str]:
     notes = "; ".join(f"{k}: {v}" for k, v in d.get("notes", {}).items())
     checks = "\n".join(f"- {c['check']}: {c['ratio']:.2f}x (target {c['target']:.2f}x, "
                        f"{'met' if c['met'] else 'missed'})" for c in d.get("checks", []))
-    return command, f"{body}\n\n{notes}\n\n{checks}\n\n![update kernel](update_kernel.png)"
+    crc = d.get("crc32c_gbps")
+    crc_lines = ""
+    if crc:
+        page = d.get("crc32c_page_bytes", 4 << 20) >> 20
+        crc_lines = (f"\n\nPage checksum (CRC-32C of a {page} MiB page, GB/s, each implementation the CPU has):\n"
+                     + "\n".join(f"- {isa}: " + (f"{rate:.1f} GB/s" if isinstance(rate, (int, float))
+                                                 else f"not run ({rate})") for isa, rate in crc.items()))
+    return command, f"{body}\n\n{notes}\n\n{checks}{crc_lines}\n\n![update kernel](update_kernel.png)"
 
 
 def render_store_update(d: dict, out: Path) -> tuple[str, str]:

@@ -17,6 +17,10 @@ Contenders (all updating the same number of fp32 Adam parameters in place, inter
                      stream probe (nsp.primitives.stream_roofline) and numpy in place (p += g, m += g, v += g per
                      64K-element chunk, so g is read from memory once; one Python thread per kernel thread)
 
+Page checksums: the CRC-32C the file tier computes over every page it writes and reads, on a 4 MiB page, once per
+implementation this CPU has (portable table, SSE4.2 crc32, PCLMUL folds, VPCLMULQDQ folds on 256-bit and 512-bit
+registers), each in a process of its own (NSP_CRC32C_ISA is read at import), in interleaved rounds, median GB/s.
+
 The memory roofline is an upper bound, so it is the best of several streaming probes: the two above and the
 Adam implementations that stream the same 28 B/param (torch fused Adam, DeepSpeedCPUAdam). "vs roofline" divides
 by the best of them; the JSON records every probe.
@@ -32,6 +36,7 @@ from __future__ import annotations
 import argparse
 import functools
 import os
+import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
 
@@ -52,6 +57,24 @@ NSP_PROBE = "roofline probe: nsp stream (28 B/param)"
 NUMPY_PROBE = "roofline probe: numpy in place (28 B/param)"
 EAGER = "nsp dense fp32, eager (no jit)"
 ROOFLINE_PROBES = (NSP_PROBE, NUMPY_PROBE, "torch fused Adam", "DeepSpeedCPUAdam")
+CRC_ISAS = ("portable", "sse4.2", "pclmul", "vpclmul-avx2", "vpclmul-avx512")  # ffi/crc32c.cc, slowest first
+CRC_PAGE_BYTES = 4 << 20
+
+# One CRC-32C implementation's time per 4 MiB page: the median of 7 batches of calls, after a warm-up call.
+_CRC_PROBE = r"""
+import time
+import numpy as np
+from nsp import _nsp_ffi
+page = np.random.default_rng(0).integers(0, 256, {page_bytes}, dtype=np.uint8)
+_nsp_ffi.crc32c(page)
+per_call = []
+for _ in range(7):
+    t = time.perf_counter()
+    for _ in range({calls}):
+        _nsp_ffi.crc32c(page)
+    per_call.append((time.perf_counter() - t) / {calls})
+print(sorted(per_call)[3])
+"""
 
 
 def parse_size(text: str) -> int:
@@ -186,6 +209,27 @@ def numpy_stream_probe(n: int, threads: int):
     return fn
 
 
+def crc32c_rates(rounds: int, calls: int = 16) -> dict[str, float | str]:
+    """GB/s of each CRC-32C implementation on a 4 MiB page (the median over ``rounds`` interleaved rounds, each a
+    fresh process per implementation), or why it did not run (the CPU lacks it)."""
+    code = _CRC_PROBE.format(page_bytes=CRC_PAGE_BYTES, calls=calls)
+    seconds: dict[str, list[float]] = {}
+    missing: dict[str, str] = {}
+    for _ in range(rounds):
+        for isa in CRC_ISAS:
+            if isa in missing:
+                continue
+            env = {**os.environ, "NSP_CRC32C_ISA": isa}
+            proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+            if proc.returncode != 0:
+                lines = proc.stderr.strip().splitlines()
+                missing[isa] = lines[-1] if lines else f"exited {proc.returncode}"
+                continue
+            seconds.setdefault(isa, []).append(float(proc.stdout.strip()))
+    return {isa: (CRC_PAGE_BYTES / median(seconds[isa]) / 1e9 if isa in seconds else missing[isa])
+            for isa in CRC_ISAS}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--size", default="64M", help="parameters (e.g. 64M, 16M, 1000000)")
@@ -282,6 +326,12 @@ def main() -> None:
     ratio_line("nsp eager vs nsp jitted", EAGER, "nsp dense fp32", 0.5)
     ratio_line("nsp bf16 grads vs nsp fp32 grads", "nsp bf16 grads", "nsp dense fp32", 1.05)
     ratio_line("nsp dense vs optax.adam", "nsp dense fp32", "optax.adam (jit, donated)", 1.0)
+
+    crc = crc32c_rates(args.repeats)
+    print(f"\nPage checksum: CRC-32C of a {CRC_PAGE_BYTES >> 20} MiB page, GB/s (median of {args.repeats} interleaved "
+          f"rounds, a process per implementation)")
+    for isa, rate in crc.items():
+        print(f"  {isa:16s} " + (f"{rate:6.1f}" if isinstance(rate, float) else f"not run: {rate}"))
     path = write_json(
         "update_kernel",
         {"size": n, "threads": args.threads, "repeats": args.repeats, "isa": kernel_isa(),
@@ -289,6 +339,7 @@ def main() -> None:
          "bytes_per_param": {name: bytes_per_param.get(name, 28.0) for name in med},
          "roofline_probes_gbs": probes, "roofline_probe": best_probe, "roofline_gbs": roofline_gbs,
          "nsp_dense_pct_of_roofline": nsp_pct, "faster_than_roofline": above,
+         "crc32c_page_bytes": CRC_PAGE_BYTES, "crc32c_gbps": crc,
          **wait_policy.record(policy, args.pause, idle_cpu)},
         args.json,
     )
