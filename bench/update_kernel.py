@@ -65,6 +65,7 @@ _CRC_PROBE = r"""
 import time
 import numpy as np
 from nsp import _nsp_ffi
+_nsp_ffi.kernel_isa()  # raises when NSP_CRC32C_ISA names an implementation this CPU lacks
 page = np.random.default_rng(0).integers(0, 256, {page_bytes}, dtype=np.uint8)
 _nsp_ffi.crc32c(page)
 per_call = []
