@@ -115,9 +115,7 @@ class FileBackend final : public Backend {
         if (!used[s]) continue;
         const std::string path = PagePath(slot, s, page);
         struct stat st;
-        if (::stat(path.c_str(), &st) == 0 && st.st_nlink == 1 && static_cast<size_t>(st.st_size) == file_bytes_) {
-          continue;
-        }
+        if (::stat(path.c_str(), &st) == 0 && RewritableInPlace(st)) continue;
         const std::string tmp = path + ".nsp-tmp";
         const int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
         if (fd < 0) {
@@ -135,11 +133,7 @@ class FileBackend final : public Backend {
           errno = rc;
           return page_file::ErrnoMessage("cannot reserve space for", tmp);
         }
-        if (::rename(tmp.c_str(), path.c_str()) != 0) {
-          const std::string err = page_file::ErrnoMessage("cannot rename into", path);
-          ::unlink(tmp.c_str());
-          return err;
-        }
+        if (std::string err = page_file::RenameInto(tmp, path); !err.empty()) return err;
       }
     }
     return {};
@@ -228,11 +222,7 @@ class FileBackend final : public Backend {
       ::unlink(tmp.c_str());
       return err;
     }
-    if (::rename(tmp.c_str(), path.c_str()) != 0) {
-      const std::string err = page_file::ErrnoMessage("cannot rename into", path);
-      ::unlink(tmp.c_str());
-      return err;
-    }
+    if (std::string err = page_file::RenameInto(tmp, path); !err.empty()) return err;
     Record(slot, state, page, crc);
     std::lock_guard<std::mutex> lock(written_mu_);
     written_[slot].push_back({path, /*cached=*/true});
@@ -355,11 +345,7 @@ class FileBackend final : public Backend {
       *err = page_file::ErrnoMessage("cannot write", tmp);
       return true;
     }
-    if (::rename(tmp.c_str(), path.c_str()) != 0) {
-      *err = page_file::ErrnoMessage("cannot rename into", path);
-      ::unlink(tmp.c_str());
-      return true;
-    }
+    if (*err = page_file::RenameInto(tmp, path); !err->empty()) return true;
     std::lock_guard<std::mutex> lock(written_mu_);
     written_[slot].push_back({path, /*cached=*/false});
     return true;
@@ -373,11 +359,17 @@ class FileBackend final : public Backend {
     const int fd = ::open(path.c_str(), O_WRONLY | O_CLOEXEC | extra_flags);
     if (fd < 0) return -1;
     struct stat st;
-    if (::fstat(fd, &st) != 0 || st.st_nlink != 1 || static_cast<size_t>(st.st_size) != file_bytes_) {
+    if (::fstat(fd, &st) != 0 || !RewritableInPlace(st)) {
       ::close(fd);
       return -1;
     }
     return fd;
+  }
+
+  // A page file may be rewritten in place when it has the page's size and no other link: a snapshot's hard link
+  // to it keeps its bytes only if the page is replaced instead.
+  bool RewritableInPlace(const struct stat& st) const {
+    return st.st_nlink == 1 && static_cast<size_t>(st.st_size) == file_bytes_;
   }
 
   // RewriteInPlace's direct form (same rule: a file of the right size that nothing else shares). The file keeps

@@ -6,6 +6,7 @@
 #include <unistd.h>
 
 #include <cerrno>
+#include <cstdio>
 #include <cstdint>
 #include <cstring>
 #include <map>
@@ -95,6 +96,13 @@ std::string GroupSync(const std::string& dir) {
   }
   device->synced = covered;
   return {};
+}
+
+std::string RenameInto(const std::string& tmp, const std::string& path) {
+  if (::rename(tmp.c_str(), path.c_str()) == 0) return {};
+  const std::string err = ErrnoMessage("cannot rename into", path);
+  ::unlink(tmp.c_str());
+  return err;
 }
 
 std::string ErrnoMessage(const std::string& what, const std::string& path) {

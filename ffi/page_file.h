@@ -30,6 +30,10 @@ void DropFromCache(int fd, size_t file_bytes);
 // one file system that commit together share one flush. Returns "" or an error naming `dir`.
 std::string GroupSync(const std::string& dir);
 
+// Renames the finished temporary file `tmp` over `path` (atomic on a local file system: readers see the old
+// file or the new one); on failure removes `tmp`. Returns "" or an error naming `path`.
+std::string RenameInto(const std::string& tmp, const std::string& path);
+
 // "<what> <path>: <errno's text>".
 std::string ErrnoMessage(const std::string& what, const std::string& path);
 // A page file that is absent: never zeros (as zarr reads an absent chunk), since every version the engine

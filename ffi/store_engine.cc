@@ -287,10 +287,7 @@ std::string ShardEngine::WritePages(int slot, int state, int64_t first_page, con
   std::array<bool, kNumStates> only{};  // the one state this call writes
   only[static_cast<size_t>(state)] = true;
   const int64_t end_page = first_page + (n + page_elems_ - 1) / page_elems_;
-  if (std::string e = backend_->PrepareSlot(slot, only.data(), first_page, end_page);
-      !e.empty()) {
-    return e;
-  }
+  if (std::string e = backend_->PrepareSlot(slot, only.data(), first_page, end_page); !e.empty()) return e;
   for (int64_t done = 0; done < n; done += page_elems_) {
     const int64_t len = std::min(page_elems_, n - done);
     if (std::string e = backend_->WritePage(slot, state, first_page + done / page_elems_, const_cast<float*>(in) + done,
