@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -125,15 +126,17 @@ def test_default_seq_fits_the_model(tmp_path, corpus, capsys):
 
 def test_models_with_a_published_recipe_train_at_its_learning_rate(tmp_path, corpus):
     """GPT-3 sizes take GPT-3's peak learning rate (scaled by the square root of the batch ratio for batches smaller
-    than the published ones) and a warm-up of the same fraction of the run; the others the generic defaults; flags
-    win over both. The run records what it used."""
+    than the published ones) and its warm-up of 375M tokens, or the whole run when it is shorter; the others the
+    generic defaults; flags win over both. The run records what it used."""
     from nsp.train.config import TrainConfig
 
     big = TrainConfig(model="gpt3-2.7b", steps=3, batch=1, seq=128).resolved()
-    assert big.warmup_steps == 1 and big.lr == pytest.approx(1.6e-4 * (128 / 1e6) ** 0.5)
+    assert big.warmup_steps == 3 and big.lr == pytest.approx(1.6e-4 * (128 / 1e6) ** 0.5)  # ramps over all 3 steps
     assert TrainConfig(model="gpt3-2.7b", batch=1000, seq=1024).resolved().lr == 1.6e-4  # >= 1M tokens: published
     assert TrainConfig(model="gpt3-760m", batch=8).resolved().lr == pytest.approx(2.5e-4 * (1024 / 0.5e6) ** 0.5)
-    assert TrainConfig(model="gpt3-760m", steps=800_000).resolved().warmup_steps == 1000  # 375M of 300B tokens
+    long_run = TrainConfig(model="gpt3-760m", steps=800_000, batch=8, seq=1024).resolved()
+    assert long_run.warmup_steps == math.ceil(375e6 / 8192)  # 375M tokens in steps of 8 x 1024 tokens
+    assert TrainConfig(model="gpt3-760m", steps=1).resolved().warmup_steps == 1
     assert (TrainConfig(model="small").resolved().lr, TrainConfig(model="small").resolved().warmup_steps) == (3e-3, 20)
     mine = TrainConfig(model="gpt3-2.7b", lr=1e-3, warmup_steps=5).resolved()
     assert (mine.lr, mine.warmup_steps) == (1e-3, 5)

@@ -138,11 +138,11 @@ class TrainConfig:
             from nsp.models import get_config
 
             filled["seq"] = min(DEFAULT_SEQ, get_config(self.model).block_size)
+        batch_tokens = self.batch * filled.get("seq", self.seq)
         if not self.lr:
-            seq = filled.get("seq", self.seq)
-            filled["lr"] = recipe.lr_for(self.batch * seq) if recipe else DEFAULT_LR
+            filled["lr"] = recipe.lr_for(batch_tokens) if recipe else DEFAULT_LR
         if self.warmup_steps < 0:
-            filled["warmup_steps"] = recipe.warmup_steps(self.steps) if recipe else DEFAULT_WARMUP_STEPS
+            filled["warmup_steps"] = recipe.warmup_steps(self.steps, batch_tokens) if recipe else DEFAULT_WARMUP_STEPS
         return dataclasses.replace(self, **filled) if filled else self
 
     @property

@@ -5,22 +5,26 @@ sizes, GPT-2, whose paper gives no learning rates) take ``TrainConfig``'s generi
 
 GPT-3 (Brown et al. 2020, Table 2.1 and Appendix B): the peak learning rates below, at the batch sizes below (0.5M
 to 3.2M tokens), a linear warm-up over the first 375 million tokens of a 300-billion-token run, then cosine decay to
-10%. A run of ``steps`` steps gets the same shape: its warm-up is the same fraction of its steps (at least one
-step), so a short run warms up briefly instead of spending its steps near zero (375M tokens at batch 1 x 128 would
-be 2.9 million steps).
+10%.
 
 A run with smaller batches than the published ones takes a smaller peak: the published one times the square root
 of the batch ratio (the square-root scaling rule for Adam, Malladi et al. 2022, "On the SDEs and Scaling Rules for
-Adaptive Gradient Algorithms"), never more than the published one. Measured on this repository's default data
-(batch 1 x 128 tokens, ``--bf16-params``; the first update runs at learning rate 0, the start of the warm-up): at
-GPT-3's own peak the 2.7B's first real update sent the loss from 6.2 to 18.2; at the scaled peak (4.0e-6) the
-760M's held-out loss fell 5.92, 5.53, 4.09, 3.91, 3.82 over 5 steps; the 2.7B's at its scaled peak (1.81e-6) went
-5.78, 7.40, 6.05 over 3 steps (the first real update, Adam's sign-like first step, still overshoots at that width
-and depth; the next one, at half the peak, recovers most of it).
+Adaptive Gradient Algorithms"), never more than the published one. The same rule keeps a run's course in tokens,
+not steps, so the warm-up stays 375M tokens at any batch size: ``ceil(375M / batch tokens)`` steps, or the whole
+run when the run is shorter than that. A run of a few steps at 1 x 128 tokens therefore ramps linearly from 0
+over all its steps (0, peak/3, 2 peak/3 for 3 steps), as GPT-3's first 384 tokens would have, only faster.
+
+Measured on this repository's default data (batch 1 x 128 tokens, ``--bf16 --f32-accum --bf16-params``; held-out
+loss after each step):
+- gpt3-2.7b, warm-up of 1 step (the rule before this one: the same fraction of the run as GPT-3's, at least a
+  step): the first real update went straight to the scaled peak (1.81e-6), and the held-out loss went 5.78, 7.40,
+  6.05 over 3 steps. Adam's first updates are sign-like: every parameter moves by the learning rate, and at this
+  width and depth a full step overshoots.
+- gpt3-1.3b, 4 steps ramping 0, peak/3, 2 peak/3, peak (peak 2.26e-6): 5.84, 4.82, 5.61, 4.58.
 
     >>> recipe = RECIPES["gpt3-2.7b"]
-    >>> recipe.lr, recipe.warmup_steps(3), recipe.warmup_steps(2_000_000)
-    (0.00016, 1, 2500)
+    >>> recipe.lr, recipe.warmup_steps(3, batch_tokens=128), recipe.warmup_steps(300_000, batch_tokens=1_000_000)
+    (0.00016, 3, 375)
     >>> f"{recipe.lr_for(128):.3g}", recipe.lr_for(2_000_000)
     ('1.81e-06', 0.00016)
 """
@@ -31,21 +35,22 @@ import dataclasses
 import math
 
 GPT3 = "GPT-3 (Brown et al. 2020), Table 2.1; warm-up 375M of 300B tokens, Appendix B"
-GPT3_WARMUP_FRACTION = 375e6 / 300e9
+GPT3_WARMUP_TOKENS = 375e6
 
 
 @dataclasses.dataclass(frozen=True)
 class Recipe:
-    """How a named model was trained: peak learning rate, warm-up as a fraction of the run, and where from."""
+    """How a named model was trained: peak learning rate, warm-up in tokens, and where from."""
 
     lr: float  # peak learning rate (after warm-up; then cosine decay)
-    warmup_fraction: float  # warm-up steps as a fraction of the run's steps
+    warmup_tokens: float  # tokens the linear warm-up lasts
     source: str  # the publication and table the numbers come from
     batch_tokens: float = 0.0  # tokens per batch the peak was published for (0: unknown, the peak is not scaled)
 
-    def warmup_steps(self, steps: int) -> int:
-        """Warm-up steps for a run of ``steps`` steps: the recipe's fraction of them, at least one."""
-        return max(1, math.ceil(self.warmup_fraction * steps))
+    def warmup_steps(self, steps: int, batch_tokens: int) -> int:
+        """Warm-up steps for a run of ``steps`` steps of ``batch_tokens`` tokens: the recipe's warm-up tokens in
+        steps of that batch, or all ``steps`` when the run is shorter; at least one."""
+        return max(1, min(steps, math.ceil(self.warmup_tokens / batch_tokens)))
 
     def lr_for(self, batch_tokens: int) -> float:
         """Peak learning rate for batches of ``batch_tokens`` tokens: the published peak times
@@ -57,7 +62,7 @@ class Recipe:
 
 
 RECIPES: dict[str, Recipe] = {
-    name: Recipe(lr, GPT3_WARMUP_FRACTION, GPT3, batch)
+    name: Recipe(lr, GPT3_WARMUP_TOKENS, GPT3, batch)
     for name, (lr, batch) in {
         "gpt3-125m": (6.0e-4, 0.5e6), "gpt3-350m": (3.0e-4, 0.5e6), "gpt3-760m": (2.5e-4, 0.5e6),
         "gpt3-1.3b": (2.0e-4, 1e6), "gpt3-2.7b": (1.6e-4, 1e6), "gpt3-6.7b": (1.2e-4, 2e6),
