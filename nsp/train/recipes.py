@@ -11,16 +11,16 @@ A run with smaller batches than the published ones takes a smaller peak: the pub
 of the batch ratio (the square-root scaling rule for Adam, Malladi et al. 2022, "On the SDEs and Scaling Rules for
 Adaptive Gradient Algorithms"), never more than the published one. The same rule keeps a run's course in tokens,
 not steps, so the warm-up stays 375M tokens at any batch size: ``ceil(375M / batch tokens)`` steps, or the whole
-run when the run is shorter than that. A run of a few steps at 1 x 128 tokens therefore ramps linearly from 0
-over all its steps (0, peak/3, 2 peak/3 for 3 steps), as GPT-3's first 384 tokens would have, only faster.
+run when the run is shorter than that. A run of a few steps at 1 x 128 tokens therefore spends all of them
+warming up: 0, peak/3, 2 peak/3 for 3 steps.
 
 Measured on this repository's default data (batch 1 x 128 tokens, ``--bf16 --f32-accum --bf16-params``; held-out
-loss after each step):
-- gpt3-2.7b, warm-up of 1 step (the rule before this one: the same fraction of the run as GPT-3's, at least a
-  step): the first real update went straight to the scaled peak (1.81e-6), and the held-out loss went 5.78, 7.40,
-  6.05 over 3 steps. Adam's first updates are sign-like: every parameter moves by the learning rate, and at this
-  width and depth a full step overshoots.
-- gpt3-1.3b, 4 steps ramping 0, peak/3, 2 peak/3, peak (peak 2.26e-6): 5.84, 4.82, 5.61, 4.58.
+loss on 2 fixed batches after each step). Adam's first updates are sign-like (every parameter moves by about the
+learning rate), so at these widths and depths one update can overshoot the batch it was computed on:
+- gpt3-2.7b, 3 steps at 0, 6.0e-7, 1.2e-6 (this rule): 5.78, 4.41, 6.50 (``bench/train_big.py``'s record).
+- gpt3-2.7b with a one-step warm-up (the earlier rule: GPT-3's fraction of the run, at least a step), 0, 1.81e-6,
+  1.0e-6: 5.78, 7.40, 6.05.
+- gpt3-1.3b, 4 steps at 0, 7.5e-7, 1.5e-6, 2.26e-6: 5.84, 4.82, 5.61, 4.58.
 
     >>> recipe = RECIPES["gpt3-2.7b"]
     >>> recipe.lr, recipe.warmup_steps(3, batch_tokens=128), recipe.warmup_steps(300_000, batch_tokens=1_000_000)
