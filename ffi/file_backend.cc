@@ -276,7 +276,7 @@ class FileBackend final : public Backend {
     // The whole blocks straight from the disk, one request for a 4 MiB page; the checksum's partial last block
     // through the page cache, where the write of this page left it (DropFromCache keeps it), so that it costs
     // the disk no request of its own. Read cold, it costs one, as a direct read of it would.
-    const size_t whole = file_bytes_ / kAlign * kAlign;
+    const size_t whole = page_file::WholeBlocks(file_bytes_);
     ssize_t got;
     if (whole == 0 || whole == file_bytes_) {
       iovec iov{dst, RoundUp(file_bytes_)};
@@ -286,9 +286,7 @@ class FileBackend final : public Backend {
       iovec tail{reinterpret_cast<char*>(dst) + whole, file_bytes_ - whole};
       got = ReadFullV(fd, &head, 1);
       if (got == static_cast<ssize_t>(whole)) {  // else short (a truncated file) or failed: reported below
-        const int flags = ::fcntl(fd, F_GETFL);
-        const bool buffered = flags >= 0 && ::fcntl(fd, F_SETFL, flags & ~O_DIRECT) == 0;
-        const ssize_t rest = buffered ? ReadFullV(fd, &tail, 1) : -1;
+        const ssize_t rest = page_file::StopDirect(fd) ? ReadFullV(fd, &tail, 1) : -1;
         got = rest < 0 ? -1 : got + rest;
       }
     }
@@ -379,13 +377,11 @@ class FileBackend final : public Backend {
   bool RewriteDirectInPlace(const std::string& path, int slot, const char* bytes, std::string* err) {
     const int fd = OpenToRewrite(path, O_DIRECT);
     if (fd < 0) return false;
-    const size_t whole = file_bytes_ / kAlign * kAlign;
+    const size_t whole = page_file::WholeBlocks(file_bytes_);
     iovec direct{const_cast<char*>(bytes), whole};
     iovec tail{const_cast<char*>(bytes) + whole, file_bytes_ - whole};
     bool ok = WriteFullV(fd, &direct, 1) == static_cast<ssize_t>(whole);
-    const int flags = ::fcntl(fd, F_GETFL);
-    ok = ok && flags >= 0 && ::fcntl(fd, F_SETFL, flags & ~O_DIRECT) == 0 &&
-         WriteFullV(fd, &tail, 1) == static_cast<ssize_t>(file_bytes_ - whole);
+    ok = ok && page_file::StopDirect(fd) && WriteFullV(fd, &tail, 1) == static_cast<ssize_t>(file_bytes_ - whole);
     int write_errno = errno;
     if (::close(fd) != 0 && ok) {
       ok = false;

@@ -51,8 +51,13 @@ ssize_t WriteAll(int fd, iovec* iov, int count) {
   return TransferV([](int f, const iovec* v, int c) { return ::writev(f, v, c); }, fd, iov, count);
 }
 
+bool StopDirect(int fd) {
+  const int flags = ::fcntl(fd, F_GETFL);
+  return flags >= 0 && ::fcntl(fd, F_SETFL, flags & ~O_DIRECT) == 0;
+}
+
 void DropFromCache(int fd, size_t file_bytes) {
-  const off_t whole_blocks = static_cast<off_t>(file_bytes / kAlign * kAlign);
+  const off_t whole_blocks = static_cast<off_t>(WholeBlocks(file_bytes));
   if (whole_blocks > 0) ::posix_fadvise(fd, 0, whole_blocks, POSIX_FADV_DONTNEED);
 }
 

@@ -14,11 +14,17 @@ namespace nsp::page_file {
 
 constexpr size_t kAlign = 4096;  // O_DIRECT alignment of buffers, offsets and sizes
 inline size_t RoundUp(size_t bytes) { return (bytes + kAlign - 1) / kAlign * kAlign; }
+// The bytes of a file of `bytes` that fill whole blocks: what direct I/O can move of it.
+inline size_t WholeBlocks(size_t bytes) { return bytes / kAlign * kAlign; }
 
 // Read or write all of `iov` at the file's offset, retrying short transfers and EINTR; return the bytes moved
 // (fewer than asked only at the end of the file), or -1 with errno set.
 ssize_t ReadAll(int fd, iovec* iov, int count);
 ssize_t WriteAll(int fd, iovec* iov, int count);
+
+// Turns O_DIRECT off on `fd`, so that a file's partial last block (which direct I/O cannot move on its own)
+// goes through the page cache. Returns false, errno set, when the flag cannot be changed.
+bool StopDirect(int fd);
 
 // Drops a page file of `file_bytes` from the page cache, except its last, partial block (the checksum trailer):
 // rewriting that block in place would otherwise read it back from disk first, one small synchronous read per
