@@ -21,7 +21,12 @@ namespace {
 // at once (a page's p, m and v files are read side by side, and the next pages' behind them), and while some
 // threads check checksums (CPU) the others keep it busy.
 constexpr int kReaders = 6;
-constexpr int kWriters = 2;  // page writer threads: while one checksums a page (CPU), the other's write runs
+// Writer threads, each with one page file write in flight: one per buffer set, up to this many. Writes need a
+// queue as deep as the reads beside them: with 2 writers against 6 readers the disk served mostly reads, pages
+// waiting to be written held their buffer sets, and the reads waited for free sets. Measured interleaved on one
+// virtual disk, 8 sets, as the speed of a serial swap of the same state (its time / the update's): 21M params,
+// 2 writers 0.99x, 4 writers 1.03x, 8 writers 1.05x; 48M params, 2 writers 0.98x, 8 writers 1.02x.
+constexpr int kMaxWriters = 8;
 
 // A unit of pipeline work: a buffer set and the page it holds travel together.
 struct Work {
@@ -193,7 +198,8 @@ std::string ShardEngine::UpdateStreamed(const ShardUpdate& u) {
     }
   };
   std::vector<std::thread> writers;
-  for (int r = 0; r < kWriters; ++r) writers.emplace_back(write_pages);
+  const int num_writers = std::min(pages_in_flight_, kMaxWriters);
+  for (int r = 0; r < num_writers; ++r) writers.emplace_back(write_pages);
 
   // Compute on the calling thread (the kernel itself fans out over the thread pool).
   int64_t computed = 0;
