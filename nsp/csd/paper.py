@@ -42,6 +42,12 @@ PUBLISHED_10_DEVICES = {
                        "source": "§VII-E (Fig. 11(b), A100, GPT-2 4.0B, 10 SSDs): 'up to 2.11x'"},
 }
 
+# What SmartComp adds on top of SU+O, as the paper states it (the ratio of the two speedups above, per model).
+PUBLISHED_SMARTCOMP_OVER_SMARTUPDATE = {
+    "low": 1.22, "high": 1.31,
+    "source": "§VII-C (Fig. 9, A5000): SmartComp 1.22-1.31x additional speedup over SU+O, 10 SSDs",
+}
+
 
 def a5000_compute_s_per_param(figures: LinkFigures | None = None) -> float:
     """Forward + backward seconds per parameter on the A5000, derived from §VII-C's 75.57% (module docstring)."""
