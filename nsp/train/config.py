@@ -33,8 +33,8 @@ class TrainConfig:
     # (nsp.train.recipes: GPT-3's Table 2.1 for the gpt3-* sizes, scaled by the square root of the batch ratio for
     # smaller batches), else 3e-3.
     lr: float = 0.0
-    # Warmup steps of the learning-rate schedule. -1 = the model's recipe (the same fraction of this run as of the
-    # published one, at least 1), else 20.
+    # Warmup steps of the learning-rate schedule. -1 = the model's recipe (its warm-up tokens in steps of this
+    # batch, or the whole run when that is shorter; nsp.train.recipes), else 20.
     warmup_steps: int = -1
     # Final learning rate as a fraction of the peak.
     min_lr_ratio: float = 0.1

@@ -21,6 +21,10 @@ learning rate), so at these widths and depths one update can overshoot the batch
 - gpt3-2.7b with a one-step warm-up (the earlier rule: GPT-3's fraction of the run, at least a step), 0, 1.81e-6,
   1.0e-6: 5.78, 7.40, 6.05.
 - gpt3-1.3b, 4 steps at 0, 7.5e-7, 1.5e-6, 2.26e-6: 5.84, 4.82, 5.61, 4.58.
+- gpt3-1.3b, 4 steps at 0, 5.7e-7, 1.1e-6, 1.7e-6 (this rule): 5.84, 5.01, 5.17, 4.80; on 16 held-out batches
+  instead of 2: 5.79, 4.98, 5.03, 4.86. With the rest of Malladi et al.'s rule as well (1 - b1, 1 - b2 scaled by the
+  batch ratio from GPT-3's 0.9 and 0.95, eps divided by its square root, so that the moments' horizons also stay
+  in tokens): 5.84, 5.04, 5.17, 5.26. nsp scales the peak only.
 - gpt3-760m, 5 steps with a one-step warm-up to its scaled peak (4.0e-6): 5.92, 5.53, 4.09, 3.91, 3.82.
 - gpt3-2.7b at GPT-3's own peak (1.6e-4, not scaled for the batch): the first real update sent the training loss
   from 6.2 to 18.2.
