@@ -448,7 +448,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--calibrate-mib", type=float, default=576.0,
                         help="MiB of Adam state in the calibration store (default 576: 48M params)")
     parser.add_argument("--repeats", type=int, default=7, help="calibration rounds (>= 5)")
-    parser.add_argument("--warmup", type=int, default=2, help="calibration warm-up rounds")
+    # Three: the file tier's third update is its read mode's first trial of buffered reads (ffi/read_mode.h).
+    parser.add_argument("--warmup", type=int, default=3, help="calibration warm-up rounds")
     parser.add_argument("--emulate", action="store_true",
                         help="also compare the plan with one update on emulated csd devices (on with --calibrate)")
     parser.add_argument("--emulate-params", type=int, default=1 << 23,

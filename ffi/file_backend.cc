@@ -94,7 +94,7 @@ class FileBackend final : public Backend {
 
   IoCounts Io() const override { return io_.Get(); }
 
-  // The read mode (read_mode.h) decides between updates; a calibrating update times its reads each way.
+  // The read mode (read_mode.h) decides between updates, from their times.
   void StreamStarted() override { read_mode_.StreamStarted(direct_.load()); }
   void StreamFinished(bool ok) override { read_mode_.StreamFinished(ok); }
 
@@ -140,12 +140,8 @@ class FileBackend final : public Backend {
   }
 
   std::string ReadPageOnce(int slot, int state, int64_t page, float* dst, int64_t n, bool scratch) {
-    if (!read_mode_.calibrating() || !scratch) {
-      return ReadPageAs(read_mode_.PrefersDirect() && scratch, slot, state, page, dst, n, scratch);
-    }
-    const bool direct = ReadModeChooser::CalibrationReadsDirect(page, state);
-    return read_mode_.Timed(direct, static_cast<int64_t>(file_bytes_),
-                            [&] { return ReadPageAs(direct, slot, state, page, dst, n, scratch); });
+    if (scratch) read_mode_.CountRead(static_cast<int64_t>(file_bytes_));
+    return ReadPageAs(read_mode_.ReadsDirect() && scratch, slot, state, page, dst, n, scratch);
   }
 
   std::string ReadPageAs(bool direct, int slot, int state, int64_t page, float* dst, int64_t n, bool scratch) {

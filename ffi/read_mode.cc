@@ -21,25 +21,27 @@ std::string ReadModeFromEnv(ReadMode* mode) {
 }
 
 void ReadModeChooser::StreamStarted(bool can_direct) {
-  calibrating_ = can_direct && mode_ == ReadMode::kAuto && streams_ > 0 && (streams_ <= 2 || streams_ % kRetry == 0);
-  for (int way = 0; way < 2; ++way) {
-    calib_ns_[way].store(0);
-    calib_bytes_[way].store(0);
-  }
+  measuring_ = mode_ == ReadMode::kAuto && can_direct && streams_ > 0;
+  trial_ = measuring_ && (streams_ == 2 || streams_ % kRetry == 0);
+  const int way = mode_ == ReadMode::kAuto ? (trial_ ? 1 - way_ : way_)
+                  : mode_ == ReadMode::kBuffered ? kBufferedWay : kDirectWay;
+  reads_direct_.store(way == kDirectWay);
+  bytes_read_.store(0);
+  started_ = std::chrono::steady_clock::now();
 }
 
 void ReadModeChooser::StreamFinished(bool ok) {
-  if (calibrating_ && ok && calib_bytes_[kDirectWay].load() > 0 && calib_bytes_[kBufferedWay].load() > 0) {
-    // Each way's time per byte weighs this measurement half and the earlier ones the other half, so that one
-    // disturbed update does not decide alone.
-    for (int way = 0; way < 2; ++way) {
-      const double per_byte =
-          static_cast<double>(calib_ns_[way].load()) / static_cast<double>(calib_bytes_[way].load());
-      ns_per_byte_[way] = ns_per_byte_[way] == 0 ? per_byte : 0.5 * (ns_per_byte_[way] + per_byte);
+  const int64_t bytes = bytes_read_.load();
+  if (measuring_ && ok && bytes > 0) {
+    const double per_byte = static_cast<double>(NsSince(started_)) / static_cast<double>(bytes);
+    if (!trial_) {
+      ns_per_byte_ = ns_per_byte_ == 0 ? per_byte : 0.5 * (ns_per_byte_ + per_byte);
+    } else if (ns_per_byte_ == 0 || per_byte < (1.0 - kMargin) * ns_per_byte_) {
+      way_ = 1 - way_;  // the trial's way was clearly faster: use it, its update the first of its record
+      ns_per_byte_ = per_byte;
     }
-    buffered_faster_.store(ns_per_byte_[kBufferedWay] < ns_per_byte_[kDirectWay]);
   }
-  calibrating_ = false;
+  measuring_ = trial_ = false;
   ++streams_;
 }
 

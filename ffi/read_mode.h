@@ -1,10 +1,13 @@
 // How the file tier reads a page: direct (O_DIRECT: no page-cache copy) or buffered (the kernel's readahead),
-// whichever this disk does faster. Which one wins depends on the device and its driver (a virtual disk served
-// from its host's cache measured buffered reads up to 2x faster one day and 2x slower another), so
-// NSP_READ_MODE=auto (the default) measures it inside updates: the second and third update (the first is cold)
-// and every kRetry-th after them read alternate page files each way and time every read, so both ways meet the
-// same disk at the same moment; the other updates read the way that was faster. NSP_READ_MODE=direct or
-// buffered fixes it. Kept apart from the backend's I/O: this is the decision, file_backend.cc does the reads.
+// whichever makes this disk's updates faster. Which one wins depends on the device and its driver (a virtual disk
+// served from its host's cache measured buffered reads up to 2x faster one day and 2x slower another), so
+// NSP_READ_MODE=auto (the default) measures it: every update after the first is timed (its time per byte read),
+// and the third update and every kRetry-th after it read all their pages the other way, a trial. The way a trial
+// measured is taken when its update was at least kMargin faster than the recent updates of the way in use.
+// Whole updates are compared, not single reads: with the page writes in flight beside them, direct and buffered
+// reads each waited about as long (their times per read differed by less than 10% either way, at random), while
+// whole updates reading buffered took twice as long. NSP_READ_MODE=direct or buffered fixes the way. Kept apart
+// from the backend's I/O: this is the decision, file_backend.cc does the reads.
 #pragma once
 
 #include <atomic>
@@ -23,49 +26,36 @@ enum class ReadMode { kAuto, kDirect, kBuffered };
 std::string ReadModeFromEnv(ReadMode* mode);
 
 // One backend's choice, update by update. StreamStarted and StreamFinished run on the updating thread, between
-// streamed updates; the page readers of an update call the rest.
+// streamed updates; the page readers of an update call ReadsDirect and CountRead.
 class ReadModeChooser {
  public:
   explicit ReadModeChooser(ReadMode mode) : mode_(mode) {}
 
-  // `can_direct`: the file system has taken O_DIRECT so far (no calibration against a way it refuses).
+  // `can_direct`: the file system has taken O_DIRECT so far (no measuring against a way it refuses).
   void StreamStarted(bool can_direct);
-  // `ok` false: the update failed, its timings are not a fair measurement.
+  // `ok` false: the update failed, its time is not a fair measurement.
   void StreamFinished(bool ok);
 
-  // Whether reads go direct, where the file system and the buffer allow it: the setting, and in auto mode what
-  // the calibrations measured. The one source of that choice.
-  bool PrefersDirect() const { return mode_ != ReadMode::kBuffered && !buffered_faster_.load(); }
-  // Whether this update calibrates: its reads into engine page buffers go the way CalibrationReadsDirect says,
-  // each one timed (Timed).
-  bool calibrating() const { return calibrating_; }
-  // Alternate page files each way, so both ways meet the same disk at the same moment.
-  static bool CalibrationReadsDirect(int64_t page, int state) { return (page + state) % 2 == 0; }
-
-  // Runs `read` (a page read of `bytes` the way `direct` says; returns "" or an error) and, when it succeeded,
-  // counts its time toward that way.
-  template <typename Read>
-  std::string Timed(bool direct, int64_t bytes, Read read) {
-    const auto start = std::chrono::steady_clock::now();
-    std::string err = read();
-    const int64_t ns = NsSince(start);
-    if (err.empty()) {
-      calib_ns_[direct ? kDirectWay : kBufferedWay].fetch_add(ns);
-      calib_bytes_[direct ? kDirectWay : kBufferedWay].fetch_add(bytes);
-    }
-    return err;
-  }
+  // Whether this update's page reads go direct, where the file system and the buffer allow it: the setting, in
+  // auto mode the way in use or, in a trial, the other one. The one source of that choice.
+  bool ReadsDirect() const { return reads_direct_.load(std::memory_order_relaxed); }
+  // Counts a page read of this update toward its time per byte.
+  void CountRead(int64_t bytes) { bytes_read_.fetch_add(bytes, std::memory_order_relaxed); }
 
  private:
   enum Way { kDirectWay = 0, kBufferedWay = 1 };
-  static constexpr int64_t kRetry = 32;  // calibrate again every kRetry-th update
+  static constexpr int64_t kRetry = 32;  // a trial every kRetry-th update (and the third)
+  static constexpr double kMargin = 0.10;  // a trial's way is taken when this much faster
 
   const ReadMode mode_;
   int64_t streams_ = 0;
-  bool calibrating_ = false;  // set and cleared between streams, read by the readers during one
-  std::atomic<bool> buffered_faster_{false};
-  double ns_per_byte_[2] = {0, 0};  // each way's time per byte, over the calibrations so far
-  std::atomic<int64_t> calib_ns_[2] = {0, 0}, calib_bytes_[2] = {0, 0};  // this calibration's timed reads
+  bool measuring_ = false;  // this update's time counts (auto mode, O_DIRECT possible, not the first update)
+  bool trial_ = false;
+  int way_ = kDirectWay;  // the way in use (auto mode)
+  std::atomic<bool> reads_direct_{true};  // this update's way, read by the page readers
+  double ns_per_byte_ = 0;  // recent updates of the way in use: each weighs half, the ones before the other half
+  std::chrono::steady_clock::time_point started_;
+  std::atomic<int64_t> bytes_read_{0};
 };
 
 }  // namespace nsp
