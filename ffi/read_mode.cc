@@ -36,8 +36,10 @@ void ReadModeChooser::StreamFinished(bool ok) {
     const double per_byte = static_cast<double>(NsSince(started_)) / static_cast<double>(bytes);
     if (!trial_) {
       ns_per_byte_ = ns_per_byte_ == 0 ? per_byte : 0.5 * (ns_per_byte_ + per_byte);
-    } else if (ns_per_byte_ == 0 || per_byte < (1.0 - kMargin) * ns_per_byte_) {
-      way_ = 1 - way_;  // the trial's way was clearly faster: use it, its update the first of its record
+    } else if (ns_per_byte_ > 0 && per_byte < (1.0 - kMargin) * ns_per_byte_) {
+      // The trial's way was clearly faster than the way in use (a trial with no record to compare against, as
+      // after a failed second update, decides nothing): use it, its update the first of its record.
+      way_ = 1 - way_;
       ns_per_byte_ = per_byte;
     }
   }
