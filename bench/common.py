@@ -361,13 +361,16 @@ class DeviceTraffic:
     requests for the same bytes sends the device smaller ones.
 
     ``available`` is False where the directory is not on a block device (tmpfs, overlay, a network file system).
+    ``stat_path`` names another file in that format instead: an emulated disk's own counters (bench/slow_disk.py).
     """
 
     SECTOR = 512
 
-    def __init__(self, directory: str | os.PathLike):
-        dev = os.stat(directory).st_dev
-        self.path = f"/sys/dev/block/{os.major(dev)}:{os.minor(dev)}/stat"
+    def __init__(self, directory: str | os.PathLike, stat_path: str | None = None):
+        if stat_path is None:
+            dev = os.stat(directory).st_dev
+            stat_path = f"/sys/dev/block/{os.major(dev)}:{os.minor(dev)}/stat"
+        self.path = stat_path
         self.available = os.path.exists(self.path)
 
     def read(self) -> DeviceCounts:

@@ -29,6 +29,7 @@ Re-rendering from fresh runs at a final commit (a quiet machine: `uptime` load b
     git status                                   # no uncommitted changes to ffi/, nsp/, models/, bench/
     pip install -e .                             # the C++ extension built from this commit's ffi/
     python bench/update_kernel.py; python bench/store_update.py; python bench/topk.py
+    python bench/store_update.py --quick --slow-disk 0.47,0.67 --json bench/results/store_update_slow_disk.json
     python bench/train_step.py; python bench/train_step.py --engine-cpus 1; python bench/checkpoint.py
     python bench/max_model.py; python bench/fault_campaign.py; python bench/csd_scaling.py --calibrate
     git add bench/results/*.json && git commit -m "bench/results: records at <commit>"
@@ -104,6 +105,10 @@ MEASURES = {
     "store_update": BUILD + SPEC + ("nsp/primitives/", "nsp/storage/", "bench/store_update.py",
                                     "bench/store_contenders.py", "bench/adam_steps.py", "bench/deepspeed_swap.py",
                                     "bench/wait_policy.py") + PROTOCOL,
+    "store_update_slow_disk": BUILD + SPEC + ("nsp/primitives/", "nsp/storage/", "bench/store_update.py",
+                                              "bench/store_contenders.py", "bench/adam_steps.py",
+                                              "bench/deepspeed_swap.py", "bench/wait_policy.py", "bench/slow_disk.py",
+                                              "bench/slow_disk/") + PROTOCOL,
     "topk": ("nsp/primitives/topk.py", "bench/topk.py") + PROTOCOL,
     "train_step": BUILD + ("nsp/", "models/", "bench/train_step.py") + PROTOCOL,
     "train_step_split": BUILD + ("nsp/", "models/", "bench/train_step.py") + PROTOCOL,

@@ -93,7 +93,8 @@ def render_store_update(d: dict, out: Path) -> tuple[str, str]:
         draw_bars(ax, [k for k, _ in group], vals, roof, fontsize=7)
         ax.set_title(title, fontsize=9)
         ax.margins(x=0.2)
-    save_figure(fig, out / "store_update.png",
+    png = "store_update_slow_disk.png" if d.get("slow_disk") else "store_update.png"
+    save_figure(fig, out / png,
                 f"store update, {n / 2**20:.0f}M params"
                 + (f" ({d['state_bytes'] / 2**20:.0f} MiB of p, m, v)" if "state_bytes" in d else "") + ", "
                 f"median of {d.get('repeats', '?')} ({d.get('time', '?')})")
@@ -117,11 +118,27 @@ def render_store_update(d: dict, out: Path) -> tuple[str, str]:
                "memory_tier_pct_of_kernel_roofline_adjusted")
         + ("." if "memory_tier_pct_of_kernel" in d else ""),
         _perfect_swap_fact(d.get("perfect_serial_swap") or {}),
+        _slow_disk_fact(d.get("slow_disk") or {}),
     ) if f)
     checks = "\n".join(f"- {c.get('check', '?')}: "
                        + (f"{c['value']:.3g}" if isinstance(c.get("value"), (int, float)) else str(c.get("value")))
                        + f" ({'met' if c.get('met') else 'missed'})" for c in d.get("checks", []))
-    return command, f"{body}\n\n{facts}\n\n{checks}\n\n![store update](store_update.png)"
+    return command, f"{body}\n\n{facts}\n\n{checks}\n\n![store update]({png})"
+
+
+def _slow_disk_fact(disk: dict) -> str:
+    """Where the record ran on bench/slow_disk.py's emulated disk: its rates, and the file tier against the serial
+    swap that disk's nominal rates allow."""
+    if "read_gbps" not in disk:
+        return ""
+    text = (f"On an emulated slow disk ({disk.get('emulator', 'bench/slow_disk.py')}): reads {disk['read_gbps']:g} "
+            f"GB/s, writes {disk['write_gbps']:g} GB/s from one budget; the perfect update is its nominal floor")
+    swap = disk.get("serial_swap_at_nominal_rates")
+    if swap:
+        text += (f" (the raw probes, through FUSE, reach {disk['nominal_floor_s'] / swap['probes_floor_s']:.0%} of "
+                 f"it); a serial swap at the nominal rates (floor + {swap['adam_s'] * 1e3:.0f} ms of Adam) takes "
+                 f"{swap['s'] * 1e3:.0f} ms: nsp {swap['nsp_speedup']:.3f}x")
+    return text + "."
 
 
 def _perfect_swap_fact(perfect: dict) -> str:
@@ -366,6 +383,9 @@ BENCHES = {
     "store_update": ("Store update: file tier vs the raw disk and DeepSpeed's optimizer swap; memory tier vs the "
                      "kernel",
                      "python bench/store_update.py", render_store_update),
+    "store_update_slow_disk": ("Store update on an emulated slow disk (one budget for reads and writes)",
+                               "python bench/store_update.py --quick --slow-disk 0.47,0.67 "
+                               "--json bench/results/store_update_slow_disk.json", render_store_update),
     "topk": ("Top-K compression: nsp methods vs jax.lax.top_k and a one-pass roofline", "python bench/topk.py",
              render_topk),
     "train_step": ("GPT train step: optax in RAM vs nsp tiers", "python bench/train_step.py", render_train_step),
