@@ -511,8 +511,9 @@ def run(args, work: Workdir, n: int, page_bytes: int, repeats: int, warmup: int,
           f"(p, m, v; gradient from RAM); raw probe: {probe.size / 2**20:.0f} MiB in "
           f"{page_bytes / 2**20:g} MiB requests; roofline from the fastest write ({best_write.split(': ')[1]}) "
           f"and read ({best_read.split(': ')[1]})")
-    print(f"  file tier per round (% of {'the nominal floor' if disk else 'that round' + chr(39) + 's own disk probe'}"
-          f"): {', '.join(f'{p:.0f}' for p in round_pct)} (median {median(round_pct):.1f}%)")
+    per_round_floor = "the nominal floor" if disk else "that round's own disk probe"
+    print(f"  file tier per round (% of {per_round_floor}): {', '.join(f'{p:.0f}' for p in round_pct)} "
+          f"(median {median(round_pct):.1f}%)")
     if disk:
         print(f"  the raw probes' roofline on the emulated disk: {probes_s * 1e3:.0f} ms, {perfect_s / probes_s:.0%} "
               f"of the nominal rates (FUSE's per-request round trips; a single file's O_DIRECT writes are "
@@ -611,7 +612,8 @@ def run(args, work: Workdir, n: int, page_bytes: int, repeats: int, warmup: int,
         args.json,
     )
     print(f"\nwrote {path}")
-    print(f"file tier: {file_pct:.1f}% of raw disk bandwidth; nsp {perfect_speedup:.2f}x the perfect serial swap"
+    floor_name = "the emulated disk's nominal floor" if disk else "raw disk bandwidth"
+    print(f"file tier: {file_pct:.1f}% of {floor_name}; nsp {perfect_speedup:.2f}x the perfect serial swap"
           + "".join(f"; {r['nsp_speedup']:.2f}x {k.split(':')[0]}" for k, r in ds_rows.items()))
 
 
