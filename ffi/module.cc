@@ -267,7 +267,8 @@ nsp::ShardUpdate MakeUpdate(const nsp::ShardEngine& e, const nsp::UpdateHyperPar
 
 // An engine method that runs one update given as Python arguments: its own leading arguments, then lr, step,
 // hyper, the gradient and the outputs (MakeUpdate). `run(engine, update, leading...)` runs it without the GIL
-// and returns "" or an error; `op` names the method in hyperparameter errors.
+// and returns "" or an error; `op` names the method in hyperparameter errors. The method returns whether the
+// update was skipped for a gradient its own pass found not finite (only ever with update.check_finite).
 template <typename... Leading, typename Run>
 auto UpdateMethod(const char* op, Run run) {
   return [op, run](EngineRef& ref, Leading... leading, float lr, int64_t step, const nb::dict& hyper,
@@ -277,7 +278,10 @@ auto UpdateMethod(const char* op, Run run) {
     nsp::ShardEngine& e = ref.get();
     nsp::ShardUpdate u = MakeUpdate(e, HyperParamsFromDict(op, hyper, lr, step), grad, grad_bf16, indices, values,
                                     values_bf16, params_out, params_bf16_out);
+    bool skipped = false;
+    u.skipped = &skipped;
     CheckWithoutGil([&] { return run(e, u, leading...); });
+    return skipped;
   };
 }
 
@@ -530,6 +534,7 @@ NB_MODULE(_nsp_ffi, m) {
       .def("reset_stats", [](EngineRef& ref) { ref.get().ResetStats(); })
       .def_prop_ro("buffer_bytes", [](EngineRef& ref) { return ref.get().buffer_bytes(); })
       .def_prop_ro("num_pages", [](EngineRef& ref) { return ref.get().num_pages(); })
+      .def_prop_ro("checks_finite_in_pass", [](EngineRef& ref) { return ref.get().ChecksFiniteInPass(); })
       .def_prop_ro("pages_in_flight", [](EngineRef& ref) { return ref.get().pages_in_flight(); })
       .def_prop_ro("size", [](EngineRef& ref) { return ref.get().size(); })
       .def_prop_ro("backend", [](EngineRef& ref) { return ref.get().backend().name(); });
@@ -550,6 +555,17 @@ NB_MODULE(_nsp_ffi, m) {
                                         }),
                   "Reads `version`, writes, syncs and commits version + 1 (a replay of the one before is allowed).\n"
                   "`hyper`: the hyperparameters other than lr and step, one dict (nsp.primitives.hyper_attrs).",
+                  nb::arg("version"));
+  DefUpdateMethod(engine, "step_if_finite",
+                  UpdateMethod<int64_t>("ShardEngine.step_if_finite",
+                                        [](nsp::ShardEngine& e, nsp::ShardUpdate& u, int64_t version) {
+                                          u.check_finite = true;
+                                          return e.Step(u, version);
+                                        }),
+                  "step from the committed `version` with a dense gradient, checked for NaN/Inf inside the update's "
+                  "own pass (engines whose checks_finite_in_pass is True). Returns True when it was not finite: "
+                  "the step is skipped, the outputs hold the committed params, nothing is committed, and the "
+                  "version before the committed one is gone (its slot was partly overwritten).",
                   nb::arg("version"));
 
   m.def(

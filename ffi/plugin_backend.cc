@@ -334,6 +334,16 @@ std::string PluginBackend::Stats(std::vector<std::pair<std::string, double>>* ou
   return "backend " + plugin_.name + "'s stats grew while they were read";
 }
 
+bool PluginBackend::ComputeIfFinite(const UpdateHyperParams& hp, const StateSpan& span, const void* grad,
+                                    GradType type) {
+  if (!AllFinite(grad, type, span.size)) return false;
+  PageGrad g;
+  g.type = type;
+  g.dense = grad;
+  Compute(hp, span, g);
+  return true;
+}
+
 void PluginBackend::Compute(const UpdateHyperParams& hp, const StateSpan& span, const PageGrad& grad) {
   nsp_hyper_params h{};
   h.struct_size = sizeof h;

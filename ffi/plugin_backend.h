@@ -89,6 +89,9 @@ class PluginBackend final : public Backend {
   // Backend::Compute returns nothing: a kernel's failure is kept, and the write of that page (which the engine
   // makes only after its kernel) returns it instead, so the update fails and its version is never committed.
   void Compute(const UpdateHyperParams& hp, const StateSpan& span, const PageGrad& grad) override;
+  // The device's kernel has no finiteness check of its own: the page's gradient is checked on the host (one
+  // pass over the page, not over the whole gradient before the update), then the device updates it.
+  bool ComputeIfFinite(const UpdateHyperParams& hp, const StateSpan& span, const void* grad, GradType type) override;
 
  private:
   PluginBackend(LoadedPlugin plugin, nsp_backend_device* device, int64_t num_pages);

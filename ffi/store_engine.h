@@ -77,9 +77,10 @@ struct ShardUpdate {
   // The params to step from instead of the committed version's (null: the committed ones). The store's m and v
   // are kept; only the params are the caller's. Not with staleness 1.
   const ParamsIn* params_in = nullptr;
-  // Pieces on a store that ChecksFiniteInPass(), stepping from its committed version: check the gradient for
-  // NaN/Inf inside the update's own pass. When it is not finite, Step skips the step (the outputs get the
-  // committed params back, nothing is committed) and sets *skipped.
+  // A dense gradient (or pieces) on a store that ChecksFiniteInPass(), stepping from its committed version and
+  // its own params: check the gradient for NaN/Inf inside the update's own pass (no pass of its own before the
+  // update, with the disk idle). When it is not finite, Step skips the step (the outputs get the committed
+  // params back, nothing is committed) and sets *skipped.
   bool check_finite = false;
   bool* skipped = nullptr;
 };
@@ -110,11 +111,11 @@ class ShardEngine {
   // A step whose gradient is not finite (NaN/Inf: an overflowed loss scale, a diverged batch) is skipped: the
   // store stays at `version`, untouched, and the caller gets that version's params back.
   std::string Skip(const ShardUpdate& update, int64_t version);
-  // Whether a step can check its gradient inside the update pass (ShardUpdate::check_finite): the state is
-  // addressable (no pages to write back) and the update writes the other slot, so a half-done update of a
-  // non-finite gradient leaves the committed version whole and is simply not committed. After such a skip the
-  // version before the committed one is gone (its slot was partly overwritten), so it cannot be replayed.
-  bool ChecksFiniteInPass() const { return Addressable() && backend_->KeepsPrevious(); }
+  // Whether a step can check its gradient inside the update pass (ShardUpdate::check_finite): the update writes
+  // the other slot (in RAM, or the other slot's page files), so a half-done update of a non-finite gradient
+  // leaves the committed version whole and is simply not committed, as a failed update is. After such a skip
+  // the version before the committed one is gone (its slot was partly overwritten), so it cannot be replayed.
+  bool ChecksFiniteInPass() const { return backend_->KeepsPrevious(); }
 
   // Bounded staleness 1 (Angel-PTM's lock-free updating): finishes the step in the background and returns at
   // once. Waits for the previous background step, hands the caller that step's new params (so the caller's

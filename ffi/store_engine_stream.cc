@@ -85,7 +85,9 @@ using Queue = WorkQueue<1>;
 using WriteQueue = WorkQueue<2>;
 constexpr int kParamLane = 0, kStateLane = 1;
 
-// First error wins; every stage checks it to stop early.
+// First error wins; every stage checks it to stop early. A gradient found not finite in the pass stops the
+// stream the same way, with kNotFinite as its "error".
+constexpr char kNotFinite[] = "the gradient is not finite";
 class ErrorSlot {
  public:
   void Set(const std::string& e) {
@@ -220,7 +222,12 @@ std::string ShardEngine::UpdateStreamed(const ShardUpdate& u) {
     if (u.params_bf16_out != nullptr) span.param_bf16_out = u.params_bf16_out + begin;
     const PageGrad g = GradForPage(u, w.page);
     CountShared(u, g, ShardPieces::Covered(u.pieces, begin, span.size), span);
-    backend_->Compute(u.hp, span, g);
+    if (!u.check_finite) {
+      backend_->Compute(u.hp, span, g);
+    } else if (!backend_->ComputeIfFinite(u.hp, span, g.dense, g.type)) {
+      error.Set(kNotFinite);  // nothing more is written; the slot stays uncommitted
+      break;
+    }
     if (u.pieces != nullptr) u.pieces->ScatterParams(begin, span.size, pbuf);
     writes.Push(w, kParamLane);
     ++computed;
@@ -238,7 +245,12 @@ std::string ShardEngine::UpdateStreamed(const ShardUpdate& u) {
   writes.Close();
   for (auto& t : writers) t.join();
   backend_->StreamFinished(!error.failed());
-  if (error.failed()) return error.Get();
+  if (error.failed()) {
+    std::string e = error.Get();
+    if (e != kNotFinite) return e;
+    *u.skipped = true;  // Step hands back the committed params and commits nothing
+    return {};
+  }
   if (computed != num_pages_) return "internal error: not every page was updated";
   return {};
 }

@@ -88,8 +88,10 @@ std::string ShardEngine::Update(const ShardUpdate& u) {
   if (u.grad == nullptr && u.pieces == nullptr) {
     if (std::string err = ValidateSparseIndices(u.indices, u.count, size_); !err.empty()) return err;
   }
-  if (u.check_finite && (u.pieces == nullptr || u.skipped == nullptr || !ChecksFiniteInPass() || u.params_in)) {
-    return "internal error: an in-pass finiteness check needs pieces, a skipped flag and a two-slot addressable store";
+  if (u.check_finite &&
+      ((u.pieces == nullptr && u.grad == nullptr) || u.skipped == nullptr || !ChecksFiniteInPass() || u.params_in)) {
+    return "internal error: an in-pass finiteness check needs a dense gradient (or pieces), a skipped flag and a "
+           "two-slot store, stepping from its own params";
   }
   const IoCounts before = backend_->Io();
   std::string err = !Addressable()            ? UpdateStreamed(u)
@@ -180,7 +182,14 @@ std::string ShardEngine::UpdateAddressable(const ShardUpdate& u) {
   g.count = u.count;
   CountShared(u, g, size_, span);
   CountInPlace(size_, true);
-  backend_->Compute(u.hp, span, g);
+  if (u.check_finite) {
+    if (!backend_->ComputeIfFinite(u.hp, span, u.grad, u.grad_type)) {
+      *u.skipped = true;  // slot dst is half written and stays uncommitted: Step skips the step
+      return {};
+    }
+  } else {
+    backend_->Compute(u.hp, span, g);
+  }
   PageDone(num_pages_);  // one pass over the whole shard
   return {};
 }

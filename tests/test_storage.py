@@ -692,6 +692,57 @@ def test_non_finite_gradient_skips_the_step_and_leaves_the_store_untouched(tmp_p
         assert store.version == 2
 
 
+@pytest.mark.parametrize("tier", ["file", "memory", "csd"])
+@pytest.mark.parametrize("where", ["first page", "last page"])
+def test_one_shard_checks_the_gradient_inside_its_update_pass(tmp_path, tier, where):
+    """A one-shard store finds a NaN/Inf in its update pass (no pass over the gradient before it): pages before
+    the bad one were already updated into the other slot, which stays uncommitted, so the committed version, its
+    params and every later step are exactly as if the bad gradient never came; only the version before the
+    committed one is gone. The csd tier's device has no check of its own: the host checks each page first."""
+    import ml_dtypes
+
+    path = None if tier == "memory" else tmp_path / "store"
+    with storage.open(path, tier=tier, num_shards=1, page_bytes=PAGE) as store, \
+            storage.open(None, tier="memory", num_shards=2, page_bytes=PAGE) as ref:
+        for s in (store, ref):
+            s.initialize(make_params(), SPECS["adamw"])
+            s.update(grad_for(1, s.layout), version=0, lr=0.01, step=1)
+        assert store.layout.shard_size > 3 * (PAGE // 4)  # 4 pages: those before the last are updated first
+        assert store.held_versions() == [0, 1]
+        before = {s: store.read(s) for s in ("param", "mu", "nu")}
+        for dtype, bad in ((np.float32, np.nan), (ml_dtypes.bfloat16, np.inf)):
+            g = grad_for(2, store.layout, dtype)
+            g[3 if where == "first page" else store.layout.total - 1] = bad
+            buf = np.full(store.layout.padded_total, 7.0, np.float32)
+            out = store.update(g, version=1, lr=0.01, step=2, params_into=buf, bf16_out=True)
+            assert out["skipped"] and store.version == 1 and out["params"] is buf
+            np.testing.assert_array_equal(buf, before["param"])  # the committed params, not the half pass's
+            np.testing.assert_array_equal(out["params_bf16"], before["param"].astype(ml_dtypes.bfloat16))
+            for s in ("param", "mu", "nu"):
+                np.testing.assert_array_equal(store.read(s), before[s])
+            assert store.held_versions() == [1], "the other slot was partly overwritten: version 0 is gone"
+        assert store.stats()["skipped"] == 2 and store.stats()["updates"] == 1
+        for step in (2, 3):
+            got = store.update(grad_for(step, store.layout), version=step - 1, lr=0.01, step=step)
+            want = ref.update(grad_for(step, ref.layout), version=step - 1, lr=0.01, step=step)
+            assert not got["skipped"]
+            np.testing.assert_allclose(got["params"], want["params"], rtol=1e-6, atol=1e-7)
+        for s in ("param", "mu", "nu"):
+            np.testing.assert_allclose(store.read(s), ref.read(s), rtol=1e-6, atol=1e-7)
+
+
+def test_several_shards_check_the_gradient_before_the_update(tmp_path):
+    """Shards must skip together, so a store of several checks the whole gradient before any shard starts: a
+    skip there touches no slot, and the version before stays replayable."""
+    with open_store(tmp_path, "file", num_shards=2) as store:
+        store.initialize(make_params(), SPECS["adam"])
+        store.update(grad_for(1, store.layout), version=0, lr=0.01, step=1)
+        g = grad_for(2, store.layout)
+        g[store.layout.total - 1] = np.nan
+        assert store.update(g, version=1, lr=0.01, step=2)["skipped"]
+        assert store.held_versions() == [0, 1]
+
+
 @pytest.mark.parametrize("variable", ["NSP_BUFFERED_WRITES", "NSP_NO_DIRECT_IO", "NSP_REPLACE_PAGES",
                                       "NSP_NO_SLOT_LAYOUT", "NSP_READ_MODE=buffered", "NSP_READ_MODE=direct"])
 def test_other_io_paths_give_the_same_bytes(tmp_path, monkeypatch, variable):

@@ -436,8 +436,10 @@ class StateStore:
 
         Returns:
           ``{"params": flat fp32, "params_bf16": flat bf16}`` (those asked for), ``layout.padded_total`` long, and
-          ``"skipped"``: True when the gradient held NaN or Inf, in which case the store is untouched (still at
-          ``version``) and the params are that version's.
+          ``"skipped"``: True when the gradient held NaN or Inf, in which case the store stays at ``version``
+          and the params are that version's. A one-shard store checks a dense gradient inside the update pass
+          itself (``engine.checks_finite_in_pass``): a skip found there has overwritten part of the other slot,
+          so the version before ``version`` can no longer be replayed (``held_versions()``).
         """
         self._check_open()
         if not self.initialized:
@@ -460,9 +462,14 @@ class StateStore:
                                  f"{n * shard_size} elements (layout.padded_total), got {what}")
         params = params_into if params_into is not None else (
             np.empty(n * shard_size, np.float32) if params_out else None)
-        # One multithreaded C++ pass per array (numpy's isfinite is one thread plus a temporary as big as the
-        # gradient); bf16 arrays travel as uint16 bit patterns, which all_finite reads as bf16.
-        finite = all(_nsp_ffi.all_finite(a) for kw in kw_shards for k, a in kw.items() if k != "indices")
+        # One shard with a dense gradient checks it for NaN/Inf inside its update pass (the engine stops at the
+        # first one and commits nothing), so no pass of its own runs first with the disk idle. Shards that must
+        # skip together, and Top-K values, are checked before the update: one multithreaded C++ pass per array
+        # (numpy's isfinite is one thread plus a temporary as big as the gradient); bf16 arrays travel as uint16
+        # bit patterns, which all_finite reads as bf16.
+        in_pass = (n == 1 and "indices" not in kw_shards[0] and version == self.version
+                   and self._engines[0].checks_finite_in_pass)
+        finite = in_pass or all(_nsp_ffi.all_finite(a) for kw in kw_shards for k, a in kw.items() if k != "indices")
         if not finite:  # skip the step on every shard: the store stays at `version`
             if version != self.version:
                 raise StoreError(f"cannot skip from version {version}: the store is at {self.version}")
@@ -479,10 +486,12 @@ class StateStore:
         params16 = np.empty(n * shard_size, np.uint16) if bf16_out else None
         hyper = self.optimizer.hyper_attrs()
 
-        def run(i):
-            # Each shard reads `version`, writes the other slot, syncs and commits version + 1 on its own.
+        def run(i) -> bool:
+            # Each shard reads `version`, writes the other slot, syncs and commits version + 1 on its own; True when
+            # its pass found the gradient not finite (then it committed nothing and its outputs hold `version`).
             sl = slice(i * shard_size, (i + 1) * shard_size)
-            self._engines[i].step(
+            engine = self._engines[i]
+            return (engine.step_if_finite if in_pass else engine.step)(
                 version, float(lr), int(step), hyper, **kw_shards[i],
                 params_out=None if params is None else params[sl],
                 params_bf16_out=None if params16 is None else params16[sl],
@@ -494,7 +503,7 @@ class StateStore:
         if errors:
             raise StoreError(f"update from version {version} failed; version {self.version} is intact: "
                              f"{errors[0]}") from errors[0]
-        out = {"skipped": False}
+        out = {"skipped": any(f.result() for f in futures)}
         if params is not None:
             out["params"] = params
         if params16 is not None:
