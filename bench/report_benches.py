@@ -131,7 +131,7 @@ def _slow_disk_fact(disk: dict) -> str:
     swap that disk's nominal rates allow."""
     if "read_gbps" not in disk:
         return ""
-    text = (f"On an emulated slow disk ({disk.get('emulator', 'bench/slow_disk.py')}): reads {disk['read_gbps']:g} "
+    text = (f"On an emulated slow disk, {disk.get('emulator', 'bench/slow_disk.py')}: reads {disk['read_gbps']:g} "
             f"GB/s, writes {disk['write_gbps']:g} GB/s from one budget; the perfect update is its nominal floor")
     swap = disk.get("serial_swap_at_nominal_rates")
     if swap:

@@ -468,13 +468,15 @@ def section_csd() -> str:
     return "\n".join([
         "## 4. Scaling from the CSD emulator",
         "",
-        "**Missing: there is no emulated computational-storage backend yet, so no measured scaling plot is "
-        "produced.** `nsp.storage.open(..., tier=\"csd\")` is for now the file tier with one engine worker per shard "
-        "(`nsp/storage/store.py`): every shard's pages go to the same disk through the same host CPU, with no "
-        "per-device bandwidth, internal link or compute of its own, so a plot of its update time against the number "
-        "of such \"devices\" would measure one disk shared by more and more shards, and none is drawn. What N "
-        "devices would give is modelled instead, on nsp's CSD model clock: section 3's \"N computational-storage "
-        "devices\" part (`bench/csd_scaling.py`), a model and not a measurement.",
+        "`tier=\"csd\"` runs each store shard on an emulated computational-storage device "
+        "(`libnsp_backend_csd.so`): the shard's pages in a directory of its own, a worker of its own and the real "
+        "kernel, with time kept on a model clock that charges every page to the device's SSD, its updater and the "
+        "host link all devices share (`ffi/csd_clock.h`). On one machine every emulated device still reads and "
+        "writes the same disk with the same two cores, so the wall time of N of them measures that one disk, not "
+        "N devices, and no wall-clock scaling plot is drawn. The scaling is read off the devices' model clocks "
+        "instead: section 3's \"N computational-storage devices\" part holds the model's Fig. 11(a) table and "
+        "`nsp plan` against one real update on 1, 2, 4 and 10 emulated devices (`bench/csd_scaling.py "
+        "--calibrate`).",
         "",
     ])
 
