@@ -68,7 +68,7 @@ def test_reads_and_writes_share_one_timeline_and_are_counted(tmp_path):
             assert f.read() == payload, "the bytes written must come back unchanged"
     nominal = disk.nominal_s(size, size)
     assert nominal == pytest.approx(size / (read_gbps * 1e9) + size / (write_gbps * 1e9))
-    assert elapsed >= nominal * 0.99, f"{size} B read and written at once in {elapsed:.3f} s < the floor {nominal:.3f} s"
+    assert elapsed >= nominal * 0.99, f"{size} B read and written at once in {elapsed:.3f} s < floor {nominal:.3f} s"
     assert after.read_bytes - before.read_bytes == size
     assert after.written_bytes - before.written_bytes == size
     assert after.busy_ms - before.busy_ms == pytest.approx(nominal * 1e3, abs=2)
