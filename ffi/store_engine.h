@@ -177,6 +177,9 @@ class ShardEngine {
   // Writes the params of committed version `version` into the update's outputs (a skipped step's result).
   std::string CommittedParamsOut(const ShardUpdate& u, int64_t version);
   PageGrad GradForPage(const ShardUpdate& u, int64_t page);
+  // Runs the kernel on `span`. With u.check_finite it checks the (dense) gradient in the same pass and returns
+  // false at the first NaN/Inf, the span's outputs then partly written; true otherwise.
+  bool ComputeChecked(const ShardUpdate& u, const StateSpan& span, const PageGrad& g);
   char* GradStage();
   // One page of the caller's params (ShardUpdate::params_in), elements [begin, begin + n), as fp32.
   const float* CallerParams(const ShardUpdate& u, int64_t begin, int64_t n);

@@ -222,9 +222,7 @@ std::string ShardEngine::UpdateStreamed(const ShardUpdate& u) {
     if (u.params_bf16_out != nullptr) span.param_bf16_out = u.params_bf16_out + begin;
     const PageGrad g = GradForPage(u, w.page);
     CountShared(u, g, ShardPieces::Covered(u.pieces, begin, span.size), span);
-    if (!u.check_finite) {
-      backend_->Compute(u.hp, span, g);
-    } else if (!backend_->ComputeIfFinite(u.hp, span, g.dense, g.type)) {
+    if (!ComputeChecked(u, span, g)) {
       error.Set(kNotFinite);  // nothing more is written; the slot stays uncommitted
       break;
     }

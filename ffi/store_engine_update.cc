@@ -80,6 +80,14 @@ PageGrad ShardEngine::GradForPage(const ShardUpdate& u, int64_t page) {
   return g;
 }
 
+bool ShardEngine::ComputeChecked(const ShardUpdate& u, const StateSpan& span, const PageGrad& g) {
+  if (!u.check_finite) {
+    backend_->Compute(u.hp, span, g);
+    return true;
+  }
+  return backend_->ComputeIfFinite(u.hp, span, g.dense, g.type);
+}
+
 std::string ShardEngine::Update(const ShardUpdate& u) {
   if (u.src_slot == u.dst_slot || u.src_slot < 0 || u.src_slot > 1 || u.dst_slot < 0 || u.dst_slot > 1) {
     return "an update must read one version slot and write the other";
@@ -147,13 +155,9 @@ std::string ShardEngine::UpdateAddressable(const ShardUpdate& u) {
       g.dense = pieces.grad[i];
       CountShared(u, g, pieces.sizes[i], StateSpan{});
       CountInPlace(pieces.sizes[i], true);
-      if (u.check_finite) {
-        if (!backend_->ComputeIfFinite(u.hp, span, pieces.grad[i], pieces.type)) {
-          *u.skipped = true;  // slot dst is half written and stays uncommitted: Step skips the step
-          return {};
-        }
-      } else {
-        backend_->Compute(u.hp, span, g);
+      if (!ComputeChecked(u, span, g)) {
+        *u.skipped = true;  // slot dst is half written and stays uncommitted: Step skips the step
+        return {};
       }
       end = pieces.starts[i] + pieces.sizes[i];
     }
@@ -182,13 +186,9 @@ std::string ShardEngine::UpdateAddressable(const ShardUpdate& u) {
   g.count = u.count;
   CountShared(u, g, size_, span);
   CountInPlace(size_, true);
-  if (u.check_finite) {
-    if (!backend_->ComputeIfFinite(u.hp, span, u.grad, u.grad_type)) {
-      *u.skipped = true;  // slot dst is half written and stays uncommitted: Step skips the step
-      return {};
-    }
-  } else {
-    backend_->Compute(u.hp, span, g);
+  if (!ComputeChecked(u, span, g)) {
+    *u.skipped = true;  // slot dst is half written and stays uncommitted: Step skips the step
+    return {};
   }
   PageDone(num_pages_);  // one pass over the whole shard
   return {};
