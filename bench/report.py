@@ -101,7 +101,7 @@ MEASURES = {
     "train": BUILD + ("nsp/", "models/", "bench/report.py", "bench/report_train.py", "bench/report_traffic.py")
     + PROTOCOL,
     "update_kernel": BUILD + SPEC + ("nsp/primitives/", "bench/update_kernel.py", "bench/adam_steps.py",
-                                     "bench/wait_policy.py") + PROTOCOL,
+                                     "bench/wait_policy.py", "bench/page_backing.py") + PROTOCOL,
     "store_update": BUILD + SPEC + ("nsp/primitives/", "nsp/storage/", "bench/store_update.py",
                                     "bench/store_contenders.py", "bench/adam_steps.py", "bench/deepspeed_swap.py",
                                     "bench/wait_policy.py") + PROTOCOL,

@@ -46,6 +46,7 @@ import numpy as np
 import optax
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import page_backing  # noqa: E402
 import wait_policy  # noqa: E402
 from adam_steps import nsp_adam_step, torch_fused_adam  # noqa: E402
 from common import median, print_table, time_interleaved, write_json  # noqa: E402
@@ -84,8 +85,9 @@ def parse_size(text: str) -> int:
     return int(float(text.rstrip("KMG")) * scale)
 
 
-def nsp_contenders(n: int, rng: np.random.Generator, ratio: float):
-    """Three nsp variants sharing one state (each call is one in-place Adam step)."""
+def nsp_contenders(n: int, rng: np.random.Generator, ratio: float, arrays: dict):
+    """Three nsp variants sharing one state (each call is one in-place Adam step), and the eager one; ``arrays``
+    receives, per contender, a function listing the arrays it streams."""
     state = {
         "p": jnp.asarray(rng.standard_normal(n, np.float32)),
         "m": jnp.zeros(n, jnp.float32),
@@ -116,11 +118,17 @@ def nsp_contenders(n: int, rng: np.random.Generator, ratio: float):
         s = eager_state
         return fused_update(s["p"], grad, s["m"], s["v"], kind="adam", step=t, lr=LR)[:3]
 
+    def streams(s, *extra):
+        return lambda: [s["p"], s["m"], s["v"], *extra]
+
+    topk = f"nsp top-k {ratio:.0%}"
+    arrays.update({"nsp dense fp32": streams(state, grad), EAGER: streams(eager_state, grad),
+                   "nsp bf16 grads": streams(state, grad_bf16), topk: streams(state, vals, idx)})
     return {
         "nsp dense fp32": run(lambda t: step(state["p"], grad, state["m"], state["v"], t)),
         EAGER: run(eager, eager_state),
         "nsp bf16 grads": run(lambda t: step(state["p"], grad_bf16, state["m"], state["v"], t)),
-        f"nsp top-k {ratio:.0%}": run(lambda t: step(state["p"], vals, state["m"], state["v"], t, idx)),
+        topk: run(lambda t: step(state["p"], vals, state["m"], state["v"], t, idx)),
     }, k
 
 
@@ -138,21 +146,25 @@ def optax_contender(n: int, rng: np.random.Generator):
     def fn():
         box["p"], box["s"] = jax.block_until_ready(step(box["p"], box["s"], grad))
 
-    return fn
+    def streams():
+        return [box["p"], grad, *(x for x in jax.tree.leaves(box["s"]) if x.size == n)]
+
+    return fn, streams
 
 
 def torch_contender(n: int, rng: np.random.Generator, threads: int):
     p, g = (rng.standard_normal(n, np.float32) for _ in range(2))
-    step, note = torch_fused_adam(p, g, np.zeros(n, np.float32), np.zeros(n, np.float32), threads=threads, lr=LR)
+    m, v = np.zeros(n, np.float32), np.zeros(n, np.float32)
+    step, note = torch_fused_adam(p, g, m, v, threads=threads, lr=LR)
     if step is None:
-        return None, note
+        return None, note, None
     t = [0]
 
     def fn():
         t[0] += 1
         step(t[0])
 
-    return fn, note
+    return fn, note, lambda: [p, g, m, v]
 
 
 def deepspeed_contender(n: int, threads: int):
@@ -166,12 +178,16 @@ def deepspeed_contender(n: int, threads: int):
         p.grad = torch.randn(n)
         opt = DeepSpeedCPUAdam([p], lr=LR, adamw_mode=False)
     except Exception as e:  # noqa: BLE001  (deepspeed raises various errors when its ops cannot build)
-        return None, f"unavailable ({type(e).__name__}: {e}; apt-get install -y libaio-dev && pip install '.[bench]')"
+        return None, (f"unavailable ({type(e).__name__}: {e}; apt-get install -y libaio-dev && pip install "
+                      "'.[bench]')"), None
 
     def fn():
         opt.step()
 
-    return fn, f"deepspeed {deepspeed.__version__}, {threads} threads"
+    def streams():  # its moments exist from the first step on
+        return [p, p.grad, *(x for x in opt.state[p].values() if hasattr(x, "numel") and x.numel() == n)]
+
+    return fn, f"deepspeed {deepspeed.__version__}, {threads} threads", streams
 
 
 def probe_arrays(n: int) -> list[np.ndarray]:
@@ -188,7 +204,7 @@ def nsp_stream_probe(n: int):
     def fn():
         stream_roofline(*arrays)
 
-    return fn
+    return fn, lambda: arrays
 
 
 NUMPY_CHUNK = 1 << 16  # elements: g's chunk (256 KiB) stays in cache for its three uses
@@ -215,7 +231,7 @@ def numpy_stream_probe(n: int, threads: int):
         for f in [pool.submit(part, r) for r in ranges]:
             f.result()
 
-    return fn
+    return fn, lambda: [p, g, m, v]
 
 
 def crc32c_rates(rounds: int, calls: int = 16) -> dict[str, float | str]:
@@ -246,27 +262,30 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--ratio", type=float, default=0.01, help="Top-K density of the compressed contender")
     wait_policy.add_arguments(parser)
+    page_backing.add_arguments(parser)
     parser.add_argument("--json", default=None, help="where to write the JSON record")
     args = parser.parse_args()
     if args.repeats < 5:
         parser.error("--repeats must be >= 5 (the protocol reports a median of at least 5)")
+    page_backing.apply(args.pages)  # may restart this process, before any array exists
     policy = wait_policy.set_omp_wait_policy(args.omp_wait_policy)  # before torch loads its OpenMP runtime
     n = parse_size(args.size)
     set_num_threads(args.threads)
     rng = np.random.default_rng(0)
 
-    contenders, k = nsp_contenders(n, rng, args.ratio)
+    arrays: dict = {}  # per contender, a function listing the arrays it streams (for their pages' record)
+    contenders, k = nsp_contenders(n, rng, args.ratio, arrays)
     notes = {}
-    contenders["optax.adam (jit, donated)"] = optax_contender(n, rng)
-    for name, (fn, note) in {
+    contenders["optax.adam (jit, donated)"], arrays["optax.adam (jit, donated)"] = optax_contender(n, rng)
+    for name, (fn, note, streams) in {
         "torch fused Adam": torch_contender(n, rng, args.threads),
         "DeepSpeedCPUAdam": deepspeed_contender(n, args.threads),
     }.items():
         notes[name] = note
         if fn is not None:
-            contenders[name] = fn
-    contenders[NSP_PROBE] = nsp_stream_probe(n)
-    contenders[NUMPY_PROBE] = numpy_stream_probe(n, args.threads)
+            contenders[name], arrays[name] = fn, streams
+    contenders[NSP_PROBE], arrays[NSP_PROBE] = nsp_stream_probe(n)
+    contenders[NUMPY_PROBE], arrays[NUMPY_PROBE] = numpy_stream_probe(n, args.threads)
 
     print(f"fp32 Adam update of {n / 2**20:.0f}M params, {args.threads} threads, kernel ISA {kernel_isa()}, "
           f"median of {args.repeats} interleaved rounds, OMP_WAIT_POLICY={policy}, {args.pause:g} s pause between "
@@ -274,6 +293,7 @@ def main() -> None:
     idle_cpu: dict[str, list[float]] = {}
     times = time_interleaved(contenders, repeats=args.repeats, warmup=2, pause=args.pause, idle_cpu=idle_cpu)
     med = {name: median(ts) for name, ts in times.items()}
+    huge = {name: page_backing.huge_share(arrays[name]()) for name in contenders}
     bytes_per_param = {
         "nsp dense fp32": 28.0,
         "nsp bf16 grads": 26.0,
@@ -296,6 +316,7 @@ def main() -> None:
             "vs_nsp": ref / t,
             "roof": "best probe" if name == best_probe else ("probe" if name in probes else ""),
             "idle": median(idle_cpu[name]) * 1e3 if idle_cpu.get(name) else None,
+            "huge": huge[name] * 100,
         })
     for name, note in notes.items():
         if name not in med:
@@ -305,7 +326,7 @@ def main() -> None:
         rows,
         [("contender", "contender", ""), ("ms", "median ms", ".1f"), ("gparams", "Gparam/s", ".3f"),
          ("bpp", "B/param", ""), ("gbs", "GB/s moved", ".1f"), ("vs_nsp", "speed vs nsp dense", ".2f"),
-         ("roof", "roofline", ""), ("idle", "CPU ms in pause", ".1f")],
+         ("roof", "roofline", ""), ("idle", "CPU ms in pause", ".1f"), ("huge", "% on huge pages", ".0f")],
     )
     nsp_pct = n * 28.0 / ref / 1e9 / roofline_gbs * 100
     print(f"\n  memory roofline = the best of {len(probes)} streaming probes: {roofline_gbs:.1f} GB/s "
@@ -317,6 +338,9 @@ def main() -> None:
               f"roofline in this run")
     print(f"  CPU ms in pause: CPU time this process used in the {args.pause:g} s after the contender's call "
           f"(threads still running); {wait_policy.NSP_POOL_NOTE}")
+    print(f"  pages: --pages {args.pages} (THP mode {page_backing.thp_mode()}, GLIBC_TUNABLES="
+          f"{os.environ.get('GLIBC_TUNABLES', '') or '(unset)'}); % on huge pages: the share of each contender's "
+          f"streamed bytes on 2 MiB pages, from /proc/self/smaps")
 
     checks = []
 
@@ -349,7 +373,7 @@ def main() -> None:
          "roofline_probes_gbs": probes, "roofline_probe": best_probe, "roofline_gbs": roofline_gbs,
          "nsp_dense_pct_of_roofline": nsp_pct, "faster_than_roofline": above,
          "crc32c_page_bytes": CRC_PAGE_BYTES, "crc32c_gbps": crc,
-         **wait_policy.record(policy, args.pause, idle_cpu)},
+         **wait_policy.record(policy, args.pause, idle_cpu), **page_backing.record(args.pages, huge)},
         args.json,
     )
     print(f"\nwrote {path}")

@@ -21,6 +21,12 @@ const char* StateName(int state);
 // "" when `slot` names one of the two version slots and `state` one of p, m, v; else "<what>: slot must be ...".
 std::string CheckSlotAndState(const char* what, int slot, int state);
 
+// Host memory of `bytes`, zero-filled (so faulted in now, not during an update) and 4 KiB aligned; from a huge
+// page up, on transparent huge pages where the kernel grants them (see backend.cc). Throws std::bad_alloc.
+// Freed with FreeHostBuffer and the same `bytes`.
+void* AllocHostBuffer(size_t bytes);
+void FreeHostBuffer(void* buffer, size_t bytes);
+
 // A shard's gradient for one page: dense (n elements of `type`) or a run of sorted compressed pairs whose
 // indices are shard positions (the page starts at `index_base`).
 struct PageGrad {

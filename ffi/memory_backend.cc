@@ -1,8 +1,6 @@
 // The host-memory backend: both version slots of every state in RAM, or one slot updated in place.
-#include <cstdlib>
 #include <cstring>
 #include <memory>
-#include <new>
 #include <vector>
 
 #include "backend.h"
@@ -11,18 +9,23 @@ namespace nsp {
 
 namespace {
 
+// Gives a state's buffer back to AllocHostBuffer's allocator.
+struct Free {
+  size_t bytes = 0;
+  void operator()(float* p) const { FreeHostBuffer(p, bytes); }
+};
+
 class MemoryBackend final : public Backend {
  public:
   MemoryBackend(int64_t size, int64_t page_elems, std::vector<bool> states_used, bool in_place)
       : page_elems_(page_elems), in_place_(in_place) {
+    const size_t bytes = sizeof(float) * static_cast<size_t>(size);
     for (int slot = 0; slot < (in_place ? 1 : 2); ++slot) {
       for (int s = 0; s < kNumStates; ++s) {
         if (!states_used[s]) continue;
+        // On huge pages where the kernel grants them (the update streams it: AllocHostBuffer says why), and
         // 64-byte aligned, so the kernel may stream its out-of-place writes into the other slot.
-        void* p = nullptr;
-        if (::posix_memalign(&p, 64, sizeof(float) * static_cast<size_t>(size)) != 0) throw std::bad_alloc();
-        std::memset(p, 0, sizeof(float) * static_cast<size_t>(size));
-        data_[slot][s].reset(static_cast<float*>(p));
+        data_[slot][s] = std::unique_ptr<float, Free>(static_cast<float*>(AllocHostBuffer(bytes)), Free{bytes});
       }
     }
   }
@@ -44,9 +47,6 @@ class MemoryBackend final : public Backend {
   std::string Sync(int) override { return {}; }
 
  private:
-  struct Free {
-    void operator()(float* p) const { std::free(p); }
-  };
   int64_t page_elems_;
   bool in_place_;
   std::unique_ptr<float, Free> data_[2][kNumStates];  // [slot][state]; slot 1 unused in place

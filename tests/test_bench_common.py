@@ -1,13 +1,16 @@
-"""bench/common.py's interleaved timing and device counters, which every benchmark record rests on."""
+"""bench/common.py's interleaved timing and device counters, and bench/page_backing.py's page record, which every
+benchmark record rests on."""
 
 import os
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
 from common import DeviceCounts, DeviceTraffic, time_interleaved  # noqa: E402
+import page_backing  # noqa: E402
 
 
 def test_shuffled_rounds_run_everyone_once_with_their_before_hook_first():
@@ -50,3 +53,27 @@ def test_device_traffic_counts_a_synced_write(tmp_path):
     (c,) = counts
     assert c.written_bytes >= size, f"the device wrote {c.written_bytes} bytes of an fsynced {size}-byte file"
     assert c.writes >= 1 and c.busy_ms >= 0
+
+
+@pytest.mark.skipif(page_backing.thp_mode() not in ("madvise", "always"),
+                    reason="the kernel grants no transparent huge pages")
+def test_page_backing_measures_which_pages_an_array_lies_on():
+    """numpy advises huge pages for its large arrays; with that advice off (--pages small) a new one gets none."""
+    advised = np.ones(64 << 18, np.float32)  # 64 MiB, written: its pages exist
+    assert page_backing.huge_share([advised]) > 0.5
+    page_backing._numpy_advice(False)
+    try:
+        plain = np.ones(64 << 18, np.float32)
+        # Under "always" every large mapping gets huge pages, and so does malloc's where glibc is told to.
+        if page_backing.thp_mode() == "madvise" and "hugetlb=1" not in os.environ.get("GLIBC_TUNABLES", ""):
+            assert page_backing.huge_share([plain]) < 0.1
+    finally:
+        page_backing._numpy_advice(True)
+    assert page_backing.span(plain) == (plain.ctypes.data, plain.nbytes)
+
+
+def test_page_backing_sets_only_its_own_glibc_tunable():
+    env = {"GLIBC_TUNABLES": "glibc.malloc.arena_max=2:glibc.malloc.hugetlb=0"}
+    assert page_backing._tunables_with(env, True) == "glibc.malloc.arena_max=2:glibc.malloc.hugetlb=1"
+    assert page_backing._tunables_with(env, False) == "glibc.malloc.arena_max=2"
+    assert page_backing._tunables_with({}, False) == ""

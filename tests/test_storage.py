@@ -249,6 +249,39 @@ def test_engine_buffers_are_bounded_by_pages_in_flight(tmp_path):
         assert store.stats()["buffer_bytes"] == 3 * 3 * (PAGE + 4096)
 
 
+def _thp_mode() -> str:
+    try:
+        with open("/sys/kernel/mm/transparent_hugepage/enabled") as f:
+            text = f.read()
+    except OSError:
+        return "unknown"
+    return text[text.find("[") + 1:text.find("]")]
+
+
+@pytest.mark.skipif(_thp_mode() not in ("madvise", "always"), reason="the kernel grants no transparent huge pages")
+def test_memory_tier_state_lies_on_huge_pages():
+    """The update streams the memory tier's state: it is allocated on transparent huge pages (ffi/backend.cc)."""
+    code = textwrap.dedent("""
+        import numpy as np, nsp.storage as storage
+
+        def huge():
+            with open("/proc/self/smaps_rollup") as f:
+                return next(int(l.split()[1]) * 1024 for l in f if l.startswith("AnonHugePages:"))
+
+        p = np.ones(16 << 20, np.float32)
+        before = huge()
+        store = storage.open(tier="memory")
+        store.initialize({"w": p}, storage.OptimizerSpec("adam"))
+        print(huge() - before)
+    """)
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                          env={k: v for k, v in os.environ.items() if k != "GLIBC_TUNABLES"})
+    assert proc.returncode == 0, proc.stderr
+    state_bytes = 2 * 3 * 4 * (16 << 20)  # two version slots of p, m, v
+    # The kernel may refuse a few huge pages (memory too fragmented to compact): most must be granted.
+    assert int(proc.stdout.split()[-1]) >= state_bytes // 2
+
+
 def test_traffic_counters_follow_table_1(tmp_path):
     """Smart-Infinity Table I with M = 2 bytes x params (fp16 model size) and fp32 transport (2M per vector)."""
     with open_store(tmp_path, "file", num_shards=2) as store:
