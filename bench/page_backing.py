@@ -8,7 +8,7 @@ malloc and stay on 4 KiB pages. A comparison of torch updating numpy arrays agai
 measures the page size as much as the kernels (64M params here: nsp 40.8 ms on 4 KiB pages, 36.0 ms on huge
 pages, the same kernel).
 
-``--pages`` puts every contender on the same kind of page:
+``--memory-pages`` puts every contender on the same kind of page:
   huge     all arrays on transparent huge pages: glibc's malloc advises them for every large block
            (GLIBC_TUNABLES=glibc.malloc.hugetlb=1, read when the process starts, so the benchmark restarts
            itself with it), numpy advises its own
@@ -31,10 +31,11 @@ _TUNABLE = "glibc.malloc.hugetlb=1"
 THP_MODE_PATH = "/sys/kernel/mm/transparent_hugepage/enabled"
 
 
-def add_arguments(parser) -> None:
-    parser.add_argument("--pages", choices=CHOICES, default=DEFAULT,
-                        help="memory pages of every contender's arrays: huge (transparent huge pages for all; "
-                             "the default), small (4 KiB for all) or as-is (what each library does by itself)")
+def add_arguments(parser, default: str = DEFAULT) -> None:
+    parser.add_argument("--memory-pages", choices=CHOICES, default=default,
+                        help="memory pages of every contender's arrays: huge (transparent huge pages for all), "
+                             "small (4 KiB for all) or as-is (what each library does by itself); default "
+                             f"{default}")
 
 
 def thp_mode() -> str:

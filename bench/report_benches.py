@@ -30,7 +30,7 @@ def render_update_kernel(d: dict, out: Path) -> tuple[str, str]:
     ratio = float(topk.split()[-1].rstrip("%")) / 100 if topk else 0.01
     command = f"python bench/update_kernel.py --size {d['size']} --threads {d['threads']} --repeats {d['repeats']}"
     if d.get("pages", "huge") != "huge":
-        command += f" --pages {d['pages']}"
+        command += f" --memory-pages {d['pages']}"
     if abs(ratio - 0.01) > 1e-12:
         command += f" --ratio {ratio:g}"
     roof = {k for k in names if k.startswith("roofline")}
@@ -45,8 +45,9 @@ def render_update_kernel(d: dict, out: Path) -> tuple[str, str]:
     notes = "; ".join(f"{k}: {v}" for k, v in d.get("notes", {}).items())
     share = d.get("huge_page_share")
     if share:  # which memory pages each contender streamed (bench/page_backing.py)
-        notes += (f"\n\nPages: `--pages {d.get('pages')}` (THP mode {d.get('thp_mode')}); share of each contender's "
-                  "streamed bytes on 2 MiB pages: " + ", ".join(f"{k} {v:.0%}" for k, v in share.items()))
+        notes += (f"\n\nMemory pages: `--memory-pages {d.get('pages')}` (THP mode {d.get('thp_mode')}); share of "
+                  "each contender's streamed bytes on 2 MiB pages: "
+                  + ", ".join(f"{k} {v:.0%}" for k, v in share.items()))
     checks = "\n".join(f"- {c['check']}: {c['ratio']:.2f}x (target {c['target']:.2f}x, "
                        f"{'met' if c['met'] else 'missed'})" for c in d.get("checks", []))
     crc = d.get("crc32c_gbps")

@@ -381,9 +381,11 @@ MEMORY_NAMES = {
 }
 
 
-def memory_contenders(work, p0: np.ndarray, grad: np.ndarray, spec, page_bytes: int) -> dict[str, Callable[[], None]]:
+def memory_contenders(work, p0: np.ndarray, grad: np.ndarray, spec, page_bytes: int,
+                      arrays: dict | None = None) -> dict[str, Callable[[], None]]:
     """The memory group, keyed as ``MEMORY_NAMES``: each call is one Adam step of its own state (stores opened in
-    memory; their closing joins ``work.closers``)."""
+    memory; their closing joins ``work.closers``). ``arrays`` receives, for the kernel alone, a function listing
+    the arrays it streams (the stores' state is their own)."""
     n = p0.size
 
     def memory_store(**kw):
@@ -421,6 +423,9 @@ def memory_contenders(work, p0: np.ndarray, grad: np.ndarray, spec, page_bytes: 
     kernel = nsp_adam_step(LR, B1, B2, EPS)
     kstate = {"p": jnp.asarray(p0), "m": jnp.zeros(n, jnp.float32), "v": jnp.zeros(n, jnp.float32), "t": 0}
     kgrad = jnp.asarray(grad)
+
+    if arrays is not None:
+        arrays["kernel"] = lambda: [kstate["p"], kstate["m"], kstate["v"], kgrad]
 
     def kernel_alone() -> None:
         kstate["t"] += 1

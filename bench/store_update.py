@@ -65,6 +65,9 @@ per-request round trips, are shown beside it); "serial swap at the nominal rates
 measured Adam time to that floor: the best any swapper that does not overlap I/O with compute could do there. The
 device counters are the emulated disk's own.
 
+Memory pages (--memory-pages, bench/page_backing.py): every array on transparent huge pages by default, as the
+stores' own buffers and state are; the record gives the kernel alone's measured share.
+
 Peak extra memory of the file tier is bounded by pages_in_flight x 3 x page_bytes (its preallocated buffers) plus
 the params it returns (4 B/param); the run measures it (VmHWM after clear_refs) and reports ru_maxrss.
 """
@@ -86,6 +89,7 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import page_backing  # noqa: E402
 import wait_policy  # noqa: E402
 from common import (DeviceCounts, DeviceTraffic, median, peak_rss_bytes, print_table, reset_peak_rss,  # noqa: E402
                     status_kib, time_interleaved, write_json)
@@ -167,8 +171,10 @@ def main() -> None:
                              "sub_group_size (default 4M = 4194304)")
     parser.add_argument("--no-deepspeed", action="store_true", help="leave DeepSpeed out even when installed")
     wait_policy.add_arguments(parser)
+    page_backing.add_arguments(parser)
     parser.add_argument("--json", default=None, help="where to write the JSON record")
     args = parser.parse_args()
+    page_backing.apply(args.memory_pages)  # may restart this process, before any array exists
     args.omp_wait_policy = wait_policy.set_omp_wait_policy(args.omp_wait_policy)  # before torch loads OpenMP
     repeats = args.repeats if args.repeats is not None else (5 if args.quick else 7)
     if repeats < 5:
@@ -288,7 +294,8 @@ def run(args, work: Workdir, n: int, page_bytes: int, repeats: int, warmup: int,
     probe.refresh()
 
     # -- the memory group: the kernel alone, the memory tier three ways, its diagnostics
-    memory_fns = memory_contenders(work, p0, grad, spec, page_bytes)
+    streamed: dict = {}  # what the kernel alone streams, for its pages' record
+    memory_fns = memory_contenders(work, p0, grad, spec, page_bytes, streamed)
 
     writers, readers = probe.contenders(write=True), probe.contenders(write=False)
     both_name, both_read, both_write, both_fn = probe.side_by_side()
@@ -608,7 +615,9 @@ def run(args, work: Workdir, n: int, page_bytes: int, repeats: int, warmup: int,
          "buffer_bound_bytes": bound, "first_update_rss_growth_bytes": first_update_growth,
          "peak_rss_bytes": peak, "setup_s": setup_s, "timed_s": timed_s,
          "times_s": times, "median_s": med, "checks": checks,
-         **wait_policy.record(args.omp_wait_policy, args.pause, idle_cpu)},
+         **wait_policy.record(args.omp_wait_policy, args.pause, idle_cpu),
+         **page_backing.record(args.memory_pages, {"kernel alone": page_backing.huge_share(streamed["kernel"]()),
+                                            "gradient": page_backing.huge_share([grad])})},
         args.json,
     )
     print(f"\nwrote {path}")

@@ -25,6 +25,11 @@ The memory roofline is an upper bound, so it is the best of several streaming pr
 Adam implementations that stream the same 28 B/param (torch fused Adam, DeepSpeedCPUAdam). "vs roofline" divides
 by the best of them; the JSON records every probe.
 
+Memory pages (--memory-pages, bench/page_backing.py): every contender's arrays on the same kind of page, 2 MiB
+transparent huge pages by default (the record gives each one's measured share). Left to themselves, numpy's
+arrays (torch's here, and the probes') get huge pages and XLA's (nsp's, optax's) do not, which alone made nsp
+0.90x as fast here.
+
 Spinning threads: OMP_WAIT_POLICY is set (default PASSIVE) before torch or DeepSpeed load their OpenMP runtime,
 and every call is followed by a pause (default 0.2 s) before the next contender runs; the JSON records both, and
 the CPU time this process used during each pause (threads of the last contender still running). Run with
@@ -267,7 +272,7 @@ def main() -> None:
     args = parser.parse_args()
     if args.repeats < 5:
         parser.error("--repeats must be >= 5 (the protocol reports a median of at least 5)")
-    page_backing.apply(args.pages)  # may restart this process, before any array exists
+    page_backing.apply(args.memory_pages)  # may restart this process, before any array exists
     policy = wait_policy.set_omp_wait_policy(args.omp_wait_policy)  # before torch loads its OpenMP runtime
     n = parse_size(args.size)
     set_num_threads(args.threads)
@@ -338,7 +343,7 @@ def main() -> None:
               f"roofline in this run")
     print(f"  CPU ms in pause: CPU time this process used in the {args.pause:g} s after the contender's call "
           f"(threads still running); {wait_policy.NSP_POOL_NOTE}")
-    print(f"  pages: --pages {args.pages} (THP mode {page_backing.thp_mode()}, GLIBC_TUNABLES="
+    print(f"  memory pages: --memory-pages {args.memory_pages} (THP mode {page_backing.thp_mode()}, GLIBC_TUNABLES="
           f"{os.environ.get('GLIBC_TUNABLES', '') or '(unset)'}); % on huge pages: the share of each contender's "
           f"streamed bytes on 2 MiB pages, from /proc/self/smaps")
 
@@ -373,7 +378,7 @@ def main() -> None:
          "roofline_probes_gbs": probes, "roofline_probe": best_probe, "roofline_gbs": roofline_gbs,
          "nsp_dense_pct_of_roofline": nsp_pct, "faster_than_roofline": above,
          "crc32c_page_bytes": CRC_PAGE_BYTES, "crc32c_gbps": crc,
-         **wait_policy.record(policy, args.pause, idle_cpu), **page_backing.record(args.pages, huge)},
+         **wait_policy.record(policy, args.pause, idle_cpu), **page_backing.record(args.memory_pages, huge)},
         args.json,
     )
     print(f"\nwrote {path}")
