@@ -60,4 +60,9 @@ float WidenBf16(uint16_t h);
 void Avx2Stream(float* p, const float* g, float* m, float* v, int64_t n);
 void Avx512Stream(float* p, const float* g, float* m, float* v, int64_t n);
 
+// Whether none of the n values (fp32, or bf16 bit patterns when `bf16`) is NaN or Inf: all exponent bits set.
+bool PortableAllFinite(const void* data, int bf16, int64_t n);
+bool Avx2AllFinite(const void* data, int bf16, int64_t n);
+bool Avx512AllFinite(const void* data, int bf16, int64_t n);
+
 }  // namespace nsp::internal

@@ -112,4 +112,20 @@ void PortableStream(float* p, const float* g, float* m, float* v, int64_t n) {
   }
 }
 
+bool PortableAllFinite(const void* data, int bf16, int64_t n) {
+  // NaN and Inf are the values whose exponent bits are all ones: |bits| above the largest finite value. Written
+  // as a branch-free OR over signed compares so the compiler vectorises it.
+  using U32 = uint32_t __attribute__((may_alias));
+  using U16 = uint16_t __attribute__((may_alias));
+  int32_t any = 0;
+  if (!bf16) {
+    const U32* x = static_cast<const U32*>(data);
+    for (int64_t i = 0; i < n; ++i) any |= static_cast<int32_t>(x[i] & 0x7fffffffu) > 0x7f7fffff;
+  } else {
+    const U16* x = static_cast<const U16*>(data);
+    for (int64_t i = 0; i < n; ++i) any |= static_cast<int16_t>(x[i] & 0x7fffu) > 0x7f7f;
+  }
+  return any == 0;
+}
+
 }  // namespace nsp::internal

@@ -302,25 +302,27 @@ void StreamRoofline(float* p, const float* g, float* m, float* v, int64_t size) 
 }
 
 bool AllFinite(const void* data, GradType type, int64_t n) {
-  // NaN and Inf are the values whose exponent bits are all ones: |bits| above the largest finite value. Written
-  // as a branch-free OR over signed compares so the compiler vectorises it.
-  using U32 = uint32_t __attribute__((may_alias));
-  using U16 = uint16_t __attribute__((may_alias));
   if (n <= 0) return true;  // an empty leaf (SplitWork needs at least one element)
+  const int bf16 = type == GradType::kBF16 ? 1 : 0;
   const Split split = SplitWork(n);
   std::atomic<bool> bad{false};
   ParallelFor(split.num_tasks, [&](int t) {
     const int64_t begin = t * split.chunk;
-    const int64_t end = std::min(n, begin + split.chunk);
-    int32_t any = 0;
-    if (type == GradType::kF32) {
-      const U32* x = static_cast<const U32*>(data);
-      for (int64_t i = begin; i < end; ++i) any |= static_cast<int32_t>(x[i] & 0x7fffffffu) > 0x7f7fffff;
+    const int64_t count = std::min(n, begin + split.chunk) - begin;
+    const char* at = static_cast<const char*>(data) + begin * GradBytes(type);
+    bool finite;
+#if (defined(__x86_64__) || defined(__i386__)) && !defined(NSP_NO_AVX2)
+    if (Choice().isa == Isa::kAvx512) {
+      finite = internal::Avx512AllFinite(at, bf16, count);
+    } else if (Choice().isa == Isa::kAvx2Fma) {
+      finite = internal::Avx2AllFinite(at, bf16, count);
     } else {
-      const U16* x = static_cast<const U16*>(data);
-      for (int64_t i = begin; i < end; ++i) any |= static_cast<int16_t>(x[i] & 0x7fffu) > 0x7f7f;
+      finite = internal::PortableAllFinite(at, bf16, count);
     }
-    if (any != 0) bad.store(true, std::memory_order_relaxed);
+#else
+    finite = internal::PortableAllFinite(at, bf16, count);
+#endif
+    if (!finite) bad.store(true, std::memory_order_relaxed);
   });
   return !bad.load();
 }

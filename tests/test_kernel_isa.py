@@ -96,6 +96,22 @@ def test_optax_oracle_under_each_isa(isa):
     assert " passed" in proc.stdout and " failed" not in proc.stdout, proc.stdout[-2000:]
 
 
+@pytest.mark.parametrize("isa", KERNEL_ISAS)
+def test_the_finiteness_scan_under_each_isa(isa):
+    """test_storage.py's NaN/Inf scan test under `isa` (each ISA has its own scan)."""
+    if isa not in supported_isas():
+        pytest.skip(f"this CPU lacks {isa} (test_forcing_an_isa_the_cpu_lacks_fails_at_import covers that)")
+    if isa == kernel_isa():
+        pytest.skip(f"{isa} is this process's ISA: test_storage.py runs the test under it")
+    env = dict(os.environ, NSP_KERNEL_ISA=isa)
+    proc = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", str(TESTS / "test_storage.py"),
+         "-k", "all_finite_finds_nan_and_inf_anywhere"],
+        env=env, capture_output=True, text=True, timeout=300, cwd=TESTS.parent)
+    assert proc.returncode == 0, f"under NSP_KERNEL_ISA={isa}:\n{proc.stdout[-6000:]}\n{proc.stderr[-3000:]}"
+    assert "1 passed" in proc.stdout, proc.stdout[-2000:]
+
+
 def test_every_isa_computes_what_the_portable_kernels_do():
     """Each kind, dense and lazy, bf16 gradients and bf16 param copies (test_fused_update's ISA script) under
     every ISA the CPU has: within the last bit of the portable kernels (FMA contraction may differ there), and

@@ -931,8 +931,9 @@ def test_page_checksum_is_crc32c():
 
 
 def test_all_finite_finds_nan_and_inf_anywhere():
-    """The multithreaded NaN/Inf check store.update runs first: every position of a vector long enough to be
-    split across threads, both signs, the largest finite values (which must pass), bf16 bit patterns, empty."""
+    """The multithreaded NaN/Inf check store.update runs first: positions across a vector long enough to be
+    split across threads, both signs, the largest finite values (which must pass), bf16 bit patterns, empty.
+    test_kernel_isa.py runs it under every ISA the CPU has."""
     import ml_dtypes
 
     from nsp import _nsp_ffi
@@ -942,15 +943,23 @@ def test_all_finite_finds_nan_and_inf_anywhere():
     assert _nsp_ffi.all_finite(x) and _nsp_ffi.all_finite(np.zeros(0, np.float32))
     x[[0, n // 2, n - 1]] = [np.finfo(np.float32).max, -np.finfo(np.float32).max, np.finfo(np.float32).tiny]
     assert _nsp_ffi.all_finite(x)
-    for pos in (0, 1, n // 2, n - 2, n - 1):
+    # Every lane of the first vectors and of the last ones (the SIMD scans' unrolled body and their tail), and
+    # short vectors that are all tail.
+    for pos in (*range(0, 300, 7), n // 2, *range(n - 300, n, 5), n - 2, n - 1):
         for bad in (np.nan, np.inf, -np.inf):
             y = x.copy()
             y[pos] = bad
             assert not _nsp_ffi.all_finite(y), (pos, bad)
+    for size in (1, 3, 15, 16, 17, 63, 64, 65, 129):
+        for pos in {0, size // 2, size - 1}:
+            y = x[:size].copy()
+            assert _nsp_ffi.all_finite(y), size
+            y[pos] = np.nan
+            assert not _nsp_ffi.all_finite(y), (size, pos)
     b = np.random.default_rng(1).standard_normal(n).astype(ml_dtypes.bfloat16)
     b[[0, n - 1]] = np.array([ml_dtypes.finfo(ml_dtypes.bfloat16).max] * 2, ml_dtypes.bfloat16)
     assert _nsp_ffi.all_finite(b.view(np.uint16))
-    for pos in (0, n // 3, n - 1):
+    for pos in (*range(0, 300, 7), n // 3, *range(n - 300, n, 5), n - 1):
         for bad in (np.nan, np.inf, -np.inf):
             c = b.copy()
             c[pos] = bad
