@@ -128,6 +128,17 @@ BlockKernel SelectKernel(const UpdateHyperParams& hp, GradType grad_type) {
   return internal::PortableKernel(k, bf16, lazy);
 }
 
+// The NaN/Inf scan of the chosen ISA (kernel_block.h).
+using FiniteScan = bool (*)(const void* data, int bf16, int64_t n);
+
+FiniteScan SelectFiniteScan() {
+#if (defined(__x86_64__) || defined(__i386__)) && !defined(NSP_NO_AVX2)
+  if (Choice().isa == Isa::kAvx512) return internal::Avx512AllFinite;
+  if (Choice().isa == Isa::kAvx2Fma) return internal::Avx2AllFinite;
+#endif
+  return internal::PortableAllFinite;
+}
+
 // Streaming stores are weakly ordered: every task fences once after its last block, before the thread pool hands
 // its outputs to anyone (a later plain store to the same place included). Not once per block: a fence waits for
 // every write-combining buffer to drain, and per 2048-element block that stall cost ~10% of the update here.
@@ -304,25 +315,15 @@ void StreamRoofline(float* p, const float* g, float* m, float* v, int64_t size) 
 bool AllFinite(const void* data, GradType type, int64_t n) {
   if (n <= 0) return true;  // an empty leaf (SplitWork needs at least one element)
   const int bf16 = type == GradType::kBF16 ? 1 : 0;
+  const FiniteScan scan = SelectFiniteScan();
   const Split split = SplitWork(n);
   std::atomic<bool> bad{false};
   ParallelFor(split.num_tasks, [&](int t) {
     const int64_t begin = t * split.chunk;
     const int64_t count = std::min(n, begin + split.chunk) - begin;
-    const char* at = static_cast<const char*>(data) + begin * GradBytes(type);
-    bool finite;
-#if (defined(__x86_64__) || defined(__i386__)) && !defined(NSP_NO_AVX2)
-    if (Choice().isa == Isa::kAvx512) {
-      finite = internal::Avx512AllFinite(at, bf16, count);
-    } else if (Choice().isa == Isa::kAvx2Fma) {
-      finite = internal::Avx2AllFinite(at, bf16, count);
-    } else {
-      finite = internal::PortableAllFinite(at, bf16, count);
+    if (!scan(static_cast<const char*>(data) + begin * GradBytes(type), bf16, count)) {
+      bad.store(true, std::memory_order_relaxed);
     }
-#else
-    finite = internal::PortableAllFinite(at, bf16, count);
-#endif
-    if (!finite) bad.store(true, std::memory_order_relaxed);
   });
   return !bad.load();
 }
