@@ -73,11 +73,38 @@ def test_baseline_saturates_at_the_shared_link_while_near_storage_keeps_scaling(
         assert all(b < a for a, b in zip(near, near[1:])), f"{scheme} must keep improving: {near}"
         assert near[9] < 0.6 * near[4]
         assert rows[10]["speedup"][scheme] > 1.5
-    # At 1 device SmartUpdate has no bandwidth to gain: it is at or slightly below the baseline.
+    # At 1 device near-storage has no bandwidth to gain: it is at or slightly below the baseline. SmartComp's
+    # smaller gradient saves SSD traffic there, which its decompressor, taking its turn on the device, gives back.
     assert 0.85 <= rows[1]["speedup"]["smartupdate"] <= 1.0
+    assert 0.95 <= rows[1]["speedup"]["smartcomp"] <= 1.0
     # A wider shared link moves the baseline's saturation point out: the flat part came from that link.
     wide = {r["devices"]: r for r in scaling(GPT2_4B, [5, 10], LinkFigures(shared_gbps=4 * 5.78))}
     assert wide[10]["update_s"]["baseline"] < 0.7 * wide[5]["update_s"]["baseline"]
+
+
+def test_the_papers_devices_take_turns_while_nsps_overlap():
+    """Smart-Infinity's devices have one buffer set (§IV-B), so each one's SSD transfers, updater and decompressor
+    add up; nsp's engine streams pages through several sets and overlaps them. The decompressor is a stage of the
+    paper's SU+O+C only: nsp's kernel decompresses as it updates."""
+    for scheme in ("smartupdate", "smartcomp"):
+        paper_update = step_time(scheme, GPT2_4B, 1).phases[-1]
+        busy = paper_update.busy
+        own = busy["ssd"] + busy["updater"] + busy["decompressor"]
+        assert paper_update.seconds >= own
+        assert paper_update.seconds == pytest.approx(own, rel=0.01)  # + one subgroup on the host links
+        nsp_update = step_time(scheme, Setting(params=GPT2_4B.params, dataflow="nsp"), 1).phases[-1]
+        assert nsp_update.busy["decompressor"] == 0
+        assert nsp_update.seconds == pytest.approx(nsp_update.busy["ssd"], rel=0.01)  # the others hide behind it
+        assert nsp_update.bottleneck == "ssd"
+    assert step_time("smartupdate", GPT2_4B, 1).phases[-1].bottleneck == "ssd+updater"
+    assert step_time("smartcomp", GPT2_4B, 1).phases[-1].bottleneck == "ssd+updater+decompressor"
+    # The decompressor's figure moves the paper's SU+O+C, by the dense gradient's bytes over it, and nothing else.
+    slow = LinkFigures(decompressor_gbps=LinkFigures().decompressor_gbps / 2)
+    gained = step_time("smartcomp", GPT2_4B, 1, slow).seconds - step_time("smartcomp", GPT2_4B, 1).seconds
+    assert gained == pytest.approx(4 * GPT2_4B.params / (slow.decompressor_gbps * 1e9) / 2, rel=0.01)
+    assert step_time("smartupdate", GPT2_4B, 1, slow) == step_time("smartupdate", GPT2_4B, 1)
+    nsp_flow = Setting(params=GPT2_4B.params, dataflow="nsp")
+    assert step_time("smartcomp", nsp_flow, 1, slow) == step_time("smartcomp", nsp_flow, 1)
 
 
 def test_overrides_take_effect():
@@ -100,7 +127,8 @@ def test_overrides_take_effect():
 
 
 @pytest.mark.parametrize("field", ["device_link_gbps", "p2p_read_gbps", "p2p_write_gbps", "ssd_read_gbps",
-                                   "ssd_write_gbps", "updater_gbps", "host_updater_gbps", "shared_gbps"])
+                                   "ssd_write_gbps", "updater_gbps", "decompressor_gbps", "host_updater_gbps",
+                                   "shared_gbps"])
 @pytest.mark.parametrize("value", [0, -1.0, math.nan, math.inf, True, "5"])
 def test_bad_bandwidth_names_its_field(field, value):
     with pytest.raises(ValueError, match=f"LinkFigures.{field} must be a positive finite bandwidth"):

@@ -10,6 +10,8 @@ update). Its bytes are charged to resources, each busy for bytes / bandwidth:
                   figures; reads and writes take turns except for the ``ssd_overlap`` fraction of the shorter
                   of the two, which runs beside the longer: busy = read + write - overlap x min(read, write)
   updater         each device's updater (bytes of state and gradient it takes in)
+  decompressor    each device's Top-K decompressor, where it is a stage of its own (bytes of dense gradient it
+                  writes)
   host updater    the host CPU's updater (the baseline's)
   compute         the accelerator's forward/backward, in seconds (no bytes)
 
@@ -19,6 +21,11 @@ updated and the one before that written), so it lasts as long as its busiest res
 other resource (the pipeline's fill and drain):
 
     seconds = max(busy) + (sum(busy) - max(busy)) / subgroups
+
+A phase whose devices have one buffer set (``Phase.in_turn``) cannot overlap a device's own work: the next
+subgroup is read into the buffers only after the last one was updated and its params written back. Its SSD,
+updater and decompressor then take turns and count as one resource, busy for the sum of their seconds (named by
+its parts, e.g. "ssd+updater"); the links to the host still run beside it.
 
 Nothing else enters: no latencies, no randomness. The same phase on the same figures always takes the same time.
 
@@ -35,7 +42,9 @@ import dataclasses
 
 from nsp.csd.figures import GB, LinkFigures
 
-RESOURCES = ("compute", "shared link", "device link", "ssd", "updater", "host updater")
+RESOURCES = ("compute", "shared link", "device link", "ssd", "updater", "decompressor", "host updater")
+# The resources of one device that take turns in an ``in_turn`` phase (module docstring).
+IN_TURN = ("ssd", "updater", "decompressor")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -48,6 +57,7 @@ class DeviceLoad:
     p2p_read: float = 0.0  # read from its SSD into its accelerator
     p2p_write: float = 0.0  # written from its accelerator to its SSD
     updater: float = 0.0  # taken in by its updater
+    decompressor: float = 0.0  # dense gradient written by its decompressor (a stage of its own)
 
     def __add__(self, other: DeviceLoad) -> DeviceLoad:
         return DeviceLoad(*(a + b for a, b in zip(dataclasses.astuple(self), dataclasses.astuple(other))))
@@ -64,6 +74,7 @@ class Phase:
     host_updater: float = 0.0
     devices: tuple[DeviceLoad, ...] = ()
     subgroups: int = 1  # units the bytes stream in (see the module docstring)
+    in_turn: bool = False  # one buffer set per device: its SSD, updater and decompressor take turns
 
 
 @dataclasses.dataclass(frozen=True)
@@ -77,39 +88,67 @@ class PhaseTime:
     busy: dict[str, float]
 
 
+def _device_seconds(d: DeviceLoad, f: LinkFigures) -> dict[str, float]:
+    """Seconds one device's own resources are busy with load ``d``."""
+    read = (d.host_read / f.ssd_read_gbps + d.p2p_read / f.p2p_read_gbps) / GB
+    write = (d.host_write / f.ssd_write_gbps + d.p2p_write / f.p2p_write_gbps) / GB
+    return {
+        "device link": d.link / (f.device_link_gbps * GB),
+        "ssd": read + write - f.ssd_overlap * min(read, write),
+        "updater": d.updater / (f.updater_gbps * GB),
+        "decompressor": d.decompressor / (f.decompressor_gbps * GB),
+    }
+
+
 def busy_seconds(phase: Phase, figures: LinkFigures) -> dict[str, float]:
     """Seconds each resource of ``RESOURCES`` is busy in ``phase`` (a per-device resource: its busiest device)."""
     f = figures
+    per_device = [_device_seconds(d, f) for d in phase.devices]
 
-    def worst(per_device) -> float:
-        return max((per_device(d) for d in phase.devices), default=0.0)
-
-    def ssd(d: DeviceLoad) -> float:
-        read = (d.host_read / f.ssd_read_gbps + d.p2p_read / f.p2p_read_gbps) / GB
-        write = (d.host_write / f.ssd_write_gbps + d.p2p_write / f.p2p_write_gbps) / GB
-        return read + write - f.ssd_overlap * min(read, write)
+    def worst(resource: str) -> float:
+        return max((d[resource] for d in per_device), default=0.0)
 
     return {
         "compute": phase.compute_s,
         "shared link": (phase.shared_down + phase.shared_up) / (f.shared_gbps * GB),
-        "device link": worst(lambda d: d.link / (f.device_link_gbps * GB)),
-        "ssd": worst(ssd),
-        "updater": worst(lambda d: d.updater / (f.updater_gbps * GB)),
+        "device link": worst("device link"),
+        "ssd": worst("ssd"),
+        "updater": worst("updater"),
+        "decompressor": worst("decompressor"),
         "host updater": phase.host_updater / (f.host_updater_gbps * GB),
     }
 
 
+def _contending(phase: Phase, figures: LinkFigures, busy: dict[str, float]) -> dict[str, float]:
+    """The resources that run side by side in ``phase``: ``busy``, with an ``in_turn`` phase's device resources
+    (``IN_TURN``) merged into one, busy for the sum of their seconds on its busiest device."""
+    if not phase.in_turn:
+        return busy
+    parts = [r for r in IN_TURN if busy[r] > 0] or ["ssd"]
+    per_device = [_device_seconds(d, figures) for d in phase.devices]
+    turns = max((sum(seconds[r] for r in IN_TURN) for seconds in per_device), default=0.0)
+    return {**{r: s for r, s in busy.items() if r not in IN_TURN}, "+".join(parts): turns}
+
+
 def phase_time(phase: Phase, figures: LinkFigures) -> PhaseTime:
-    """``phase``'s time on ``figures``: its busiest resource plus one subgroup on the others (module docstring).
+    """``phase``'s time on ``figures``: its busiest resource plus one subgroup on the others, the device's own
+    resources taking turns in an ``in_turn`` phase (module docstring). ``busy`` keeps every resource apart.
 
         >>> from nsp.csd import LinkFigures
         >>> phase_time(Phase("forward", compute_s=2.0), LinkFigures()).seconds
         2.0
+        >>> load = (DeviceLoad(p2p_read=2.36e9, updater=7e9),)   # 1 s of SSD reads, 1 s of updates
+        >>> phase_time(Phase("update", devices=load, subgroups=100), LinkFigures()).seconds   # side by side
+        1.01
+        >>> t = phase_time(Phase("update", devices=load, subgroups=100, in_turn=True), LinkFigures())
+        >>> round(t.seconds, 6), t.bottleneck                                                # in turn
+        (2.0, 'ssd+updater')
     """
     if phase.subgroups < 1:
         raise ValueError(f"Phase.subgroups must be >= 1, got {phase.subgroups}")
     busy = busy_seconds(phase, figures)
-    bottleneck = max(busy, key=busy.get)
-    peak = busy[bottleneck]
-    seconds = peak + (sum(busy.values()) - peak) / phase.subgroups
+    lanes = _contending(phase, figures, busy)
+    bottleneck = max(lanes, key=lanes.get)
+    peak = lanes[bottleneck]
+    seconds = peak + (sum(lanes.values()) - peak) / phase.subgroups
     return PhaseTime(phase.name, seconds, bottleneck, busy)

@@ -58,6 +58,12 @@ class LinkFigures:
     # The accelerator's updater, in bytes of optimizer state plus dense gradient it takes in per second
     # (Smart-Infinity §VII-H, Fig. 14 text: "above 7GB/s").
     updater_gbps: float = 7.0
+    # The accelerator's Top-K decompressor, in bytes of dense gradient it writes per second, where it is a stage of
+    # its own: Smart-Infinity's (§V-B) fills the gradient buffer before the updater runs. Smart-Infinity §VII-H
+    # (Fig. 14 text): it "slightly surpasses the throughput of the SSD read"; set to the SSD's read figure, the floor
+    # of that statement (as 7.0 is the updater's). nsp's kernel decompresses as it updates, so nsp's dataflow and
+    # the emulated device have no such stage.
+    decompressor_gbps: float = P2P_READ_GBPS
     # The host CPU's updater (the baseline's), same unit. The paper gives no figure; this is nsp's dense Adam on
     # 2 vCPUs (DESIGN.md §4: 1.44-1.68 Gparam/s x 16 B/param), a floor for the paper's 2 x 48-core host (Table II).
     host_updater_gbps: float = 24.0

@@ -20,8 +20,14 @@ Dataflow of the near-storage schemes (``Setting.dataflow``):
 
   "paper"  Smart-Infinity's (Table I's SSD operations, Fig. 4(b)): the gradients are written to each device's
            SSD during backward and read back P2P by the update; the host reads the new params from the SSD.
+           Each device has one set of buffers (§IV-B: its transfer handler preallocates one buffer per variable
+           and reuses it, loading the next subgroup once the last was updated and its params written back), so
+           its SSD transfers, its updater and, for SU+O+C, its Top-K decompressor (§V-B: a module of its own that
+           fills the gradient buffer before the updater runs) take turns (``nsp.csd.clock``: ``in_turn``); the
+           params' trip over the host links runs beside them.
   "nsp"    nsp's engine: the gradient shard goes straight into the device's buffers during the update, and the
-           new params leave from them; neither touches the SSD.
+           new params leave from them; neither touches the SSD. Its ``pages_in_flight`` buffer sets overlap
+           reads, updates and writes, and its kernel decompresses Top-K gradients as it updates.
 
 A step is: forward + backward (``Setting.compute_s``, the accelerator's seconds, the same for every scheme), then
 the gradient offload phase ("paper" dataflow and the baseline), then the update phase; they run one after the
@@ -154,10 +160,11 @@ def phases(scheme: str, setting: Setting, devices: int) -> list[Phase]:
     if setting.dataflow == "paper":
         out.append(Phase("gradient offload", shared_down=grad, devices=each(link=grad, host_write=grad),
                          subgroups=pages_device))
+        decompressed = dense_grad if scheme == "smartcomp" else 0.0
         out.append(Phase("update", shared_up=params_up,
                          devices=each(link=params_up, host_read=params_up, p2p_read=state + grad,
-                                      p2p_write=state, updater=state + dense_grad),
-                         subgroups=pages_device))
+                                      p2p_write=state, updater=state + dense_grad, decompressor=decompressed),
+                         subgroups=pages_device, in_turn=True))
     else:
         out.append(Phase("update", shared_down=grad, shared_up=params_up,
                          devices=each(link=grad + params_up, p2p_read=state, p2p_write=state,
@@ -170,7 +177,9 @@ def step_time(scheme: str, setting: Setting, devices: int, figures: LinkFigures 
     """One step of ``scheme`` over ``devices`` devices on the model clock.
 
         >>> t = step_time("smartupdate", Setting(params=4_000_000_000), 1)
-        >>> t.phases[-1].bottleneck
+        >>> t.phases[-1].bottleneck                     # the paper's dataflow: SSD and updater take turns
+        'ssd+updater'
+        >>> step_time("smartupdate", Setting(params=4_000_000_000, dataflow="nsp"), 1).phases[-1].bottleneck
         'ssd'
     """
     figures = figures or LinkFigures()
@@ -180,7 +189,8 @@ def step_time(scheme: str, setting: Setting, devices: int, figures: LinkFigures 
 def traffic(scheme: str, setting: Setting, devices: int) -> dict[str, float]:
     """Bytes per step on each link, summed over devices: ``shared_down``/``shared_up`` (the shared link, to and
     from the devices: Smart-Infinity Table I), ``device_link``, ``ssd_host_read``/``ssd_host_write`` (SSD bytes
-    the host moves), ``p2p_read``/``p2p_write`` (inside the devices), ``updater`` and ``host_updater``; and
+    the host moves), ``p2p_read``/``p2p_write`` (inside the devices), ``updater``, ``decompressor`` and
+    ``host_updater``; and
     ``per_device_p2p_read``/``per_device_p2p_write`` (one device's internal link).
 
         >>> t = traffic("smartupdate", Setting(params=100), 4)
@@ -200,6 +210,7 @@ def traffic(scheme: str, setting: Setting, devices: int) -> dict[str, float]:
             first = first + phase.devices[0]
     totals.update(device_link=load.link, ssd_host_read=load.host_read, ssd_host_write=load.host_write,
                   p2p_read=load.p2p_read, p2p_write=load.p2p_write, updater=load.updater,
+                  decompressor=load.decompressor,
                   per_device_p2p_read=first.p2p_read, per_device_p2p_write=first.p2p_write)
     return totals
 
