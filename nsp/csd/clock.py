@@ -22,10 +22,12 @@ other resource (the pipeline's fill and drain):
 
     seconds = max(busy) + (sum(busy) - max(busy)) / subgroups
 
-A phase whose devices have one buffer set (``Phase.in_turn``) cannot overlap a device's own work: the next
-subgroup is read into the buffers only after the last one was updated and its params written back. Its SSD,
-updater and decompressor then take turns and count as one resource, busy for the sum of their seconds (named by
-its parts, e.g. "ssd+updater"); the links to the host still run beside it.
+A phase whose devices have one buffer set (``Phase.in_turn``) cannot overlap a device's work on its buffers: the
+next subgroup is read into them only after the last one was updated and its params written back. Its SSD's P2P
+transfers, its updater and its decompressor then take turns; the host's own transfers from and to its SSD (the new
+params read back) use no buffer and fill the SSD's idle time while the updater works. The device counts as one
+resource, busy for max(its SSD's seconds, P2P + updater + decompressor seconds), named by what decides it
+("ssd+updater", or "ssd" where the SSD alone is busier); the links to the host still run beside it.
 
 Nothing else enters: no latencies, no randomness. The same phase on the same figures always takes the same time.
 
@@ -88,13 +90,21 @@ class PhaseTime:
     busy: dict[str, float]
 
 
+def _ssd_seconds(read: float, write: float, overlap: float) -> float:
+    """An SSD's busy seconds for ``read`` and ``write`` seconds of transfers (reads and writes in turn but for the
+    ``overlap`` fraction of the shorter)."""
+    return read + write - overlap * min(read, write)
+
+
 def _device_seconds(d: DeviceLoad, f: LinkFigures) -> dict[str, float]:
-    """Seconds one device's own resources are busy with load ``d``."""
-    read = (d.host_read / f.ssd_read_gbps + d.p2p_read / f.p2p_read_gbps) / GB
-    write = (d.host_write / f.ssd_write_gbps + d.p2p_write / f.p2p_write_gbps) / GB
+    """Seconds one device's own resources are busy with load ``d``; ``ssd p2p``: its SSD's P2P transfers alone."""
+    p2p_read, p2p_write = d.p2p_read / f.p2p_read_gbps / GB, d.p2p_write / f.p2p_write_gbps / GB
+    read = d.host_read / f.ssd_read_gbps / GB + p2p_read
+    write = d.host_write / f.ssd_write_gbps / GB + p2p_write
     return {
         "device link": d.link / (f.device_link_gbps * GB),
-        "ssd": read + write - f.ssd_overlap * min(read, write),
+        "ssd": _ssd_seconds(read, write, f.ssd_overlap),
+        "ssd p2p": _ssd_seconds(p2p_read, p2p_write, f.ssd_overlap),
         "updater": d.updater / (f.updater_gbps * GB),
         "decompressor": d.decompressor / (f.decompressor_gbps * GB),
     }
@@ -121,13 +131,17 @@ def busy_seconds(phase: Phase, figures: LinkFigures) -> dict[str, float]:
 
 def _contending(phase: Phase, figures: LinkFigures, busy: dict[str, float]) -> dict[str, float]:
     """The resources that run side by side in ``phase``: ``busy``, with an ``in_turn`` phase's device resources
-    (``IN_TURN``) merged into one, busy for the sum of their seconds on its busiest device."""
+    (``IN_TURN``) merged into one (module docstring) on its busiest device, named by the parts that decide it."""
     if not phase.in_turn:
         return busy
-    parts = [r for r in IN_TURN if busy[r] > 0] or ["ssd"]
-    per_device = [_device_seconds(d, figures) for d in phase.devices]
-    turns = max((sum(seconds[r] for r in IN_TURN) for seconds in per_device), default=0.0)
-    return {**{r: s for r, s in busy.items() if r not in IN_TURN}, "+".join(parts): turns}
+    turn_parts = ["ssd"] + [r for r in ("updater", "decompressor") if busy[r] > 0]
+    turns, ssd = 0.0, 0.0
+    for seconds in (_device_seconds(d, figures) for d in phase.devices):
+        turn = seconds["ssd p2p"] + seconds["updater"] + seconds["decompressor"]
+        if max(turn, seconds["ssd"]) > max(turns, ssd):
+            turns, ssd = turn, seconds["ssd"]
+    name = "+".join(turn_parts) if turns >= ssd else "ssd"
+    return {**{r: s for r, s in busy.items() if r not in IN_TURN}, name: max(turns, ssd)}
 
 
 def phase_time(phase: Phase, figures: LinkFigures) -> PhaseTime:

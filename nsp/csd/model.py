@@ -23,8 +23,10 @@ Dataflow of the near-storage schemes (``Setting.dataflow``):
            Each device has one set of buffers (§IV-B: its transfer handler preallocates one buffer per variable
            and reuses it, loading the next subgroup once the last was updated and its params written back), so
            its SSD transfers, its updater and, for SU+O+C, its Top-K decompressor (§V-B: a module of its own that
-           fills the gradient buffer before the updater runs) take turns (``nsp.csd.clock``: ``in_turn``); the
-           params' trip over the host links runs beside them.
+           fills the gradient buffer before the updater runs) take turns (``nsp.csd.clock``: ``in_turn``). The
+           new params' trip to the host, read from the SSD by the host and sent over the host links, needs no
+           buffer and runs beside the updater's turns (§IV-A: it "can be overlapped with update steps for other
+           parameters").
   "nsp"    nsp's engine: the gradient shard goes straight into the device's buffers during the update, and the
            new params leave from them; neither touches the SSD. Its ``pages_in_flight`` buffer sets overlap
            reads, updates and writes, and its kernel decompresses Top-K gradients as it updates.
