@@ -365,6 +365,10 @@ def render_csd_scaling(d: dict, out: Path) -> tuple[str, str]:
     facts = (f"A {d['params'] / 1e9:.1f}B-parameter state on nsp's CSD model clock (`nsp.csd`, {d['dataflow']} "
              f"dataflow; link figures {', '.join(f'{k} {v:g}' for k, v in d['figures'].items())}). "
              f"{held} of {len(d['checks'])} shape targets hold.")
+    if d["dataflow"] == "paper":
+        facts += (" In the paper's dataflow each device has one buffer set (Smart-Infinity §IV-B), so its P2P "
+                  "transfers, updater and, for SU+O+C, Top-K decompressor take turns, while the host's read of the "
+                  "new params from its SSD fills the SSD's idle time (`nsp.csd.clock`, `in_turn`).")
     cal = d.get("calibration")
     if cal:
         med = cal["median_s"]

@@ -296,8 +296,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="forward + backward as derived for Smart-Infinity's GPUs (nsp.csd.paper)")
     pl.add_argument("--density", type=float, default=0.01, help="Top-K kept fraction of SU+O+C (default 0.01)")
     pl.add_argument("--dataflow", choices=["nsp", "paper"], default="nsp",
-                    help="nsp: gradients into the devices' buffers, params out of them; paper: both through the "
-                    "SSDs, as Smart-Infinity (default nsp)")
+                    help="nsp: gradients into the devices' buffers, params out of them, I/O and updates "
+                    "overlapped; paper: both through the SSDs, and each device's transfers and updates in turn (one "
+                    "buffer set), as Smart-Infinity (default nsp)")
     pl.add_argument("--figure", action="append", default=[], metavar="NAME=GBPS",
                     help="override a link figure of nsp.csd.LinkFigures, e.g. shared_gbps=16 (repeatable)")
     pl.add_argument("--check", metavar="DIR", default=None,
