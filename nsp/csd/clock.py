@@ -76,7 +76,7 @@ class Phase:
     host_updater: float = 0.0
     devices: tuple[DeviceLoad, ...] = ()
     subgroups: int = 1  # units the bytes stream in (see the module docstring)
-    in_turn: bool = False  # one buffer set per device: its SSD, updater and decompressor take turns
+    in_turn: bool = False  # one buffer set per device: its P2P transfers, updater and decompressor take turns
 
 
 @dataclasses.dataclass(frozen=True)

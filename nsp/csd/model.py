@@ -22,7 +22,7 @@ Dataflow of the near-storage schemes (``Setting.dataflow``):
            SSD during backward and read back P2P by the update; the host reads the new params from the SSD.
            Each device has one set of buffers (§IV-B: its transfer handler preallocates one buffer per variable
            and reuses it, loading the next subgroup once the last was updated and its params written back), so
-           its SSD transfers, its updater and, for SU+O+C, its Top-K decompressor (§V-B: a module of its own that
+           its P2P transfers, its updater and, for SU+O+C, its Top-K decompressor (§V-B: a module of its own that
            fills the gradient buffer before the updater runs) take turns (``nsp.csd.clock``: ``in_turn``). The
            new params' trip to the host, read from the SSD by the host and sent over the host links, needs no
            buffer and runs beside the updater's turns (§IV-A: it "can be overlapped with update steps for other
@@ -192,8 +192,7 @@ def traffic(scheme: str, setting: Setting, devices: int) -> dict[str, float]:
     """Bytes per step on each link, summed over devices: ``shared_down``/``shared_up`` (the shared link, to and
     from the devices: Smart-Infinity Table I), ``device_link``, ``ssd_host_read``/``ssd_host_write`` (SSD bytes
     the host moves), ``p2p_read``/``p2p_write`` (inside the devices), ``updater``, ``decompressor`` and
-    ``host_updater``; and
-    ``per_device_p2p_read``/``per_device_p2p_write`` (one device's internal link).
+    ``host_updater``; and ``per_device_p2p_read``/``per_device_p2p_write`` (one device's internal link).
 
         >>> t = traffic("smartupdate", Setting(params=100), 4)
         >>> t["shared_down"], t["shared_up"]           # 2M down, 2M up with M = 200 bytes
