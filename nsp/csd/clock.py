@@ -110,10 +110,13 @@ def _device_seconds(d: DeviceLoad, f: LinkFigures) -> dict[str, float]:
     }
 
 
-def busy_seconds(phase: Phase, figures: LinkFigures) -> dict[str, float]:
-    """Seconds each resource of ``RESOURCES`` is busy in ``phase`` (a per-device resource: its busiest device)."""
+def busy_seconds(phase: Phase, figures: LinkFigures,
+                 per_device: list[dict[str, float]] | None = None) -> dict[str, float]:
+    """Seconds each resource of ``RESOURCES`` is busy in ``phase`` (a per-device resource: its busiest device);
+    ``per_device``: the devices' own seconds (``_device_seconds``), when the caller has them already."""
     f = figures
-    per_device = [_device_seconds(d, f) for d in phase.devices]
+    if per_device is None:
+        per_device = [_device_seconds(d, f) for d in phase.devices]
 
     def worst(resource: str) -> float:
         return max((d[resource] for d in per_device), default=0.0)
@@ -129,14 +132,12 @@ def busy_seconds(phase: Phase, figures: LinkFigures) -> dict[str, float]:
     }
 
 
-def _contending(phase: Phase, figures: LinkFigures, busy: dict[str, float]) -> dict[str, float]:
-    """The resources that run side by side in ``phase``: ``busy``, with an ``in_turn`` phase's device resources
+def _contending(busy: dict[str, float], per_device: list[dict[str, float]]) -> dict[str, float]:
+    """The resources that run side by side in an ``in_turn`` phase: ``busy``, with the device resources
     (``IN_TURN``) merged into one (module docstring) on its busiest device, named by the parts that decide it."""
-    if not phase.in_turn:
-        return busy
     turn_parts = ["ssd"] + [r for r in ("updater", "decompressor") if busy[r] > 0]
     turns, ssd = 0.0, 0.0
-    for seconds in (_device_seconds(d, figures) for d in phase.devices):
+    for seconds in per_device:
         turn = seconds["ssd p2p"] + seconds["updater"] + seconds["decompressor"]
         if max(turn, seconds["ssd"]) > max(turns, ssd):
             turns, ssd = turn, seconds["ssd"]
@@ -160,8 +161,9 @@ def phase_time(phase: Phase, figures: LinkFigures) -> PhaseTime:
     """
     if phase.subgroups < 1:
         raise ValueError(f"Phase.subgroups must be >= 1, got {phase.subgroups}")
-    busy = busy_seconds(phase, figures)
-    lanes = _contending(phase, figures, busy)
+    per_device = [_device_seconds(d, figures) for d in phase.devices]
+    busy = busy_seconds(phase, figures, per_device)
+    lanes = _contending(busy, per_device) if phase.in_turn else busy
     bottleneck = max(lanes, key=lanes.get)
     peak = lanes[bottleneck]
     seconds = peak + (sum(lanes.values()) - peak) / phase.subgroups
