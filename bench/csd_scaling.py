@@ -8,7 +8,8 @@
 Scaling. For 1..10 devices, one optimizer step of a GPT-2 4.0B-sized state (``nsp.csd.paper.GPT2_4B_PARAMS``)
 on ``nsp.csd``'s model: the baseline (ZeRO-Infinity-style host update over a RAID0 of N SSDs), SU+O (SmartUpdate
 with the transfer handler) and SU+O+C (with Top-K 1%), for the paper's A5000 and A100 settings. The forward +
-backward seconds are derived as ``nsp.csd.paper`` says (the paper gives none) and can be set. The link figures
+backward seconds, and SU+O+C's seconds selecting the Top-K on the GPU, are derived as ``nsp.csd.paper`` says (the
+paper gives neither) and can be set. The link figures
 are ``nsp.csd.LinkFigures``' cited defaults, overridable with ``--figure NAME=GBPS``. The table gives each
 scheme's step time and speedup over the baseline at the same device count; the checks compare the shape with the
 paper's text (the baseline flattens by 4-5 devices; near-storage at or slightly below the baseline at 1 device and
@@ -78,15 +79,31 @@ B1, B2, EPS, LR = 0.9, 0.999, 1e-8, 1e-3
 # ---- the scaling table -------------------------------------------------------------------------------------------
 
 def scaling_rows(args, figures: LinkFigures) -> dict[str, dict]:
-    """Per GPU setting: its forward + backward seconds, how they were chosen, and the model's rows."""
+    """Per GPU setting: its forward + backward seconds, SU+O+C's Top-K seconds, how each was chosen, and the
+    model's rows."""
     out = {}
     for gpu in GPUS:
         given = getattr(args, f"compute_{gpu}")
         compute = given if given is not None else paper.compute_s(gpu, args.params)
         how = "given (--compute-" + gpu + ")" if given is not None else "derived (nsp.csd.paper)"
-        setting = Setting(params=args.params, compute_s=compute, density=args.density, dataflow=args.dataflow)
-        out[gpu] = {"compute_s": compute, "compute_source": how, "rows": scaling(setting, paper.DEVICES, figures)}
+        compress, compress_how = compress_seconds(args, gpu)
+        setting = Setting(params=args.params, compute_s=compute, density=args.density, dataflow=args.dataflow,
+                          compress_s=compress)
+        out[gpu] = {"compute_s": compute, "compute_source": how, "compress_s": compress,
+                    "compress_source": compress_how, "rows": scaling(setting, paper.DEVICES, figures)}
     return out
+
+
+def compress_seconds(args, gpu: str) -> tuple[float, str]:
+    """SU+O+C's Top-K seconds on ``gpu`` and where they come from: given, or the paper's system's (its GPU sorts
+    the whole gradient after a trip back from the host: ``nsp.csd.paper.compress_s``), which nsp's dataflow does
+    not inherit."""
+    given = getattr(args, f"compress_{gpu}")
+    if given is not None:
+        return given, "given (--compress-" + gpu + ")"
+    if args.dataflow == "paper":
+        return paper.compress_s(gpu, args.params), "derived (nsp.csd.paper)"
+    return 0.0, "not modelled for nsp's dataflow (--compress-" + gpu + ")"
 
 
 def print_scaling(gpu: str, result: dict) -> None:
@@ -106,7 +123,8 @@ def print_scaling(gpu: str, result: dict) -> None:
     columns += [(f"{s}_vs1", f"{LABELS[s]} x 1 dev", ".2f") for s in SCHEMES]
     columns += [("bottleneck", "update bottleneck (" + "/".join(LABELS[s] for s in SCHEMES) + ")", "")]
     print_table(f"{gpu.upper()}: step time (forward + backward {result['compute_s']:.2f} s, "
-                f"{result['compute_source']}), speedup over the baseline at the same device count, and over the "
+                f"{result['compute_source']}; SU+O+C's Top-K {result['compress_s']:.2f} s, "
+                f"{result['compress_source']}), speedup over the baseline at the same device count, and over the "
                 f"same scheme on 1 device", rows, columns)
 
 
@@ -152,9 +170,30 @@ def check_targets(results: dict[str, dict]) -> list[dict]:
     return checks
 
 
+def versus_figure(results: dict[str, dict]) -> list[dict]:
+    """The model's curves of Fig. 11(a) (each scheme's step speedup over the baseline on 1 device) beside the
+    chart's points as read (``nsp.csd.paper.FIG_11A_READ``): a comparison of absolute height, not a target."""
+    rows = []
+    for gpu, result in results.items():
+        by_n = {r["devices"]: r["step_s"] for r in result["rows"]}
+        base1 = by_n[1]["baseline"]
+        for s in SCHEMES:
+            read = paper.FIG_11A_READ[gpu][s]
+            rows.append({"gpu": gpu, "scheme": LABELS[s],
+                         "points": {n: {"model": base1 / by_n[n][s], "paper": v} for n, v in read.items()}})
+    counts = list(paper.FIG_11A_READ["a5000"]["baseline"])
+    table = [{"gpu": r["gpu"], "scheme": r["scheme"],
+              **{n: f"{r['points'][n]['model']:.2f} / {r['points'][n]['paper']:.2f}" for n in counts}} for r in rows]
+    print_table("Fig. 11(a) read off the paper's chart: each scheme's speedup over the baseline on 1 device, "
+                "model / paper (a comparison, not a target)", table,
+                [("gpu", "GPU", ""), ("scheme", "scheme", "")] + [(n, f"{n} dev", "") for n in counts])
+    print(f"  chart points: {paper.FIG_11A_READ['source']}")
+    return rows
+
+
 def plot(results: dict[str, dict], path: Path) -> None:
-    """Fig. 11(a)'s shape: each scheme's step speedup over the baseline on 1 device, per device count and GPU;
-    beside it, the speedup over the baseline at the same count."""
+    """Fig. 11(a)'s shape: each scheme's step speedup over the baseline on 1 device, per device count and GPU, with
+    the paper's chart points as read; beside it, the speedup over the baseline at the same count."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -170,6 +209,9 @@ def plot(results: dict[str, dict], path: Path) -> None:
         for s in SCHEMES:
             left.plot(n, [base1 / r["step_s"][s] for r in rows], styles[gpu], color=colors[s], marker="o",
                       markersize=3, label=f"{LABELS[s]} ({gpu.upper()})")
+            read = paper.FIG_11A_READ.get(gpu, {}).get(s, {})
+            left.plot(list(read), list(read.values()), "x" if gpu == "a5000" else "+", color=colors[s],
+                      markersize=6, label=f"{LABELS[s]} ({gpu.upper()}), paper's chart")
             if s != "baseline":
                 right.plot(n, [r["speedup"][s] for r in rows], styles[gpu], color=colors[s], marker="o",
                            markersize=3, label=f"{LABELS[s]} ({gpu.upper()})")
@@ -181,7 +223,7 @@ def plot(results: dict[str, dict], path: Path) -> None:
     for ax in (left, right):
         ax.set_xticks(list(paper.DEVICES))
         ax.grid(alpha=0.3)
-        ax.legend(fontsize=7)
+        ax.legend(fontsize=6 if ax is left else 7, ncol=2 if ax is left else 1)
     fig.suptitle("GPT-2 4.0B-sized state on nsp's CSD model (the shape of Smart-Infinity Fig. 11(a))", fontsize=10)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -434,6 +476,11 @@ def main(argv: list[str] | None = None) -> int:
                         help="forward + backward seconds on the A5000 (default: derived, see nsp.csd.paper)")
     parser.add_argument("--compute-a100", type=float, default=None,
                         help="forward + backward seconds on the A100 (default: derived, see nsp.csd.paper)")
+    parser.add_argument("--compress-a5000", type=float, default=None,
+                        help="SU+O+C's Top-K selection seconds on the A5000 (default: derived for the paper's "
+                        "dataflow, see nsp.csd.paper; 0 for nsp's)")
+    parser.add_argument("--compress-a100", type=float, default=None,
+                        help="SU+O+C's Top-K selection seconds on the A100 (default as --compress-a5000)")
     parser.add_argument("--density", type=float, default=0.01, help="SU+O+C's Top-K kept fraction")
     parser.add_argument("--dataflow", choices=("paper", "nsp"), default="paper",
                         help="how gradients and params travel in near-storage schemes (nsp.csd.model)")
@@ -464,6 +511,7 @@ def main(argv: list[str] | None = None) -> int:
     for gpu in GPUS:
         print_scaling(gpu, results[gpu])
     checks = check_targets(results)
+    figure_11a = versus_figure(results)
     print_table("targets", checks, [("gpu", "GPU", ""), ("check", "check", ""), ("value", "model", ""),
                                     ("target", "target", ""),
                                     ("holds", "holds", "")])
@@ -479,6 +527,7 @@ def main(argv: list[str] | None = None) -> int:
     per_link = {s: {str(n): traffic(s, setting, n) for n in (1, 10)} for s in SCHEMES}
     record = {"params": args.params, "density": args.density, "dataflow": args.dataflow,
               "figures": figures.as_dict(), "gpus": results, "checks": checks, "traffic_bytes": per_link,
+              "figure_11a": {"source": paper.FIG_11A_READ["source"], "rows": figure_11a},
               "published": {**paper.PUBLISHED_10_DEVICES,
                             "smartcomp_over_smartupdate": paper.PUBLISHED_SMARTCOMP_OVER_SMARTUPDATE}}
     if args.calibrate or args.emulate:

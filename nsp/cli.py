@@ -207,7 +207,11 @@ def _plan(args: argparse.Namespace) -> int:
         figures = LinkFigures().with_overrides(**LinkFigures.parse_overrides(args.figure))
         compute = args.compute_s if args.compute_s is not None else (
             paper.compute_s(args.gpu, params) if args.gpu else 0.0)
-        setting = Setting(params=params, compute_s=compute, density=args.density, dataflow=args.dataflow)
+        # The paper's GPU selects the Top-K by sorting a gradient it fetched back from the host; nsp's does not.
+        compress = args.compress_s if args.compress_s is not None else (
+            paper.compress_s(args.gpu, params) if args.gpu and args.dataflow == "paper" else 0.0)
+        setting = Setting(params=params, compute_s=compute, density=args.density, dataflow=args.dataflow,
+                          compress_s=compress)
         result = plan(setting, args.devices, figures, max_devices=args.max_devices)
     except ValueError as e:
         print(f"nsp plan: error: {e}", file=sys.stderr)
@@ -293,7 +297,11 @@ def main(argv: list[str] | None = None) -> int:
                     help="search the best scheme over 1..this many devices (default: --devices)")
     pl.add_argument("--compute-s", type=float, default=None, help="forward + backward seconds per step")
     pl.add_argument("--gpu", choices=["a5000", "a100"], default=None,
-                    help="forward + backward as derived for Smart-Infinity's GPUs (nsp.csd.paper)")
+                    help="forward + backward as derived for Smart-Infinity's GPUs (nsp.csd.paper); with "
+                    "--dataflow paper, also SU+O+C's Top-K selection on them")
+    pl.add_argument("--compress-s", type=float, default=None,
+                    help="seconds per step the accelerator spends selecting SU+O+C's Top-K (default 0, or as "
+                    "derived with --gpu and --dataflow paper)")
     pl.add_argument("--density", type=float, default=0.01, help="Top-K kept fraction of SU+O+C (default 0.01)")
     pl.add_argument("--dataflow", choices=["nsp", "paper"], default="nsp",
                     help="nsp: gradients into the devices' buffers, params out of them, I/O and updates "

@@ -3,6 +3,7 @@ errors, the measured-traffic clock against a real store's counters, and ``nsp pl
 
 from __future__ import annotations
 
+import dataclasses
 import doctest
 import importlib
 import math
@@ -159,6 +160,9 @@ def test_bad_settings_name_their_field():
         Setting(params=10, compute_s=-1.0)
     with pytest.raises(ValueError, match="Setting.density"):
         Setting(params=10, density=0.0)
+    for bad in (-0.5, float("nan"), "1"):
+        with pytest.raises(ValueError, match="Setting.compress_s"):
+            Setting(params=10, compress_s=bad)
     with pytest.raises(ValueError, match="Setting.dataflow"):
         Setting(params=10, dataflow="magic")
     for devices in (0, -2, 1.5):
@@ -176,6 +180,29 @@ def test_compute_time_reproduces_the_papers_update_share():
     update = {p.name: p.seconds for p in t.phases}["update"]
     assert update / t.seconds == pytest.approx(paper.UPDATE_SHARE, rel=1e-9)
     assert paper.compute_s("a100", 10**9) == pytest.approx(paper.compute_s("a5000", 10**9) * 111.1 / 312, rel=1e-9)
+
+
+def test_top_k_selection_is_accelerator_time_of_smartcomp_only():
+    # The GPU's Top-K runs after backward, before anything is sent: it lengthens SU+O+C's step by exactly its
+    # seconds, is not transfer-and-update time, and leaves the other schemes alone.
+    plain, paid = GPT2_4B, dataclasses.replace(GPT2_4B, compress_s=0.75)
+    for n in (1, 10):
+        before, after = step_time("smartcomp", plain, n), step_time("smartcomp", paid, n)
+        assert [p.name for p in after.phases][:2] == ["forward+backward", "top-k compress"]
+        assert after.seconds == pytest.approx(before.seconds + 0.75, rel=1e-12)
+        assert after.update_s == pytest.approx(before.update_s, rel=1e-12)
+        for scheme in ("baseline", "smartupdate"):
+            assert step_time(scheme, paid, n) == step_time(scheme, plain, n)
+
+
+def test_paper_top_k_seconds_are_the_upload_plus_a_sort_at_published_peaks():
+    # nsp.csd.paper: 2 bytes per param up the GPU's PCIe 4.0 x16 link at 31.5 GB/s, then 29.4 G keys/s (A100),
+    # scaled by memory bandwidth for the A5000 (768 / 1555 GB/s).
+    n = 10**9
+    assert paper.compress_s("a100", n) == pytest.approx(2 * n / 31.5e9 + n / 29.4e9, rel=1e-12)
+    assert paper.compress_s("a5000", n) == pytest.approx(2 * n / 31.5e9 + n / (29.4e9 * 768 / 1555), rel=1e-12)
+    with pytest.raises(ValueError, match="unknown GPU setting"):
+        paper.compress_s("h100", n)
 
 
 def _stats(shared_in, shared_out, read, write, pages, ns):
@@ -230,6 +257,11 @@ def test_nsp_plan_prints_a_prediction(capsys):
     assert main(["plan", "--params", "4e9", "--devices", "10", "--gpu", "a5000", "--dataflow", "paper"]) == 0
     out = capsys.readouterr().out
     assert "SU+O+C" in out and "traffic per step" in out and "best over 1..10 devices: SU+O+C on 10" in out
+    assert f"SU+O+C's Top-K {paper.compress_s('a5000', 4 * 10**9):.2f} s" in out  # the paper's GPU sorts
+    assert main(["plan", "--params", "4e9", "--gpu", "a5000", "--compress-s", "2.5"]) == 0
+    assert "SU+O+C's Top-K 2.50 s" in capsys.readouterr().out
+    assert main(["plan", "--params", "4e9", "--gpu", "a5000"]) == 0  # nsp's dataflow: none unless given
+    assert "Top-K" not in capsys.readouterr().out.splitlines()[0]
     assert main(["plan", "--model", "tiny", "--devices", "2", "--figure", "shared_gbps=16"]) == 0
     assert "shared_gbps=16" in capsys.readouterr().out
 
@@ -239,6 +271,8 @@ def test_nsp_plan_reports_bad_figures(capsys):
     assert "LinkFigures.p2p_write_gbps must be a positive finite bandwidth" in capsys.readouterr().err
     assert main(["plan", "--params", "1e9", "--devices", "0"]) == 2
     assert "devices must be a positive integer" in capsys.readouterr().err
+    assert main(["plan", "--params", "1e9", "--compress-s", "-1"]) == 2
+    assert "Setting.compress_s must be" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("module", ["__init__", "clock", "figures", "model", "measured", "paper", "plan"])

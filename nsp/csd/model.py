@@ -31,9 +31,9 @@ Dataflow of the near-storage schemes (``Setting.dataflow``):
            new params leave from them; neither touches the SSD. Its ``pages_in_flight`` buffer sets overlap
            reads, updates and writes, and its kernel decompresses Top-K gradients as it updates.
 
-A step is: forward + backward (``Setting.compute_s``, the accelerator's seconds, the same for every scheme), then
-the gradient offload phase ("paper" dataflow and the baseline), then the update phase; they run one after the
-other. The deferred write-back of m and v is not hidden behind the next step's forward: the paper measured the
+A step is: forward + backward (``Setting.compute_s``, the accelerator's seconds, the same for every scheme), for
+SU+O+C the accelerator's Top-K selection (``Setting.compress_s``), then the gradient offload phase ("paper" dataflow
+and the baseline), then the update phase; they run one after the other. The deferred write-back of m and v is not hidden behind the next step's forward: the paper measured the
 transfer handler's whole gain at 4% (SU 1.54-1.60x, SU+O 1.60-1.66x at 10 SSDs, §VII-C), and the model keeps it at
 what overlap inside the update gives.
 
@@ -64,6 +64,8 @@ PAGE_BYTES_DEFAULT = 4 * 2**20
 PARAM_BYTES = 4  # an fp32 param, gradient, m or v
 STATES = 3  # Adam's p, m, v
 KEPT_BYTES = 8  # a kept Top-K element: fp32 value + int32 index
+# The phases that are the accelerator's compute, not transfer and update (``StepTime.update_s``).
+ACCELERATOR_PHASES = ("forward+backward", "top-k compress")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -78,6 +80,7 @@ class Setting:
     density: float = DENSITY_DEFAULT  # smartcomp's kept fraction of the gradient
     dataflow: str = "paper"  # see the module docstring
     page_bytes: int = PAGE_BYTES_DEFAULT  # bytes of one state array's page
+    compress_s: float = 0.0  # smartcomp: accelerator seconds per step to select the Top-K gradient (0: free)
 
     def __post_init__(self):
         if isinstance(self.params, bool) or not isinstance(self.params, int) or self.params <= 0:
@@ -86,6 +89,9 @@ class Setting:
             raise ValueError(f"Setting.compute_s must be a finite number of seconds >= 0, got {self.compute_s!r}")
         if not (isinstance(self.density, (int, float)) and 0 < self.density <= 1):
             raise ValueError(f"Setting.density must be in (0, 1], got {self.density!r}")
+        if not (isinstance(self.compress_s, (int, float)) and math.isfinite(self.compress_s)
+                and self.compress_s >= 0):
+            raise ValueError(f"Setting.compress_s must be a finite number of seconds >= 0, got {self.compress_s!r}")
         if self.dataflow not in DATAFLOWS:
             raise ValueError(f"Setting.dataflow must be one of {DATAFLOWS}, got {self.dataflow!r}")
         if isinstance(self.page_bytes, bool) or not isinstance(self.page_bytes, int) or self.page_bytes <= 0:
@@ -100,7 +106,7 @@ class Setting:
 @dataclasses.dataclass(frozen=True)
 class StepTime:
     """A step on the model clock: every phase's time, the step's ``seconds`` and the part that is transfer and
-    update (``update_s``: every phase but forward + backward)."""
+    update (``update_s``: every phase but the accelerator's, ``ACCELERATOR_PHASES``)."""
 
     scheme: str
     devices: int
@@ -112,7 +118,7 @@ class StepTime:
 
     @property
     def update_s(self) -> float:
-        return sum(p.seconds for p in self.phases if p.name != "forward+backward")
+        return sum(p.seconds for p in self.phases if p.name not in ACCELERATOR_PHASES)
 
 
 def _check(scheme: str, devices: int) -> None:
@@ -149,6 +155,9 @@ def phases(scheme: str, setting: Setting, devices: int) -> list[Phase]:
         return (DeviceLoad(**{k: v / n for k, v in load.items()}),) * n
 
     out = [Phase("forward+backward", compute_s=float(setting.compute_s))]
+    if scheme == "smartcomp" and setting.compress_s > 0:
+        # The accelerator selects the kept elements before anything is sent (§IV-C: "GPU compresses the gradients").
+        out.append(Phase("top-k compress", compute_s=float(setting.compress_s)))
     if scheme == "baseline":
         # Backward writes the gradients to the RAID0 volume; the update reads state + gradients to the host and
         # writes the state back, all over the shared link and each SSD's host path.

@@ -8,10 +8,21 @@ FLOPs), so the A5000 figure for another size is that time x params / 8.4e9. The 
 the ratio of their peak dense FP16 tensor throughputs (NVIDIA datasheets: A100 312 TFLOPS; RTX A5000 222.2 TFLOPS
 with 2:4 sparsity, 111.1 dense): a lower bound on its time, since an offloaded step is not all tensor-core work.
 
+SU+O+C also pays for selecting the Top-K on the GPU, which the paper does not time. Its released code
+(AIS-SNU/smart-infinity, ``deepspeed/runtime/swap_tensor/optimizer_utils.py``) copies each fp16 gradient subgroup
+from the host's swap buffer back to the GPU and sorts all of it by magnitude (``abs().sort()``) to keep the top
+1%. ``compress_s`` charges that at two published peaks, so it too is a lower bound: the upload of 2 bytes per
+param over the GPU's PCIe 4.0 x16 link (both GPUs' datasheets: 31.5 GB/s), and a sort at the fastest published
+GPU radix sort, Onesweep's 29.4 G keys/s for 32-bit keys on an A100 (Adinets & Merrill, arXiv:2206.01784; torch
+sorts with CUB, which that paper measures 1.5x slower, and carries 8-byte indices). A radix sort streams memory,
+so the A5000's rate is the A100's scaled by their memory bandwidths (datasheets: 768 and 1555 GB/s).
+
     >>> from nsp.csd import paper
     >>> a5000, a100 = (paper.compute_s(gpu, paper.GPT2_4B_PARAMS) for gpu in ("a5000", "a100"))
     >>> round(a5000, 2), round(a5000 / a100, 2)    # seconds of forward + backward; the A100 2.81x faster
     (3.5, 2.81)
+    >>> [round(paper.compress_s(gpu, paper.GPT2_4B_PARAMS), 2) for gpu in ("a5000", "a100")]
+    [0.53, 0.39]
 """
 
 from __future__ import annotations
@@ -32,6 +43,12 @@ UPDATE_SHARE_DEVICES = 6
 # Peak dense FP16 tensor throughput, TFLOPS (NVIDIA datasheets; the A5000's 222.2 is quoted with 2:4 sparsity).
 PEAK_TFLOPS = {"a5000": 222.2 / 2, "a100": 312.0}
 
+# SU+O+C's Top-K on the GPU (module docstring): the fp16 gradient's trip back up, and a full sort of it.
+GRADIENT_UPLOAD_BYTES = 2  # per param: the fp16 gradient, host swap buffer -> GPU
+GPU_LINK_GBPS = 31.5  # PCIe 4.0 x16, both GPUs (NVIDIA datasheets)
+SORT_GKEYS_A100 = 29.4  # Onesweep, 32-bit keys on an A100 (arXiv:2206.01784): the fastest published GPU sort
+MEMORY_GBPS = {"a5000": 768.0, "a100": 1555.0}  # NVIDIA datasheets (A100 40GB)
+
 # The speedups over the baseline at 10 SSDs that the paper states, with where it states them.
 PUBLISHED_10_DEVICES = {
     "smartupdate": {"low": 1.60, "high": 1.66,
@@ -40,6 +57,19 @@ PUBLISHED_10_DEVICES = {
                   "source": "§VII-C (Fig. 9, A5000): SU+O+C 1.85-1.98x at 10 SSDs"},
     "smartcomp_a100": {"low": 2.11, "high": 2.11,
                        "source": "§VII-E (Fig. 11(b), A100, GPT-2 4.0B, 10 SSDs): 'up to 2.11x'"},
+}
+
+# Fig. 11(a) itself: each scheme's speedup over the baseline on 1 SSD, per device count, read off the chart in the
+# authors' camera-ready PDF (AIS-SNU/smart-infinity, assets/; by pixel, about +-0.05). The seed's text gives only
+# the 10-device ratios above; these show the curves' absolute height, for comparison, not as targets.
+FIG_11A_READ = {
+    "source": "Fig. 11(a) of the camera-ready PDF (AIS-SNU/smart-infinity assets/), read off the chart, +-0.05",
+    "a5000": {"baseline": {1: 1.00, 2: 1.50, 4: 2.22, 6: 2.25, 8: 2.25, 10: 2.27},
+              "smartupdate": {1: 0.80, 2: 1.48, 4: 2.55, 6: 2.92, 8: 3.25, 10: 3.63},
+              "smartcomp": {1: 0.88, 2: 1.62, 4: 2.80, 6: 3.44, 8: 3.75, 10: 4.41}},
+    "a100": {"baseline": {1: 1.00, 2: 1.57, 4: 2.26, 6: 2.43, 8: 2.40, 10: 2.47},
+             "smartupdate": {1: 0.86, 2: 1.45, 4: 2.58, 6: 3.18, 8: 3.80, 10: 4.46},
+             "smartcomp": {1: 0.75, 2: 1.38, 4: 2.64, 6: 3.33, 8: 4.38, 10: 5.25}},
 }
 
 # What SmartComp adds on top of SU+O, as the paper states it (the ratio of the two speedups above, per model).
@@ -69,3 +99,13 @@ def compute_s(gpu: str, params: int, figures: LinkFigures | None = None) -> floa
         raise ValueError(f"unknown GPU setting {gpu!r}; valid: {', '.join(PEAK_TFLOPS)}")
     a5000 = a5000_compute_s_per_param(figures) * params
     return a5000 * PEAK_TFLOPS["a5000"] / PEAK_TFLOPS[gpu]
+
+
+def compress_s(gpu: str, params: int) -> float:
+    """Seconds per step SU+O+C's GPU spends selecting the Top-K of a ``params``-sized gradient on ``gpu`` as the
+    paper's released code does: upload it, sort it (module docstring; a lower bound)."""
+    if gpu not in MEMORY_GBPS:
+        raise ValueError(f"unknown GPU setting {gpu!r}; valid: {', '.join(MEMORY_GBPS)}")
+    upload = GRADIENT_UPLOAD_BYTES * params / (GPU_LINK_GBPS * 1e9)
+    sort_keys_per_s = SORT_GKEYS_A100 * 1e9 * MEMORY_GBPS[gpu] / MEMORY_GBPS["a100"]
+    return upload + params / sort_keys_per_s
