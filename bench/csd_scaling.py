@@ -5,15 +5,15 @@
     python bench/csd_scaling.py --calibrate           # + the model vs a real update here, and vs the emulator (~2 min)
     python bench/csd_scaling.py --figure shared_gbps=16 --compute-a5000 6.0
 
-Scaling. For 1..10 devices, one optimizer step of a GPT-2 4.0B-sized state (``nsp.csd.paper.GPT2_4B_PARAMS``)
-on ``nsp.csd``'s model: the baseline (ZeRO-Infinity-style host update over a RAID0 of N SSDs), SU+O (SmartUpdate
-with the transfer handler) and SU+O+C (with Top-K 1%), for the paper's A5000 and A100 settings. The forward +
-backward seconds, and SU+O+C's seconds selecting the Top-K on the GPU, are derived as ``nsp.csd.paper`` says (the
-paper gives neither) and can be set. The link figures
-are ``nsp.csd.LinkFigures``' cited defaults, overridable with ``--figure NAME=GBPS``. The table gives each
-scheme's step time and speedup over the baseline at the same device count; the checks compare the shape with the
-paper's text (the baseline flattens by 4-5 devices; near-storage at or slightly below the baseline at 1 device and
-close to linear after) and the 10-device speedups with the numbers the paper states (each named with its source).
+Scaling. For 1..10 devices, one optimizer step of a GPT-2 4.0B-sized state (``nsp.csd.paper.GPT2_4B_PARAMS``) on
+``nsp.csd``'s model: the baseline (ZeRO-Infinity-style host update over a RAID0 of N SSDs), SU+O (SmartUpdate with
+the transfer handler) and SU+O+C (with Top-K 1%), for the paper's A5000 and A100 settings. The forward + backward
+seconds, and SU+O+C's seconds selecting the Top-K on the GPU, are derived as ``nsp.csd.paper`` says (the paper gives
+neither) and can be set. The link figures are ``nsp.csd.LinkFigures``' cited defaults, overridable with
+``--figure NAME=GBPS``. The table gives each scheme's step time and speedup over the baseline at the same device
+count; the checks compare the shape with the paper's text (the baseline flattens by 4-5 devices; near-storage at or
+slightly below the baseline at 1 device and close to linear after) and the 10-device speedups with the numbers the
+paper states (each named with its source).
 
 Calibration (``--calibrate``). A one-shard file-tier store (``--calibrate-mib`` of Adam state in a temporary
 folder under ``--dir``) is updated ``--repeats`` times, interleaved with this machine's probes. Each round: a disk

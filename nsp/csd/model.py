@@ -33,9 +33,9 @@ Dataflow of the near-storage schemes (``Setting.dataflow``):
 
 A step is: forward + backward (``Setting.compute_s``, the accelerator's seconds, the same for every scheme), for
 SU+O+C the accelerator's Top-K selection (``Setting.compress_s``), then the gradient offload phase ("paper" dataflow
-and the baseline), then the update phase; they run one after the other. The deferred write-back of m and v is not hidden behind the next step's forward: the paper measured the
-transfer handler's whole gain at 4% (SU 1.54-1.60x, SU+O 1.60-1.66x at 10 SSDs, §VII-C), and the model keeps it at
-what overlap inside the update gives.
+and the baseline), then the update phase; they run one after the other. The deferred write-back of m and v is not
+hidden behind the next step's forward: the paper measured the transfer handler's whole gain at 4% (SU 1.54-1.60x,
+SU+O 1.60-1.66x at 10 SSDs, §VII-C), and the model keeps it at what overlap inside the update gives.
 
     >>> from nsp.csd import LinkFigures, Setting, step_time
     >>> s = Setting(params=4_000_000_000, compute_s=3.0)

@@ -46,8 +46,9 @@ def plan(setting: Setting, devices: int, figures: LinkFigures, *, max_devices: i
 def format_plan(p: dict) -> str:
     """``plan``'s result as the text ``nsp plan`` prints."""
     setting, n = p["setting"], p["devices"]
-    lines = [f"plan: {setting.params:.2e} params (fp32 state {12 * setting.params / 1e9:.1f} GB), {n} device{'s' * (n != 1)}, "
-             f"dataflow {setting.dataflow!r}, forward + backward {setting.compute_s:.2f} s"
+    lines = [f"plan: {setting.params:.2e} params (fp32 state {12 * setting.params / 1e9:.1f} GB), "
+             f"{n} device{'s' * (n != 1)}, dataflow {setting.dataflow!r}, "
+             f"forward + backward {setting.compute_s:.2f} s"
              + (f", SU+O+C's Top-K {setting.compress_s:.2f} s" if setting.compress_s else ""),
              "link figures (GB/s): " + ", ".join(f"{k}={v:g}" for k, v in p["figures"].as_dict().items()), "",
              f"{'scheme':<8} {'step s':>9} {'update s':>9} {'x BASE':>7}  bottleneck"]
