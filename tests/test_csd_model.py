@@ -160,9 +160,11 @@ def test_bad_settings_name_their_field():
         Setting(params=10, compute_s=-1.0)
     with pytest.raises(ValueError, match="Setting.density"):
         Setting(params=10, density=0.0)
-    for bad in (-0.5, float("nan"), "1"):
+    for bad in (-0.5, float("nan"), "1", True):
         with pytest.raises(ValueError, match="Setting.compress_s"):
             Setting(params=10, compress_s=bad)
+        with pytest.raises(ValueError, match="Setting.compute_s"):
+            Setting(params=10, compute_s=bad)
     with pytest.raises(ValueError, match="Setting.dataflow"):
         Setting(params=10, dataflow="magic")
     for devices in (0, -2, 1.5):

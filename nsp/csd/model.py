@@ -68,6 +68,12 @@ KEPT_BYTES = 8  # a kept Top-K element: fp32 value + int32 index
 ACCELERATOR_PHASES = ("forward+backward", "top-k compress")
 
 
+def _seconds(value) -> bool:
+    """Whether ``value`` is a finite, non-negative number of seconds (a bool is not)."""
+    return (not isinstance(value, bool) and isinstance(value, (int, float)) and math.isfinite(value)
+            and value >= 0)
+
+
 @dataclasses.dataclass(frozen=True)
 class Setting:
     """What is trained: its size, the accelerator's forward + backward seconds, and how gradients travel.
@@ -85,13 +91,11 @@ class Setting:
     def __post_init__(self):
         if isinstance(self.params, bool) or not isinstance(self.params, int) or self.params <= 0:
             raise ValueError(f"Setting.params must be a positive integer, got {self.params!r}")
-        if not (isinstance(self.compute_s, (int, float)) and math.isfinite(self.compute_s) and self.compute_s >= 0):
-            raise ValueError(f"Setting.compute_s must be a finite number of seconds >= 0, got {self.compute_s!r}")
-        if not (isinstance(self.density, (int, float)) and 0 < self.density <= 1):
+        for name in ("compute_s", "compress_s"):
+            if not _seconds(getattr(self, name)):
+                raise ValueError(f"Setting.{name} must be a finite number of seconds >= 0, got {getattr(self, name)!r}")
+        if isinstance(self.density, bool) or not (isinstance(self.density, (int, float)) and 0 < self.density <= 1):
             raise ValueError(f"Setting.density must be in (0, 1], got {self.density!r}")
-        if not (isinstance(self.compress_s, (int, float)) and math.isfinite(self.compress_s)
-                and self.compress_s >= 0):
-            raise ValueError(f"Setting.compress_s must be a finite number of seconds >= 0, got {self.compress_s!r}")
         if self.dataflow not in DATAFLOWS:
             raise ValueError(f"Setting.dataflow must be one of {DATAFLOWS}, got {self.dataflow!r}")
         if isinstance(self.page_bytes, bool) or not isinstance(self.page_bytes, int) or self.page_bytes <= 0:
