@@ -432,7 +432,9 @@ class StateStore:
           bf16_out: return a bf16 copy of the new params.
           params_into: a float32, C-contiguous array of ``layout.padded_total`` elements to write the new params
             into (and return as ``"params"``) instead of a fresh array: a loop of updates then allocates nothing
-            (a fresh array's first touch costs about as much as the kernel's pass). Needs ``params_out``.
+            (a fresh array's first touch costs about as much as the kernel's pass, and several times more on a
+            virtual machine that hands freed memory back to its host: ``bench/store_update.py``'s "numpy in and
+            out" row against its "params_into reused" row). Needs ``params_out``.
 
         Returns:
           ``{"params": flat fp32, "params_bf16": flat bf16}`` (those asked for), ``layout.padded_total`` long, and
