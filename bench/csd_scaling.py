@@ -101,9 +101,9 @@ def compress_seconds(args, gpu: str) -> tuple[float, str]:
     given = getattr(args, f"compress_{gpu}")
     if given is not None:
         return given, "given (--compress-" + gpu + ")"
-    if args.dataflow == "paper":
-        return paper.compress_s(gpu, args.params), "derived (nsp.csd.paper)"
-    return 0.0, "not modelled for nsp's dataflow (--compress-" + gpu + ")"
+    how = ("derived (nsp.csd.paper)" if args.dataflow == "paper"
+           else f"not modelled for nsp's dataflow (--compress-{gpu})")
+    return paper.default_compress_s(gpu, args.params, args.dataflow), how
 
 
 def print_scaling(gpu: str, result: dict) -> None:
@@ -191,9 +191,10 @@ def versus_figure(results: dict[str, dict]) -> list[dict]:
     return rows
 
 
-def plot(results: dict[str, dict], path: Path) -> None:
+def plot(results: dict[str, dict], path: Path, chart: bool = True) -> None:
     """Fig. 11(a)'s shape: each scheme's step speedup over the baseline on 1 device, per device count and GPU, with
-    the paper's chart points as read; beside it, the speedup over the baseline at the same count."""
+    the paper's chart points as read (``chart``: the state is the paper's); beside it, the speedup over the
+    baseline at the same count."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -209,9 +210,10 @@ def plot(results: dict[str, dict], path: Path) -> None:
         for s in SCHEMES:
             left.plot(n, [base1 / r["step_s"][s] for r in rows], styles[gpu], color=colors[s], marker="o",
                       markersize=3, label=f"{LABELS[s]} ({gpu.upper()})")
-            read = paper.FIG_11A_READ.get(gpu, {}).get(s, {})
-            left.plot(list(read), list(read.values()), "x" if gpu == "a5000" else "+", color=colors[s],
-                      markersize=6, label=f"{LABELS[s]} ({gpu.upper()}), paper's chart")
+            if chart:
+                read = paper.FIG_11A_READ[gpu][s]
+                left.plot(list(read), list(read.values()), "x" if gpu == "a5000" else "+", color=colors[s],
+                          markersize=6, label=f"{LABELS[s]} ({gpu.upper()}), paper's chart")
             if s != "baseline":
                 right.plot(n, [r["speedup"][s] for r in rows], styles[gpu], color=colors[s], marker="o",
                            markersize=3, label=f"{LABELS[s]} ({gpu.upper()})")
@@ -511,7 +513,8 @@ def main(argv: list[str] | None = None) -> int:
     for gpu in GPUS:
         print_scaling(gpu, results[gpu])
     checks = check_targets(results)
-    figure_11a = versus_figure(results)
+    # The chart is the paper's GPT-2 4.0B: another state size has nothing there to compare with.
+    figure_11a = versus_figure(results) if args.params == paper.GPT2_4B_PARAMS else None
     print_table("targets", checks, [("gpu", "GPU", ""), ("check", "check", ""), ("value", "model", ""),
                                     ("target", "target", ""),
                                     ("holds", "holds", "")])
@@ -527,7 +530,7 @@ def main(argv: list[str] | None = None) -> int:
     per_link = {s: {str(n): traffic(s, setting, n) for n in (1, 10)} for s in SCHEMES}
     record = {"params": args.params, "density": args.density, "dataflow": args.dataflow,
               "figures": figures.as_dict(), "gpus": results, "checks": checks, "traffic_bytes": per_link,
-              "figure_11a": {"source": paper.FIG_11A_READ["source"], "rows": figure_11a},
+              "figure_11a": figure_11a and {"source": paper.FIG_11A_READ["source"], "rows": figure_11a},
               "published": {**paper.PUBLISHED_10_DEVICES,
                             "smartcomp_over_smartupdate": paper.PUBLISHED_SMARTCOMP_OVER_SMARTUPDATE}}
     if args.calibrate or args.emulate:
@@ -536,7 +539,7 @@ def main(argv: list[str] | None = None) -> int:
         record["calibration"] = calibrate(args)
     out = write_json("csd_scaling", record, args.json)
     png = Path(args.png) if args.png else out.with_suffix(".png")
-    plot(results, png)
+    plot(results, png, chart=figure_11a is not None)
     print(f"\nJSON: {out}\nPNG: {png}")
     return 0
 

@@ -345,7 +345,7 @@ def render_csd_scaling(d: dict, out: Path) -> tuple[str, str]:
     from csd_scaling import LABELS, SCHEMES, plot  # matplotlib only when this section renders
 
     command = d.get("command") or "python bench/csd_scaling.py --calibrate"
-    plot(d["gpus"], out / "csd_scaling.png")
+    plot(d["gpus"], out / "csd_scaling.png", chart=bool(d.get("figure_11a")))
     parts = []
     for gpu, result in d["gpus"].items():
         rows = [{"devices": r["devices"],

@@ -207,9 +207,8 @@ def _plan(args: argparse.Namespace) -> int:
         figures = LinkFigures().with_overrides(**LinkFigures.parse_overrides(args.figure))
         compute = args.compute_s if args.compute_s is not None else (
             paper.compute_s(args.gpu, params) if args.gpu else 0.0)
-        # The paper's GPU selects the Top-K by sorting a gradient it fetched back from the host; nsp's does not.
         compress = args.compress_s if args.compress_s is not None else (
-            paper.compress_s(args.gpu, params) if args.gpu and args.dataflow == "paper" else 0.0)
+            paper.default_compress_s(args.gpu, params, args.dataflow) if args.gpu else 0.0)
         setting = Setting(params=params, compute_s=compute, density=args.density, dataflow=args.dataflow,
                           compress_s=compress)
         result = plan(setting, args.devices, figures, max_devices=args.max_devices)

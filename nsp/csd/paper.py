@@ -109,3 +109,9 @@ def compress_s(gpu: str, params: int) -> float:
     upload = GRADIENT_UPLOAD_BYTES * params / (GPU_LINK_GBPS * 1e9)
     sort_keys_per_s = SORT_GKEYS_A100 * 1e9 * MEMORY_GBPS[gpu] / MEMORY_GBPS["a100"]
     return upload + params / sort_keys_per_s
+
+
+def default_compress_s(gpu: str, params: int, dataflow: str) -> float:
+    """SU+O+C's Top-K seconds when none is given: ``compress_s`` for the paper's dataflow; 0 for nsp's, whose
+    gradients make no trip back from the host (its accelerator's own Top-K is the caller's to give)."""
+    return compress_s(gpu, params) if dataflow == "paper" else 0.0
