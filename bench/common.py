@@ -175,6 +175,11 @@ def git_info(max_paths: int = 40) -> dict[str, Any]:
     ``git describe``. Untracked files are not counted. Three git calls."""
     status = git_output("status", "--porcelain=v2", "--branch", "-z", "--untracked-files=no")
     if status is None:
+        # A copy of a commit's tree without its .git (a remote machine's run): the commit it was copied from, as
+        # the one who copied it says.
+        if os.environ.get("NSP_SOURCE_COMMIT"):
+            return {"commit": os.environ["NSP_SOURCE_COMMIT"], "source": "NSP_SOURCE_COMMIT: a copy of that "
+                    "commit's tree without .git, run elsewhere", "dirty": None}
         return {"commit": None, "error": "not a git checkout (or git is missing)"}
     commit, branch, dirty = None, None, []
     items = iter(status.split("\0"))
