@@ -145,7 +145,8 @@ def topk_compress(
             top-k only on TPU; on CPU and GPU it lowers to an exact top-k, so it is not faster there),
             ``"threshold"`` (sampled threshold + candidate compaction, exact result, much faster for a large k;
             it takes the exact path where that is as fast: below 65536 entries, k below 4096, or ratio above 1/4)
-            or ``"auto"`` (the same as ``"threshold"``). See the module docstring for measured speeds.
+            or ``"auto"`` (``"threshold"`` on CPU, ``"exact"`` on other platforms, chosen when the computation is
+            lowered for one). See the module docstring for measured speeds.
         recall_target: passed to ``lax.approx_max_k`` by ``"approx"``; ignored by the other methods.
 
     Returns:
@@ -217,8 +218,10 @@ def _threshold_applies(size: int, k: int, dtype: jnp.dtype) -> bool:
 
 
 def _resolve_method(method: str, size: int, k: int, dtype: jnp.dtype) -> str:
+    """The method ``_compress`` runs: "auto" stays "auto" (chosen per platform when lowered) where the threshold
+    path applies; "threshold" and "auto" are "exact" where it does not."""
     if method in ("auto", "threshold"):
-        return "threshold" if _threshold_applies(size, k, dtype) else "exact"
+        return method if _threshold_applies(size, k, dtype) else "exact"
     return method
 
 
@@ -228,6 +231,13 @@ def _compress(flat: jax.Array, *, k: int, method: str, recall: float) -> tuple[j
         return _exact(flat, k)
     if method == "approx":
         return _approx(flat, k, recall)
+    if method == "auto":
+        # Chosen when lowered, by the platform the computation runs on: only the chosen path is compiled.
+        return lax.platform_dependent(flat, cpu=lambda f: _threshold_or_exact(f, k), default=lambda f: _exact(f, k))
+    return _threshold_or_exact(flat, k)
+
+
+def _threshold_or_exact(flat: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
     values, indices, ok = _threshold(flat, k)
     # Candidate count outside [k, capacity]: the sample misjudged the data; the exact path is always right.
     return lax.cond(ok, lambda: (values, indices), lambda: _exact(flat, k))
