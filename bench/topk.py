@@ -19,9 +19,10 @@ checked against numpy: k distinct ascending indices, values equal to ``x`` at th
 the k-th largest and every larger one kept ("correct"); "fallback" says whether the threshold method's candidate
 count missed (its ``ok`` flag, computed apart from the timed call), i.e. whether the exact path ran.
 
-"nsp auto" is what a user gets by default: the threshold path on CPU, the exact one on a GPU or TPU, where the
-threshold path measured slower than ``lax.top_k`` (``bench/results/topk_gpu.json``: an H200). On a GPU run
-``--json bench/results/topk_gpu.json``; the record names the platform and device either way.
+"nsp auto" is what a user gets by default: the threshold path on CPU; on a GPU or TPU the threshold path from
+``ACCELERATOR_THRESHOLD_MIN_SIZE`` (32M) entries on and the exact one below, where the threshold path measured
+slower than ``lax.top_k`` on an H200. On a GPU run ``--json bench/results/topk_gpu.json`` (and
+``topk_gpu_<size>.json`` for other sizes); the record names the platform and device either way.
 """
 
 from __future__ import annotations
@@ -163,7 +164,8 @@ def main(argv: list[str] | None = None) -> None:
     k = kept_count(args.size, ratio=args.ratio)
     # "auto" is the threshold path on CPU and the exact one elsewhere (nsp.primitives.topk), where threshold applies.
     applies = topk_lib._resolve_method("auto", args.size, k, jnp.float32) == "auto"
-    auto_path = ("threshold" if jax.devices()[0].platform == "cpu" else "exact") if applies else "exact"
+    on_cpu = jax.devices()[0].platform == "cpu"
+    auto_path = "threshold" if applies and (on_cpu or args.size >= topk_lib.ACCELERATOR_THRESHOLD_MIN_SIZE) else "exact"
     print(f"Top-K of {args.size:,} fp32 at ratio {args.ratio:g} (k={k:,}); jax {jax.__version__} on "
           f"{jax.devices()[0].platform}; median of {args.repeats} interleaved rounds after 2 warm-ups")
     rows = []

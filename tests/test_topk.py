@@ -131,17 +131,18 @@ def test_auto_uses_threshold_only_where_it_pays():
     assert topk._resolve_method("approx", 2**20, 2**20 // 100, jnp.float32) == "approx"
 
 
-def _lowered(method: str, platform: str) -> str:
-    """StableHLO of ``topk_compress(x, method=...)`` on 2**20 fp32 entries at 1%, lowered for ``platform`` (a
+def _lowered(method: str, platform: str, size: int = 2**20) -> str:
+    """StableHLO of ``topk_compress(x, method=...)`` on ``size`` fp32 entries at 1%, lowered for ``platform`` (a
     platform need not be present to lower for it)."""
-    x = jax.ShapeDtypeStruct((2**20,), jnp.float32)
+    x = jax.ShapeDtypeStruct((size,), jnp.float32)
     f = jax.jit(lambda a: topk_compress(a, ratio=0.01, method=method))
     return f.trace(x).lower(lowering_platforms=(platform,)).as_text()
 
 
 def test_auto_lowers_the_threshold_path_on_cpu_and_the_exact_one_elsewhere():
-    # On a GPU the threshold path measured 0.6-0.8x the speed of lax.top_k (bench/results/topk_gpu.json), on CPU
-    # 12x: "auto" is the threshold path on CPU only. That path orders magnitudes by their float bits (the one
+    # On an H200 at 16M entries the threshold path measured 0.6-0.8x the speed of lax.top_k
+    # (bench/results/topk_gpu.json), on CPU 12x: below ACCELERATOR_THRESHOLD_MIN_SIZE "auto" is the threshold path
+    # on CPU only. That path orders magnitudes by their float bits (the one
     # bitcast_convert of these programs); the exact path is a lax.top_k and a sort of its indices.
     assert _lowered("threshold", "cpu").count("bitcast_convert") == 1
     assert _lowered("exact", "cpu").count("bitcast_convert") == 0
@@ -150,6 +151,9 @@ def test_auto_lowers_the_threshold_path_on_cpu_and_the_exact_one_elsewhere():
         lowered = _lowered("auto", platform)
         assert "bitcast_convert" not in lowered, platform
         assert lowered.count("stablehlo.sort") == 1 and lowered.count("top_k") == 1, platform
+        # From ACCELERATOR_THRESHOLD_MIN_SIZE entries on, lax.top_k is the slower there too.
+        big = _lowered("auto", platform, size=topk.ACCELERATOR_THRESHOLD_MIN_SIZE)
+        assert big.count("bitcast_convert") == 1, platform
 
 
 # ---------------------------------------------------------------------------------------------------------------
