@@ -69,9 +69,10 @@ THRESHOLD_MIN_SIZE = 65536
 THRESHOLD_MIN_K = 4096
 THRESHOLD_MAX_RATIO = 0.25
 # Off the CPU ("auto" on a GPU or TPU) the threshold path pays only for big inputs: its many small steps cost
-# about the same at any size, while lax.top_k grows with it. Measured on an H200 at 1%, jax 0.11.2
-# (bench/results/topk_gpu*.json): 16M entries, threshold 1.42 ms against lax.top_k 0.84 ms; 64M, 1.6 against 2.7.
-ACCELERATOR_THRESHOLD_MIN_SIZE = 2**25
+# about the same at any size, while lax.top_k grows with it. Measured on an H200 at 1%, jax 0.11.2, against the
+# exact path (bench/results/topk_gpu_*.json): at 16M entries 0.6x on easy inputs; at 32M 1.1x on easy inputs but
+# 0.55x where its fallback runs (ties, sparse gradients); at 64M 1.6-1.7x, at 128M 2.6x on easy inputs.
+ACCELERATOR_THRESHOLD_MIN_SIZE = 2**26
 # The sample is drawn so that ~SAMPLE_HITS of its points lie above the candidate threshold (at least SAMPLE_MIN
 # points, cheap for large inputs). Since the sampled positions are uniform and independent of the data, the
 # number of entries above the threshold is then known to a relative standard deviation of ~1/sqrt(SAMPLE_HITS)
