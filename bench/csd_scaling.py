@@ -96,14 +96,14 @@ def scaling_rows(args, figures: LinkFigures) -> dict[str, dict]:
 
 def compress_seconds(args, gpu: str) -> tuple[float, str]:
     """SU+O+C's Top-K seconds on ``gpu`` and where they come from: given, or the paper's system's (its GPU sorts
-    the whole gradient after a trip back from the host: ``nsp.csd.paper.compress_s``), which nsp's dataflow does
-    not inherit."""
+    the whole gradient after a trip back from the host: ``nsp.csd.paper.compress_s``), or, for nsp's dataflow,
+    nsp's own Top-K where the gradient is (``nsp.csd.paper.nsp_compress_s``)."""
     given = getattr(args, f"compress_{gpu}")
     if given is not None:
         return given, "given (--compress-" + gpu + ")"
-    how = ("derived (nsp.csd.paper)" if args.dataflow == "paper"
-           else f"not modelled for nsp's dataflow (--compress-{gpu})")
-    return paper.default_compress_s(gpu, args.params, args.dataflow), how
+    how = ("derived (nsp.csd.paper.compress_s: measured on an H200)" if args.dataflow == "paper"
+           else "derived (nsp.csd.paper.nsp_compress_s: nsp's Top-K measured on an H200)")
+    return paper.default_compress_s(gpu, args.params, args.dataflow, args.density), how
 
 
 def print_scaling(gpu: str, result: dict) -> None:

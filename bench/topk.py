@@ -21,8 +21,8 @@ count missed (its ``ok`` flag, computed apart from the timed call), i.e. whether
 
 "nsp auto" is what a user gets by default: the threshold path on CPU; on a GPU or TPU the threshold path from
 ``ACCELERATOR_THRESHOLD_MIN_SIZE`` (64M) entries on and the exact one below, where the threshold path measured
-slower than ``lax.top_k`` on an H200. On a GPU run ``--json bench/results/topk_gpu.json`` (and
-``topk_gpu_<size>.json`` for other sizes); the record names the platform and device either way.
+slower than ``lax.top_k`` on an H200. On a GPU run ``--size N --json bench/results/topk_gpu_N.json`` (the
+report renders ``topk_gpu_67108864.json``); the record names the platform and device either way.
 """
 
 from __future__ import annotations

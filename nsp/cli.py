@@ -208,7 +208,7 @@ def _plan(args: argparse.Namespace) -> int:
         compute = args.compute_s if args.compute_s is not None else (
             paper.compute_s(args.gpu, params) if args.gpu else 0.0)
         compress = args.compress_s if args.compress_s is not None else (
-            paper.default_compress_s(args.gpu, params, args.dataflow) if args.gpu else 0.0)
+            paper.default_compress_s(args.gpu, params, args.dataflow, args.density) if args.gpu else 0.0)
         setting = Setting(params=params, compute_s=compute, density=args.density, dataflow=args.dataflow,
                           compress_s=compress)
         result = plan(setting, args.devices, figures, max_devices=args.max_devices)

@@ -4,9 +4,11 @@ errors, the measured-traffic clock against a real store's counters, and ``nsp pl
 from __future__ import annotations
 
 import dataclasses
+import json
 import doctest
 import importlib
 import math
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -197,14 +199,36 @@ def test_top_k_selection_is_accelerator_time_of_smartcomp_only():
             assert step_time(scheme, paid, n) == step_time(scheme, plain, n)
 
 
-def test_paper_top_k_seconds_are_the_upload_plus_a_sort_at_published_peaks():
-    # nsp.csd.paper: 2 bytes per param up the GPU's PCIe 4.0 x16 link at 31.5 GB/s, then 29.4 G keys/s (A100),
-    # scaled by memory bandwidth for the A5000 (768 / 1555 GB/s).
+def test_paper_top_k_seconds_are_the_measured_selection_carried_to_the_paper_gpus():
+    # nsp.csd.paper: 2 bytes per param up and 6 per kept param down the GPU's PCIe 4.0 x16 link at 31.5 GB/s times
+    # the share of peak the H200's upload reached, then the H200's measured selection rate scaled by memory
+    # bandwidth (A100 1555, A5000 768, H200 4800 GB/s).
     n = 10**9
-    assert paper.compress_s("a100", n) == pytest.approx(2 * n / 31.5e9 + n / 29.4e9, rel=1e-12)
-    assert paper.compress_s("a5000", n) == pytest.approx(2 * n / 31.5e9 + n / (29.4e9 * 768 / 1555), rel=1e-12)
-    with pytest.raises(ValueError, match="unknown GPU setting"):
-        paper.compress_s("h100", n)
+    link = 31.5e9 * 55.19 / 63.0
+    for gpu, bandwidth in (("a100", 1555), ("a5000", 768)):
+        want = (2 * n + 6 * 0.01 * n) / link + n / (40.12e9 * bandwidth / 4800)
+        assert paper.compress_s(gpu, n) == pytest.approx(want, rel=1e-12), gpu
+        assert paper.nsp_compress_s(gpu, n) == pytest.approx(n / (38.74e9 * bandwidth / 4800), rel=1e-12), gpu
+    assert paper.default_compress_s("a100", n, "paper") == paper.compress_s("a100", n)
+    assert paper.default_compress_s("a100", n, "nsp") == paper.nsp_compress_s("a100", n)
+    assert paper.compress_s("a100", n, density=0.1) > paper.compress_s("a100", n)  # more kept values come back
+    for fn in (paper.compress_s, paper.nsp_compress_s):
+        with pytest.raises(ValueError, match="unknown GPU setting"):
+            fn("h100", n)
+
+
+def test_paper_top_k_figures_are_the_committed_gpu_measurements():
+    # The constants nsp.csd.paper carries are the committed records' numbers, so a new measurement cannot go
+    # unnoticed, nor a figure be typed in without one.
+    results = Path(__file__).resolve().parent.parent / "bench" / "results"
+    sc = json.loads((results / "smartcomp_topk.json").read_text())
+    assert sc["device"] == "cuda" and sc["gpu"]["name"] == paper.SELECT_GPU
+    assert round(sc["select_gelem_per_s"], 2) == paper.SELECT_GELEM_PER_S
+    assert round(sc["host_link_upload_gbps"], 2) / 63.0 == paper.LINK_SHARE_OF_PEAK
+    topk = json.loads((results / "topk_gpu_67108864.json").read_text())
+    assert topk["platform"] == "gpu" and topk["device_kind"] == paper.SELECT_GPU
+    auto = [r["median_ms"] for r in topk["rows"] if r["method"] == "nsp auto" and not r["hard"]]
+    assert round(topk["size"] / max(auto) / 1e6, 2) == paper.NSP_TOPK_GELEM_PER_S
 
 
 def _stats(shared_in, shared_out, read, write, pages, ns):
@@ -262,7 +286,9 @@ def test_nsp_plan_prints_a_prediction(capsys):
     assert f"SU+O+C's Top-K {paper.compress_s('a5000', 4 * 10**9):.2f} s" in out  # the paper's GPU sorts
     assert main(["plan", "--params", "4e9", "--gpu", "a5000", "--compress-s", "2.5"]) == 0
     assert "SU+O+C's Top-K 2.50 s" in capsys.readouterr().out
-    assert main(["plan", "--params", "4e9", "--gpu", "a5000"]) == 0  # nsp's dataflow: none unless given
+    assert main(["plan", "--params", "4e9", "--gpu", "a5000"]) == 0  # nsp's dataflow: its own Top-K, where it is
+    assert f"SU+O+C's Top-K {paper.nsp_compress_s('a5000', 4 * 10**9):.2f} s" in capsys.readouterr().out
+    assert main(["plan", "--params", "4e9"]) == 0  # no GPU named: none unless given
     assert "Top-K" not in capsys.readouterr().out.splitlines()[0]
     assert main(["plan", "--model", "tiny", "--devices", "2", "--figure", "shared_gbps=16"]) == 0
     assert "shared_gbps=16" in capsys.readouterr().out

@@ -10,19 +10,27 @@ with 2:4 sparsity, 111.1 dense): a lower bound on its time, since an offloaded s
 
 SU+O+C also pays for selecting the Top-K on the GPU, which the paper does not time. Its released code
 (AIS-SNU/smart-infinity, ``deepspeed/runtime/swap_tensor/optimizer_utils.py``) copies each fp16 gradient subgroup
-from the host's swap buffer back to the GPU and sorts all of it by magnitude (``abs().sort()``) to keep the top
-1%. ``compress_s`` charges that at two published peaks, so it too is a lower bound: the upload of 2 bytes per
-param over the GPU's PCIe 4.0 x16 link (both GPUs' datasheets: 31.5 GB/s), and a sort at the fastest published
-GPU radix sort, Onesweep's 29.4 G keys/s for 32-bit keys on an A100 (Adinets & Merrill, arXiv:2206.01784; torch
-sorts with CUB, which that paper measures 1.5x slower, and carries 8-byte indices). A radix sort streams memory,
-so the A5000's rate is the A100's scaled by their memory bandwidths (datasheets: 768 and 1555 GB/s).
+from the host's page-locked swap buffer back to the GPU, sorts all of it by magnitude (``abs().sort()``), gathers
+the top 1% and copies those values and their int32 positions back. ``bench/smartcomp_topk.py`` times exactly that
+with torch on a GPU; ``compress_s`` carries the committed measurement (``bench/results/smartcomp_topk.json``, an
+NVIDIA H200) to the paper's GPUs:
+
+- the selection (abs, sort, gather) streams memory, so its rate is scaled by the ratio of the GPUs' memory
+  bandwidths (datasheets: H200 4800, A100 40GB 1555, RTX A5000 768 GB/s);
+- the upload of 2 bytes per param and the download of 6 bytes per kept param run at the paper GPUs' PCIe 4.0 x16
+  peak (datasheets: 31.5 GB/s) times the share of its link's peak the H200's page-locked upload reached (PCIe
+  5.0 x16, 63.0 GB/s).
+
+nsp's own dataflow selects its Top-K where the gradient already is, with ``nsp.primitives.topk_compress``: no trip
+back from the host. ``nsp_compress_s`` charges that at the rate ``bench/topk.py`` measured on the same H200 (64M
+fp32 entries a shard, method "auto", the slower of its two realistic inputs), scaled the same way.
 
     >>> from nsp.csd import paper
     >>> a5000, a100 = (paper.compute_s(gpu, paper.GPT2_4B_PARAMS) for gpu in ("a5000", "a100"))
     >>> round(a5000, 2), round(a5000 / a100, 2)    # seconds of forward + backward; the A100 2.81x faster
     (3.5, 2.81)
     >>> [round(paper.compress_s(gpu, paper.GPT2_4B_PARAMS), 2) for gpu in ("a5000", "a100")]
-    [0.53, 0.39]
+    [0.92, 0.61]
 """
 
 from __future__ import annotations
@@ -43,11 +51,22 @@ UPDATE_SHARE_DEVICES = 6
 # Peak dense FP16 tensor throughput, TFLOPS (NVIDIA datasheets; the A5000's 222.2 is quoted with 2:4 sparsity).
 PEAK_TFLOPS = {"a5000": 222.2 / 2, "a100": 312.0}
 
-# SU+O+C's Top-K on the GPU (module docstring): the fp16 gradient's trip back up, and a full sort of it.
+# SU+O+C's Top-K on the GPU (module docstring): the fp16 gradient's trip back up, a full sort of it, the kept
+# values (fp16) and positions (int32) back down.
 GRADIENT_UPLOAD_BYTES = 2  # per param: the fp16 gradient, host swap buffer -> GPU
+KEPT_DOWNLOAD_BYTES = 6  # per kept param
 GPU_LINK_GBPS = 31.5  # PCIe 4.0 x16, both GPUs (NVIDIA datasheets)
-SORT_GKEYS_A100 = 29.4  # Onesweep, 32-bit keys on an A100 (arXiv:2206.01784): the fastest published GPU sort
 MEMORY_GBPS = {"a5000": 768.0, "a100": 1555.0}  # NVIDIA datasheets (A100 40GB)
+# Measured by bench/smartcomp_topk.py (bench/results/smartcomp_topk.json; tests/test_csd_model.py checks these
+# against it): the selection of a 256M-element sub-group, and the page-locked upload, on an NVIDIA H200.
+SELECT_GELEM_PER_S = 40.12  # abs().sort(descending=True) + the gather of the kept values, G elements/s
+SELECT_GPU = "NVIDIA H200"
+SELECT_GPU_MEMORY_GBPS = 4800.0  # H200 datasheet
+LINK_SHARE_OF_PEAK = 55.19 / 63.0  # the H200's page-locked upload over its PCIe 5.0 x16 peak
+# nsp's Top-K ("auto", the threshold path there) on that H200: 64M fp32 entries, the slower of the gaussian and
+# Student-t inputs (bench/results/topk_gpu_67108864.json; at 128M it ran at 68 G elements/s, at 32M, on the exact
+# path, at 21).
+NSP_TOPK_GELEM_PER_S = 38.74
 
 # The speedups over the baseline at 10 SSDs that the paper states, with where it states them.
 PUBLISHED_10_DEVICES = {
@@ -101,17 +120,27 @@ def compute_s(gpu: str, params: int, figures: LinkFigures | None = None) -> floa
     return a5000 * PEAK_TFLOPS["a5000"] / PEAK_TFLOPS[gpu]
 
 
-def compress_s(gpu: str, params: int) -> float:
+def compress_s(gpu: str, params: int, density: float = 0.01) -> float:
     """Seconds per step SU+O+C's GPU spends selecting the Top-K of a ``params``-sized gradient on ``gpu`` as the
-    paper's released code does: upload it, sort it (module docstring; a lower bound)."""
+    paper's released code does: upload it, sort it, gather the kept ``density`` and send it back (module docstring:
+    measured on an H200, carried to ``gpu`` by datasheet ratios)."""
     if gpu not in MEMORY_GBPS:
         raise ValueError(f"unknown GPU setting {gpu!r}; valid: {', '.join(MEMORY_GBPS)}")
-    upload = GRADIENT_UPLOAD_BYTES * params / (GPU_LINK_GBPS * 1e9)
-    sort_keys_per_s = SORT_GKEYS_A100 * 1e9 * MEMORY_GBPS[gpu] / MEMORY_GBPS["a100"]
-    return upload + params / sort_keys_per_s
+    link = GPU_LINK_GBPS * 1e9 * LINK_SHARE_OF_PEAK
+    moved = GRADIENT_UPLOAD_BYTES * params + KEPT_DOWNLOAD_BYTES * density * params
+    select_per_s = SELECT_GELEM_PER_S * 1e9 * MEMORY_GBPS[gpu] / SELECT_GPU_MEMORY_GBPS
+    return moved / link + params / select_per_s
 
 
-def default_compress_s(gpu: str, params: int, dataflow: str) -> float:
-    """SU+O+C's Top-K seconds when none is given: ``compress_s`` for the paper's dataflow; 0 for nsp's, whose
-    gradients make no trip back from the host (its accelerator's own Top-K is the caller's to give)."""
-    return compress_s(gpu, params) if dataflow == "paper" else 0.0
+def nsp_compress_s(gpu: str, params: int) -> float:
+    """Seconds per step nsp's dataflow spends selecting the Top-K of a ``params``-sized gradient on ``gpu``, where
+    the gradient is (module docstring: measured on an H200, carried to ``gpu`` by memory bandwidth)."""
+    if gpu not in MEMORY_GBPS:
+        raise ValueError(f"unknown GPU setting {gpu!r}; valid: {', '.join(MEMORY_GBPS)}")
+    return params / (NSP_TOPK_GELEM_PER_S * 1e9 * MEMORY_GBPS[gpu] / SELECT_GPU_MEMORY_GBPS)
+
+
+def default_compress_s(gpu: str, params: int, dataflow: str, density: float = 0.01) -> float:
+    """SU+O+C's Top-K seconds when none is given: ``compress_s`` for the paper's dataflow, ``nsp_compress_s`` for
+    nsp's, whose gradients make no trip back from the host."""
+    return compress_s(gpu, params, density) if dataflow == "paper" else nsp_compress_s(gpu, params)

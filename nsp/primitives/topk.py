@@ -24,6 +24,13 @@ lax.top_k      0.73–0.94 s   100%          reference: ``lax.top_k`` on ``|x|``
 
 One fused read pass over the same 16M entries (the roofline) takes 5–12 ms.
 
+On a GPU the balance differs (``python bench/topk.py --size N`` on an NVIDIA H200, jax 0.11.2, at 1%; records in
+``bench/results/topk_gpu_<N>.json``): ``lax.top_k`` takes about 1 ms at 16M entries and grows with the size, while
+the threshold path's many small steps take 1.4–2 ms at any size up to 128M. So the threshold path is 0.6x the
+exact one at 16M, about even at 32M, 1.7x at 64M and 2.6x at 128M on the gaussian and Student-t inputs; where its
+fallback runs (ties, sparse gradients) it costs the exact path's time on top. ``"auto"`` therefore takes the
+threshold path on CPU, and off the CPU only from ``ACCELERATOR_THRESHOLD_MIN_SIZE`` (64M) entries on.
+
 Why ``threshold`` is fast and still exact: XLA's CPU top-k and sort are slow (``lax.top_k`` of 1% of 16M takes
 ~0.8 s; sorting 16M takes ~9 s), whereas one fused elementwise pass over the data takes a few ms. So the threshold
 method touches the full array only in one comparison pass and does all selection work on a candidate set of
@@ -68,10 +75,9 @@ METHODS = ("auto", "exact", "approx", "threshold")
 THRESHOLD_MIN_SIZE = 65536
 THRESHOLD_MIN_K = 4096
 THRESHOLD_MAX_RATIO = 0.25
-# Off the CPU ("auto" on a GPU or TPU) the threshold path pays only for big inputs: its many small steps cost
-# about the same at any size, while lax.top_k grows with it. Measured on an H200 at 1%, jax 0.11.2, against the
-# exact path (bench/results/topk_gpu_*.json): at 16M entries 0.6x on easy inputs; at 32M 1.1x on easy inputs but
-# 0.55x where its fallback runs (ties, sparse gradients); at 64M 1.6-1.7x, at 128M 2.6x on easy inputs.
+# Off the CPU ("auto" on a GPU or TPU) the threshold path pays only for big inputs (module docstring): on an H200
+# it was about even with the exact path at 32M entries on easy inputs and 0.5x where its fallback ran (ties, sparse
+# gradients); 1.7x at 64M.
 ACCELERATOR_THRESHOLD_MIN_SIZE = 2**26
 # The sample is drawn so that ~SAMPLE_HITS of its points lie above the candidate threshold (at least SAMPLE_MIN
 # points, cheap for large inputs). Since the sampled positions are uniform and independent of the data, the
