@@ -65,8 +65,8 @@ SELECT_GPU_MEMORY_GBPS = 4800.0  # H200 datasheet
 LINK_SHARE_OF_PEAK = 55.19 / 63.0  # the H200's page-locked upload over its PCIe 5.0 x16 peak
 # nsp's Top-K ("auto", the threshold path there) on that H200: 64M fp32 entries, the slower of the gaussian and
 # Student-t inputs (bench/results/topk_gpu_67108864.json; at 128M it ran at 68 G elements/s, at 32M, on the exact
-# path, at 21).
-NSP_TOPK_GELEM_PER_S = 38.74
+# path, at 18).
+NSP_TOPK_GELEM_PER_S = 36.64
 
 # The speedups over the baseline at 10 SSDs that the paper states, with where it states them.
 PUBLISHED_10_DEVICES = {
