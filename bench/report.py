@@ -111,6 +111,8 @@ MEASURES = {
                                               "bench/page_backing.py",
                                               "bench/slow_disk/") + PROTOCOL,
     "topk": ("nsp/primitives/topk.py", "bench/topk.py") + PROTOCOL,
+    "topk_gpu_67108864": ("nsp/primitives/topk.py", "bench/topk.py") + PROTOCOL,  # on a GPU machine
+    "smartcomp_topk": ("bench/smartcomp_topk.py",) + PROTOCOL,  # on a GPU machine
     "train_step": BUILD + ("nsp/", "models/", "bench/train_step.py") + PROTOCOL,
     "train_step_split": BUILD + ("nsp/", "models/", "bench/train_step.py") + PROTOCOL,
     "checkpoint": BUILD + SPEC + ("nsp/primitives/", "nsp/storage/", "bench/checkpoint.py") + PROTOCOL,

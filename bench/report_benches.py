@@ -171,6 +171,49 @@ def _yes_no(value) -> str | None:
 
 def render_topk(d: dict, out: Path) -> tuple[str, str]:
     command = f"python bench/topk.py --size {d['size']} --ratio {d['ratio']:g} --repeats {d['repeats']}"
+    return _render_topk(d, out, "topk.png", command, ".1f")
+
+
+def render_topk_gpu(d: dict, out: Path) -> tuple[str, str]:
+    command = (f"python bench/topk.py --size {d['size']} --ratio {d['ratio']:g} --repeats {d['repeats']} "
+               f"--json bench/results/topk_gpu_{d['size']}.json  # on a GPU machine")
+    command, body = _render_topk(d, out, "topk_gpu.png", command, ".2f")
+    auto = (f"On {d.get('device_kind', 'the GPU')} \"nsp auto\" (what a user gets by default) ran the "
+            f"{d.get('auto_path', '?')} path: {d['auto_speedup_min']:.2f}x lax.top_k at worst over the easy inputs"
+            + (f", {d['auto_speedup_min_hard']:.2f}x over the hard ones" if "auto_speedup_min_hard" in d else "")
+            + ". Off the CPU \"auto\" takes the threshold path only from 64M entries on "
+            "(`nsp.primitives.topk.ACCELERATOR_THRESHOLD_MIN_SIZE`): the records of the other sizes beside this one "
+            "(`bench/results/topk_gpu_<N>.json`, N = 16M, 32M, 128M) show the threshold path at 0.6x the exact one "
+            "at 16M, about even at 32M and 2.6x at 128M on the easy inputs. The machine line names the GPU "
+            "machine's CPU; the GPU did the work.")
+    return command, body + "\n\n" + auto
+
+
+def render_smartcomp_topk(d: dict, out: Path) -> tuple[str, str]:  # noqa: ARG001  (no figure)
+    from nsp.csd import paper
+
+    command = "python bench/smartcomp_topk.py  # on a GPU machine"
+    rows = [{**r, "upload_ms": 1e3 * r["upload_s"], "select_ms": 1e3 * r["select_s"],
+             "download_ms": 1e3 * r["download_s"]} for r in d["rows"]]
+    table = md_table(rows, [("elements", "sub-group elements", ","), ("k", "k", ","),
+                            ("upload_ms", "upload ms", ".2f"), ("upload_gbps", "upload GB/s", ".1f"),
+                            ("select_ms", "select ms", ".2f"), ("select_gelem_per_s", "select G elem/s", ".2f"),
+                            ("download_ms", "download ms", ".3f")])
+    carried = ", ".join(f"{gpu.upper()} {paper.compress_s(gpu, paper.GPT2_4B_PARAMS):.2f} s"
+                        for gpu in paper.MEMORY_GBPS)
+    facts = (f"Smart-Infinity's released code selects SU+O+C's Top-K on the GPU: it uploads each fp16 gradient "
+             f"sub-group from the host's page-locked swap buffer, sorts all of it by magnitude (`abs().sort()`), "
+             f"gathers the top {d['density']:.0%} and sends the values and int32 positions back. Timed here on "
+             f"{d['gpu']['name']} (torch {d['gpu'].get('torch')}), median of {d['repeats']}; the GPU's memory copied "
+             f"at {d['memory_copy_gbps']:.0f} GB/s (read + written) and its page-locked upload ran at "
+             f"{d['host_link_upload_gbps']:.1f} GB/s. `nsp.csd.paper.compress_s` carries the selection rate at "
+             f"{d['select_elements']:,} elements ({d['select_gelem_per_s']:.2f} G elem/s) to the paper's GPUs by "
+             f"their memory bandwidths, and the link at the same share of its peak: per step of the 4.0B model "
+             f"of Fig. 11, {carried} (the CSD scaling section's SU+O+C pays them).")
+    return command, table + "\n\n" + facts
+
+
+def _render_topk(d: dict, out: Path, png: str, command: str, ms_format: str) -> tuple[str, str]:
     inputs = list(dict.fromkeys(r["input"] for r in d["rows"]))
     hard = [i for i in inputs if any(r.get("hard") for r in d["rows"] if r["input"] == i)]
     if not hard:
@@ -188,12 +231,13 @@ def render_topk(d: dict, out: Path) -> tuple[str, str]:
         ax.margins(x=0.3)
     for ax in list(axes.flat)[len(inputs):]:
         ax.axis("off")
-    save_figure(fig, out / "topk.png",
-                f"Top-K {d['ratio']:.0%} of {d['size']:,} entries (k = {d['k']:,}), median of {d['repeats']} "
-                 f"({d['time']})")
+    where = f" on {d['device_kind']}" if d.get("platform", "cpu") != "cpu" else ""
+    save_figure(fig, out / png,
+                f"Top-K {d['ratio']:.0%} of {d['size']:,} entries (k = {d['k']:,}){where}, median of {d['repeats']} "
+                f"({d['time']})")
     rows = [{**r, "input": r["input"] + (" (hard)" if r.get("hard") else ""), "correct": _yes_no(r.get("correct")),
              "fallback": _yes_no(r.get("fallback"))} for r in d["rows"]]
-    columns = [("input", "input", ""), ("method", "method", ""), ("median_ms", "median ms", ".1f"),
+    columns = [("input", "input", ""), ("method", "method", ""), ("median_ms", "median ms", ms_format),
                ("speedup", "vs lax.top_k", ".2f"), ("l2_mass_pct", "L2 mass kept %", ".2f")]
     if any("correct" in r for r in d["rows"]):
         columns += [("correct", "correct", ""), ("fallback", "threshold fell back", "")]
@@ -207,7 +251,7 @@ def render_topk(d: dict, out: Path) -> tuple[str, str]:
                      "values at them, every kept magnitude at least the k-th largest and every larger one kept). "
                      f"Threshold method, worst over the easy inputs: {d['threshold_speedup_min']:.2f}x lax.top_k; "
                      f"over the hard ones: {d.get('threshold_speedup_min_hard', float('nan')):.2f}x.")
-    return command, body + "".join(f"\n\n{n}" for n in notes) + "\n\n![top-k](topk.png)"
+    return command, body + "".join(f"\n\n{n}" for n in notes) + f"\n\n![top-k]({png})"
 
 
 def render_train_step(d: dict, out: Path) -> tuple[str, str]:
@@ -421,6 +465,11 @@ BENCHES = {
                                "--json bench/results/store_update_slow_disk.json", render_store_update),
     "topk": ("Top-K compression: nsp methods vs jax.lax.top_k and a one-pass roofline", "python bench/topk.py",
              render_topk),
+    "topk_gpu_67108864": ("Top-K compression on a GPU (an NVIDIA H200, 64M entries): nsp methods vs jax.lax.top_k",
+                          "python bench/topk.py --size 67108864 --json bench/results/topk_gpu_67108864.json",
+                          render_topk_gpu),
+    "smartcomp_topk": ("Smart-Infinity's Top-K selection on a GPU (what the CSD model charges SU+O+C)",
+                       "python bench/smartcomp_topk.py", render_smartcomp_topk),
     "train_step": ("GPT train step: optax in RAM vs nsp tiers", "python bench/train_step.py", render_train_step),
     "train_step_split": ("GPT train step, the update on a CPU of its own (an accelerator host's split)",
                          "python bench/train_step.py --engine-cpus 1", render_train_step),
