@@ -200,8 +200,11 @@ class Provenance:
     def judge(self, name: str, record: dict, path: Path | None = None) -> dict:
         """The verdict on one measurement: ``fresh`` (rendered as is) and the reasons it is not."""
         git = record.get("git")
-        verdict = {"paths": list(MEASURES[name]), "commit": (git or {}).get("commit"),
-                   "commit_time": (git or {}).get("commit_time"), "reasons": []}
+        commit = (git or {}).get("commit")
+        commit_time = (git or {}).get("commit_time")
+        if commit and not commit_time:  # a record made on a copied tree (NSP_SOURCE_COMMIT): ask the repository
+            commit_time = (git_output("log", "-1", "--format=%cI", commit) or "").strip() or None
+        verdict = {"paths": list(MEASURES[name]), "commit": commit, "commit_time": commit_time, "reasons": []}
         if path is not None:
             verdict["file"] = str(path.relative_to(REPO)) if path.is_relative_to(REPO) else str(path)
             filed = self.record_file(path)

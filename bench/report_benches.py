@@ -417,8 +417,9 @@ def render_csd_scaling(d: dict, out: Path) -> tuple[str, str]:
                   "new params from its SSD fills the SSD's idle time (`nsp.csd.clock`, `in_turn`).")
     if "compress_s" in next(iter(d["gpus"].values())):
         facts += (" SU+O+C's Top-K costs the GPU time: the paper's released code fetches each fp16 gradient "
-                  "back from the host and sorts all of it; `nsp.csd.paper.compress_s` charges the upload at PCIe 4.0 "
-                  "x16's peak and the sort at the fastest published GPU radix sort, a lower bound.")
+                  "back from the host and sorts all of it; `nsp.csd.paper.compress_s` charges what that measured "
+                  "on an H200 (the section on Smart-Infinity's Top-K selection), carried to the paper's GPUs by "
+                  "their memory bandwidths and links.")
     fig = d.get("figure_11a")
     if fig:
         counts = list(fig["rows"][0]["points"])
