@@ -4,9 +4,9 @@ errors, the measured-traffic clock against a real store's counters, and ``nsp pl
 from __future__ import annotations
 
 import dataclasses
-import json
 import doctest
 import importlib
+import json
 import math
 from pathlib import Path
 

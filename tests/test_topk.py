@@ -140,10 +140,10 @@ def _lowered(method: str, platform: str, size: int = 2**20) -> str:
 
 
 def test_auto_lowers_the_threshold_path_on_cpu_and_the_exact_one_elsewhere():
-    # On an H200 at 16M entries the threshold path measured 0.6-0.8x the speed of lax.top_k
-    # (bench/results/topk_gpu.json), on CPU 12x: below ACCELERATOR_THRESHOLD_MIN_SIZE "auto" is the threshold path
-    # on CPU only. That path orders magnitudes by their float bits (the one
-    # bitcast_convert of these programs); the exact path is a lax.top_k and a sort of its indices.
+    # On an H200 at 16M entries the threshold path measured 0.6x the speed of lax.top_k
+    # (bench/results/topk_gpu_16777216.json), on CPU 12x: below ACCELERATOR_THRESHOLD_MIN_SIZE "auto" is the
+    # threshold path on CPU only. That path orders magnitudes by their float bits (the one bitcast_convert of these
+    # programs); the exact path is a lax.top_k and a sort of its indices.
     assert _lowered("threshold", "cpu").count("bitcast_convert") == 1
     assert _lowered("exact", "cpu").count("bitcast_convert") == 0
     assert _lowered("auto", "cpu").count("bitcast_convert") == 1
