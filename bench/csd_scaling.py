@@ -181,14 +181,20 @@ def versus_figure(results: dict[str, dict]) -> list[dict]:
             read = paper.FIG_11A_READ[gpu][s]
             rows.append({"gpu": gpu, "scheme": LABELS[s],
                          "points": {n: {"model": base1 / by_n[n][s], "paper": v} for n, v in read.items()}})
-    counts = list(paper.FIG_11A_READ["a5000"]["baseline"])
-    table = [{"gpu": r["gpu"], "scheme": r["scheme"],
-              **{n: f"{r['points'][n]['model']:.2f} / {r['points'][n]['paper']:.2f}" for n in counts}} for r in rows]
     print_table("Fig. 11(a) read off the paper's chart: each scheme's speedup over the baseline on 1 device, "
-                "model / paper (a comparison, not a target)", table,
-                [("gpu", "GPU", ""), ("scheme", "scheme", "")] + [(n, f"{n} dev", "") for n in counts])
+                "model / paper (a comparison, not a target)", *figure_table(rows))
     print(f"  chart points: {paper.FIG_11A_READ['source']}")
     return rows
+
+
+def figure_table(rows: list[dict]) -> tuple[list[dict], list[tuple[str, str, str]]]:
+    """``versus_figure``'s rows (as a record keeps them) as table rows and columns: "model / paper" per device
+    count."""
+    counts = list(rows[0]["points"])
+    table = [{"gpu": r["gpu"], "scheme": r["scheme"],
+              **{str(n): f"{r['points'][n]['model']:.2f} / {r['points'][n]['paper']:.2f}" for n in counts}}
+             for r in rows]
+    return table, [("gpu", "GPU", ""), ("scheme", "scheme", "")] + [(str(n), f"{n} dev", "") for n in counts]
 
 
 def plot(results: dict[str, dict], path: Path, chart: bool = True) -> None:

@@ -111,11 +111,22 @@ def a5000_compute_s_per_param(figures: LinkFigures | None = None) -> float:
     return compute / UPDATE_SHARE_PARAMS
 
 
+def _check_gpu(gpu: str) -> None:
+    if gpu not in PEAK_TFLOPS:
+        raise ValueError(f"unknown GPU setting {gpu!r}; valid: {', '.join(PEAK_TFLOPS)}")
+
+
+def _on_paper_gpu(gelem_per_s: float, gpu: str) -> float:
+    """Elements per second on ``gpu`` of a memory-bound GPU step measured at ``gelem_per_s`` on the H200: the rate
+    carried by the ratio of their memory bandwidths."""
+    _check_gpu(gpu)
+    return gelem_per_s * 1e9 * MEMORY_GBPS[gpu] / SELECT_GPU_MEMORY_GBPS
+
+
 def compute_s(gpu: str, params: int, figures: LinkFigures | None = None) -> float:
     """Forward + backward seconds per step of a ``params``-sized GPT on ``gpu`` ("a5000" or "a100") in the paper's
     setting (module docstring for how they are derived)."""
-    if gpu not in PEAK_TFLOPS:
-        raise ValueError(f"unknown GPU setting {gpu!r}; valid: {', '.join(PEAK_TFLOPS)}")
+    _check_gpu(gpu)
     a5000 = a5000_compute_s_per_param(figures) * params
     return a5000 * PEAK_TFLOPS["a5000"] / PEAK_TFLOPS[gpu]
 
@@ -124,20 +135,15 @@ def compress_s(gpu: str, params: int, density: float = 0.01) -> float:
     """Seconds per step SU+O+C's GPU spends selecting the Top-K of a ``params``-sized gradient on ``gpu`` as the
     paper's released code does: upload it, sort it, gather the kept ``density`` and send it back (module docstring:
     measured on an H200, carried to ``gpu`` by datasheet ratios)."""
-    if gpu not in MEMORY_GBPS:
-        raise ValueError(f"unknown GPU setting {gpu!r}; valid: {', '.join(MEMORY_GBPS)}")
     link = GPU_LINK_GBPS * 1e9 * LINK_SHARE_OF_PEAK
     moved = GRADIENT_UPLOAD_BYTES * params + KEPT_DOWNLOAD_BYTES * density * params
-    select_per_s = SELECT_GELEM_PER_S * 1e9 * MEMORY_GBPS[gpu] / SELECT_GPU_MEMORY_GBPS
-    return moved / link + params / select_per_s
+    return moved / link + params / _on_paper_gpu(SELECT_GELEM_PER_S, gpu)
 
 
 def nsp_compress_s(gpu: str, params: int) -> float:
     """Seconds per step nsp's dataflow spends selecting the Top-K of a ``params``-sized gradient on ``gpu``, where
     the gradient is (module docstring: measured on an H200, carried to ``gpu`` by memory bandwidth)."""
-    if gpu not in MEMORY_GBPS:
-        raise ValueError(f"unknown GPU setting {gpu!r}; valid: {', '.join(MEMORY_GBPS)}")
-    return params / (NSP_TOPK_GELEM_PER_S * 1e9 * MEMORY_GBPS[gpu] / SELECT_GPU_MEMORY_GBPS)
+    return params / _on_paper_gpu(NSP_TOPK_GELEM_PER_S, gpu)
 
 
 def default_compress_s(gpu: str, params: int, dataflow: str, density: float = 0.01) -> float:
