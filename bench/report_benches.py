@@ -196,7 +196,8 @@ def _topk_gpu_records() -> list[dict]:
 
 
 def _threshold_vs_exact(d: dict) -> str:
-    """"64M: 1.67x (at <commit>)": the exact path's time over the threshold path's, on the easy input where that is least."""
+    """"64M 1.67x (at <commit>)": the exact path's time over the threshold path's, on the easy input where that
+    ratio is least."""
     ms = {(r["input"], r["method"]): r["median_ms"] for r in d["rows"] if not r["hard"]}
     easy = {i for i, _ in ms}
     ratio = min(ms[(i, "nsp exact")] / ms[(i, "nsp threshold")] for i in easy)
