@@ -127,6 +127,7 @@ def render_store_update(d: dict, out: Path) -> tuple[str, str]:
                "memory_tier_pct_of_kernel_roofline_adjusted")
         + ("." if "memory_tier_pct_of_kernel" in d else ""),
         _perfect_swap_fact(d.get("perfect_serial_swap") or {}),
+        _footprint_fact(d.get("buffer_footprint") or {}),
         _slow_disk_fact(d.get("slow_disk") or {}),
     ) if f)
     checks = "\n".join(f"- {c.get('check', '?')}: "
@@ -148,6 +149,18 @@ def _slow_disk_fact(disk: dict) -> str:
                  f"it); a serial swap at the nominal rates (floor + {swap['adam_s'] * 1e3:.0f} ms of Adam) takes "
                  f"{swap['s'] * 1e3:.0f} ms: nsp {swap['nsp_speedup']:.3f}x")
     return text + "."
+
+
+def _footprint_fact(f: dict) -> str:
+    """The diagnostic rows that land the probes' requests in as many buffers as the file tier's page buffers, not
+    in the one buffer the probes reuse: what that buffer is worth, and the file tier against the floor they give."""
+    if "file_tier_pct" not in f:
+        return ""
+    return (f"Diagnostic (not the target's floor): the probes land every request in one reused buffer; landing them "
+            f"in {f['buffers']} buffers in turn, as the file tier's page buffers hold its pages, the read took "
+            f"{f['read_s'] * 1e3:.0f} ms instead of {f['one_buffer_read_s'] * 1e3:.0f} and the write "
+            f"{f['write_s'] * 1e3:.0f} instead of {f['one_buffer_write_s'] * 1e3:.0f}; against the floor those give "
+            f"({f['floor_s'] * 1e3:.0f} ms) the file tier is at {f['file_tier_pct']:.1f}%.")
 
 
 def _perfect_swap_fact(perfect: dict) -> str:

@@ -155,6 +155,7 @@ class DiskProbe:
         self.writes = 0  # write calls so far: part of each block's stamp
         self.direct = direct_io_works(directory)
         self._side_by_side: tuple[list[ThreadPoolExecutor], list[mmap.mmap]] | None = None  # side_by_side's
+        self._footprint: list[mmap.mmap] = []  # footprint's buffers
         self.by_name = {f"raw disk {'write' if m.write else 'read'}: {m.label}": m
                         for m in self.methods(write=True) + self.methods(write=False)}
         # Every timed call's duration, by method (calibration, warm-up and timed rounds alike).
@@ -194,10 +195,12 @@ class DiskProbe:
         return self.bufs[worker]
 
     def _stamped(self, worker: int, offset: int) -> mmap.mmap:
-        """The worker's buffer with every 4 KiB stamped with (offset, write call): no two blocks the probe writes
-        hold the same bytes, as no two pages of real state do (a virtual disk read a file of one repeated block
-        at about half the speed of unique data: a probe of such a file would understate the disk)."""
-        buf = self.bufs[worker]
+        return self._stamp(self.bufs[worker], offset)
+
+    def _stamp(self, buf: mmap.mmap, offset: int) -> mmap.mmap:
+        """``buf`` with every 4 KiB stamped with (offset, write call): no two blocks the probe writes hold the same
+        bytes, as no two pages of real state do (a virtual disk read a file of one repeated block at about half the
+        speed of unique data: a probe of such a file would understate the disk)."""
         stamps = np.frombuffer(buf, np.uint64)[:: 4096 // 8]
         stamps[:] = (np.arange(stamps.size, dtype=np.uint64) + np.uint64(offset)) ^ np.uint64(self.writes << 40)
         return buf
@@ -205,6 +208,39 @@ class DiskProbe:
     def refresh(self) -> None:
         """Rewrites the file the reads read (untimed, between rounds)."""
         self.run(Method(True, self.direct, 1, False), self.read_path)
+
+    def footprint(self, buffers: int) -> dict[str, Callable[[], None]]:
+        """Diagnostic contenders, not floor candidates: the roofline's direct read and in-place write, one request
+        in flight, each request landing in the next of ``buffers`` page buffers in turn, as an updater's requests
+        land in the page buffers it computes on, instead of in the one buffer the probes reuse.
+
+        On a virtual disk whose host copies each request into the guest's memory, the destination's footprint can
+        change the disk's speed: on a 2-core virtual machine (Firecracker guest), 63 reads of 4 MiB took 96 ms into
+        one buffer and 124 ms into 24 in turn, writes 91 and 101 ms (interleaved, median of 7). Returns
+        {name: call}, empty where the file system refuses direct I/O.
+        """
+        if not self.direct or buffers < 2:
+            return {}
+        bufs = [io_buffer(self.block) for _ in range(buffers)]
+        for i, b in enumerate(bufs):
+            b.write(np.random.default_rng(100 + i).bytes(self.block))
+        self._footprint = bufs
+        read, write = Method(False, True), Method(True, True)
+
+        def in_turn(offset: int) -> mmap.mmap:
+            return bufs[(offset // self.block) % buffers]
+
+        def read_call() -> None:
+            transfer(read, self.read_path, self.size, self.block, lambda worker, offset: in_turn(offset), None)
+
+        def write_call() -> None:
+            self.writes += 1
+            transfer(write, self.path, self.size, self.block,
+                     lambda worker, offset: self._stamp(in_turn(offset), offset), None)
+
+        where = f"{buffers} buffers in turn (diagnostic)"
+        return {f"raw disk read: {read.label}, {where}": read_call,
+                f"raw disk write: {write.label.replace(' + fsync', '')}, {where} + fsync": write_call}
 
     def side_by_side(self) -> tuple[str, Method, Method, Callable[[], None]]:
         """A contender that reads the read file and rewrites the write file at the same time, each the way a
@@ -234,7 +270,7 @@ class DiskProbe:
         return name, read, write, call
 
     def close(self) -> None:
-        for b in self.bufs:
+        for b in self.bufs + self._footprint:
             b.close()
         if self._side_by_side is not None:
             pools, read_bufs = self._side_by_side

@@ -46,6 +46,11 @@ bench/wait_policy.py):
                      swap-out overlap the update) at --ds-sub-group params (default 4M = 16 MiB per tensor), so
                      that the pipeline has sub-groups to overlap. Its files are not fsynced (DeepSpeed's swapper
                      does not sync); nsp's file tier syncs and commits every update
+  footprint (diag)   the fastest probes' way again (O_DIRECT, one request in flight; the write in place + fsync),
+                     each request landing in the next of pages_in_flight x 3 buffers in turn (the file tier's page
+                     buffers) instead of in one reused buffer: not floor candidates; they say what the probes' one
+                     buffer is worth on this disk (on a virtual disk the host copies every request into the
+                     guest's memory, and how much memory it lands in changes its speed)
   kernel alone       nsp fused_update in place under jax.jit with donated state (28 B/param)
   memory tier        the transforms' path: a jitted store_update_leaves (reads slot t, writes slot t+1, new
                      params over the donated gradient: 32 B/param) -- the target's figure; the same on a store
@@ -94,7 +99,7 @@ import wait_policy  # noqa: E402
 from common import (DeviceCounts, DeviceTraffic, median, peak_rss_bytes, print_table, reset_peak_rss,  # noqa: E402
                     status_kib, time_interleaved, write_json)
 from slow_disk import SlowDisk, SlowDiskError, parse_rates  # noqa: E402
-from store_contenders import (B1, B2, EPS, LR, MEMORY_NAMES, DiskProbe, PerfectSerialSwap,  # noqa: E402
+from store_contenders import (B1, B2, EPS, LR, MEMORY_NAMES, DiskProbe, Method, PerfectSerialSwap,  # noqa: E402
                               in_ram_adam, memory_contenders, setup_deepspeed)
 
 import nsp.storage  # noqa: E402
@@ -299,6 +304,10 @@ def run(args, work: Workdir, n: int, page_bytes: int, repeats: int, warmup: int,
 
     writers, readers = probe.contenders(write=True), probe.contenders(write=False)
     both_name, both_read, both_write, both_fn = probe.side_by_side()
+    # The roofline's read and write again, landing in as many buffers in turn as the file tier's page buffers
+    # (pages_in_flight sets of p, m, v): diagnostics of what the probes' one reused buffer is worth on this disk.
+    footprint_buffers = args.pages_in_flight * 3
+    footprint = probe.footprint(footprint_buffers)
 
     # -- the perfect serial swap reads and writes the way the raw probes found fastest so far in this run: by their
     # medians over CALIBRATION_CALLS interleaved calls before the timed rounds (their warm-up) and the rounds done
@@ -328,7 +337,7 @@ def run(args, work: Workdir, n: int, page_bytes: int, repeats: int, warmup: int,
     # Two groups, each interleaved: the disk group, then the memory group (so that no contender in RAM shares a
     # round with the disk's write-back and page-cache work).
     disk_group = {**writers, **readers, both_name: both_fn, names["nsp"]: nsp_file, names["perfect"]: perfect,
-                  **ds_fns}
+                  **ds_fns, **footprint}
     # Every disk contender's calls also count the bytes the block device under --dir moved (the kernel's own
     # counters): a contender served from a cache shows fewer device bytes than it moved.
     device = DeviceTraffic(work.path, disk.stat_path if disk else None)
@@ -388,6 +397,21 @@ def run(args, work: Workdir, n: int, page_bytes: int, repeats: int, warmup: int,
     t_both = med[both_name]
     t_both_serial = med[f"raw disk read: {both_read.label}"] + med[f"raw disk write: {both_write.label}"]
     overlap_speedup = t_both_serial / t_both
+    # The same read and write into the file tier's footprint of buffers: the floor they give (not the target's).
+    footprint_record = None
+    if footprint:
+        (fp_read, t_fp_read), (fp_write, t_fp_write) = sorted(((k, med[k]) for k in footprint),
+                                                              key=lambda kv: "write" in kv[0])
+        t_one_read = med["raw disk read: " + Method(False, True).label]
+        t_one_write = med["raw disk write: " + Method(True, True).label]
+        fp_floor = read_bytes * t_fp_read / probe.size + write_bytes * t_fp_write / probe.size
+        footprint_record = {
+            "buffers": footprint_buffers, "read": fp_read, "write": fp_write,
+            "read_s": t_fp_read, "write_s": t_fp_write, "one_buffer_read_s": t_one_read,
+            "one_buffer_write_s": t_one_write, "floor_s": fp_floor, "file_tier_pct": fp_floor / t_nsp * 100,
+            "note": "diagnostic, not the target's floor: the roofline's read and write (one request in flight, "
+                    "O_DIRECT) landing in as many page buffers in turn as the file tier holds, not in one reused "
+                    "buffer"}
     file_pct = perfect_s / t_nsp * 100
     perfect_speedup = t_perfect / t_nsp
     # Per-round figures (each round's own probe), to show the spread.
@@ -506,6 +530,13 @@ def run(args, work: Workdir, n: int, page_bytes: int, repeats: int, warmup: int,
     print(f"  reads and writes at once: {t_both * 1e3:.0f} ms against {t_both_serial * 1e3:.0f} ms one after the "
           f"other (same methods): overlapping them wins {overlap_speedup:.2f}x on this disk at best; a pipelined "
           f"updater beats a serial swap by no more than that and the compute it hides")
+    if footprint_record:
+        f = footprint_record
+        print(f"  the probes' one reused buffer (diagnostic): reads of the probe's bytes took "
+              f"{f['one_buffer_read_s'] * 1e3:.0f} ms into one buffer, {f['read_s'] * 1e3:.0f} ms into {f['buffers']} in turn (the file tier's page "
+              f"buffers); writes {f['one_buffer_write_s'] * 1e3:.0f} and {f['write_s'] * 1e3:.0f} ms. Against the "
+              f"floor those give ({f['floor_s'] * 1e3:.0f} ms) the file tier is at {f['file_tier_pct']:.1f}%; the "
+              f"target's floor stays the fastest probe's")
     for name, swap in ds_swaps.items():
         print("  " + phase_line(f"{name.split(':')[0]} phases (median, summed over sub-groups)", swap.phases))
     if ds_swaps:
@@ -592,6 +623,7 @@ def run(args, work: Workdir, n: int, page_bytes: int, repeats: int, warmup: int,
          "write_gbs": write_bw / 1e9, "read_gbs": read_bw / 1e9, "perfect_update_s": perfect_s,
          "side_by_side": {"name": both_name, "s": t_both, "one_after_the_other_s": t_both_serial,
                           "overlap_speedup": overlap_speedup},
+         "buffer_footprint": footprint_record,
          "nsp_phases_s": nsp_phases,
          "file_tier_pct_of_disk": file_pct, "file_tier_pct_per_round": round_pct,
          "baseline": best_ds,
