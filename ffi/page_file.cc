@@ -5,6 +5,7 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <cstdint>
 #include <cstdio>
@@ -17,8 +18,10 @@ namespace nsp::page_file {
 
 namespace {
 
-// Reads or writes all of `iov` with `op` (readv or writev), retrying short transfers; returns the bytes moved,
-// or -1 on error.
+constexpr int kRequestBuffers = 8;  // buffers one request gathers at most (the file tier's have up to 3)
+
+// Reads or writes all of `iov` with `op` (readv or writev), kMaxRequestBytes at most per call, retrying short
+// transfers; returns the bytes moved, or -1 on error.
 template <typename Op>
 ssize_t TransferV(Op op, int fd, iovec* iov, int count) {
   size_t done = 0;
@@ -28,7 +31,16 @@ ssize_t TransferV(Op op, int fd, iovec* iov, int count) {
       ++first;
       continue;
     }
-    const ssize_t r = op(fd, iov + first, count - first);
+    // This call's request: the buffers from `first` on, cut at kMaxRequestBytes (a multiple of kAlign, so that a
+    // direct transfer's pieces stay aligned).
+    iovec request[kRequestBuffers];
+    int n = 0;
+    for (size_t room = kMaxRequestBytes; first + n < count && n < kRequestBuffers && room > 0; ++n) {
+      request[n] = iov[first + n];
+      request[n].iov_len = std::min(request[n].iov_len, room);
+      room -= request[n].iov_len;
+    }
+    const ssize_t r = op(fd, request, n);
     if (r < 0 && errno == EINTR) continue;
     if (r < 0) return -1;
     if (r == 0) break;
