@@ -49,8 +49,8 @@ bench/wait_policy.py):
   footprint (diag)   the fastest probes' way again (O_DIRECT, one request in flight; the write in place + fsync),
                      each request landing in the next of pages_in_flight x 3 buffers in turn (the file tier's page
                      buffers) instead of in one reused buffer: not floor candidates; they say what the probes' one
-                     buffer is worth on this disk (on a virtual disk the host copies every request into the
-                     guest's memory, and how much memory it lands in changes its speed)
+                     buffer is worth on this disk (on a virtual disk, whose host presumably copies every request
+                     into the guest's memory, how much memory the requests land in can change its speed)
   kernel alone       nsp fused_update in place under jax.jit with donated state (28 B/param)
   memory tier        the transforms' path: a jitted store_update_leaves (reads slot t, writes slot t+1, new
                      params over the donated gradient: 32 B/param) -- the target's figure; the same on a store
@@ -533,10 +533,10 @@ def run(args, work: Workdir, n: int, page_bytes: int, repeats: int, warmup: int,
     if footprint_record:
         f = footprint_record
         print(f"  the probes' one reused buffer (diagnostic): reads of the probe's bytes took "
-              f"{f['one_buffer_read_s'] * 1e3:.0f} ms into one buffer, {f['read_s'] * 1e3:.0f} ms into {f['buffers']} in turn (the file tier's page "
-              f"buffers); writes {f['one_buffer_write_s'] * 1e3:.0f} and {f['write_s'] * 1e3:.0f} ms. Against the "
-              f"floor those give ({f['floor_s'] * 1e3:.0f} ms) the file tier is at {f['file_tier_pct']:.1f}%; the "
-              f"target's floor stays the fastest probe's")
+              f"{f['one_buffer_read_s'] * 1e3:.0f} ms into one buffer, {f['read_s'] * 1e3:.0f} ms into "
+              f"{f['buffers']} in turn (the file tier's page buffers); writes {f['one_buffer_write_s'] * 1e3:.0f} "
+              f"and {f['write_s'] * 1e3:.0f} ms. Against the floor those give ({f['floor_s'] * 1e3:.0f} ms) the file "
+              f"tier is at {f['file_tier_pct']:.1f}%; the target's floor stays the fastest probe's")
     for name, swap in ds_swaps.items():
         print("  " + phase_line(f"{name.split(':')[0]} phases (median, summed over sub-groups)", swap.phases))
     if ds_swaps:
