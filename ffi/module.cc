@@ -20,6 +20,8 @@
 #include "abort_guard.h"
 #include "backend.h"
 #include "crc32c.h"
+#include "cuda_api.h"
+#include "cuda_stage.h"
 #include "engine_cpus.h"
 #include "engine_registry.h"
 #include "hyper_params.h"
@@ -310,6 +312,29 @@ NB_MODULE(_nsp_ffi, m) {
     targets["nsp_store_update_pieces"] = EncapsulateFfiHandler(NspStoreUpdatePieces);
     return targets;
   });
+  m.def("cuda_registrations", []() {
+    // The store update's targets for CUDA devices ("device"), and the same handlers for a platform without a
+    // stream ("host": the CPU, through the software model of the CUDA entry points).
+    nb::dict device, host, both;
+    device["nsp_store_update_dense"] = EncapsulateFfiHandler(NspStoreUpdateDenseCuda);
+    device["nsp_store_update_sparse"] = EncapsulateFfiHandler(NspStoreUpdateSparseCuda);
+    device["nsp_store_update_pieces"] = EncapsulateFfiHandler(NspStoreUpdatePiecesCuda);
+    host["nsp_store_update_dense"] = EncapsulateFfiHandler(NspStoreUpdateDenseCudaHost);
+    host["nsp_store_update_sparse"] = EncapsulateFfiHandler(NspStoreUpdateSparseCudaHost);
+    host["nsp_store_update_pieces"] = EncapsulateFfiHandler(NspStoreUpdatePiecesCudaHost);
+    both["device"] = device;
+    both["host"] = host;
+    return both;
+  });
+  m.def("cuda_use_library", [](const std::string& path) { Check(nsp::cuda::UseLibrary(path)); }, nb::arg("path"),
+        "Loads the CUDA entry points from `path` now (the CUDA runtime, or its software model for tests).");
+  m.def("cuda_search_dirs", [](const std::string& dirs) { nsp::cuda::SetSearchDirs(dirs); }, nb::arg("dirs"),
+        "Directories (':'-separated) to look for libcudart.so.12 in when the loader does not find it.");
+  m.def("cuda_stats", []() {
+    nb::dict out;
+    for (const auto& [name, value] : nsp::cuda::Stats()) out[name.c_str()] = value;
+    return out;
+  }, "Counters of the CUDA handlers: calls, pinned allocations and bytes, copies and bytes each way, syncs.");
   m.def(
       "unregister_engine",
       [](int64_t handle) {

@@ -50,6 +50,31 @@ def _handle(store) -> StoreHandle:
     return store if isinstance(store, StoreHandle) else store.handle()
 
 
+def _platform(device) -> str:
+    """``device``'s platform as the FFI registrations name it: ``cpu``, ``cuda``, ``rocm``, ``tpu``, ..."""
+    platform = str(device.platform).lower()
+    if platform == "gpu":  # CUDA and ROCm devices both say "gpu"; their client tells them apart
+        version = str(getattr(getattr(device, "client", None), "platform_version", "")).lower()
+        platform = "rocm" if ("rocm" in version or "hip" in version) else "cuda"
+    return platform
+
+
+def _check_platform(mesh: Mesh | None) -> None:
+    """Fails at trace time where the store update has no handler (only the CPU and CUDA devices have one)."""
+    if mesh is not None:
+        device = mesh.devices.flat[0]
+    else:
+        device = jax.config.jax_default_device
+        if device is None or isinstance(device, str):
+            device = jax.devices(device)[0] if isinstance(device, str) else jax.devices()[0]
+    platform = _platform(device)
+    if platform not in ("cpu", "cuda"):
+        raise NotImplementedError(
+            f"nsp's store update has no handler for the {platform!r} platform (device {device}): it runs on CPU "
+            "and CUDA devices only. Run the step on those (e.g. JAX_PLATFORMS=cpu, or a CUDA device), or keep "
+            "the optimizer state on the device with optax")
+
+
 def _attrs(handle: StoreHandle) -> dict:
     return dict(handles=np.asarray(handle.engines, np.int64), staleness=np.int32(handle.staleness),
                 hyper=handle.spec.hyper_attrs())
@@ -128,6 +153,7 @@ def store_update(
         if x.dtype not in (jnp.float32, jnp.bfloat16):
             raise TypeError(f"gradients must be float32 or bfloat16, got {x.dtype}")
 
+    _check_platform(mesh)
     out_types = [jax.ShapeDtypeStruct((layout.shard_size,), jnp.float32), jax.ShapeDtypeStruct((), jnp.int32)]
     if params_bf16:
         out_types.append(jax.ShapeDtypeStruct((layout.shard_size,), jnp.bfloat16))
@@ -206,6 +232,7 @@ def store_update_leaves(
         if tuple(g.shape) != spec.shape:
             raise ValueError(f"gradient leaf {spec.path} has shape {tuple(g.shape)}, the layout says {spec.shape}")
 
+    _check_platform(None)
     # apply = -1: the handler checks the leaves for NaN/Inf itself (inside the update pass on a two-slot memory
     # store, else a vectorised C++ pass first: both faster than XLA's reduction), and skips the step if any is found.
     adopt, params_in = _params_operands(params, adopt)
