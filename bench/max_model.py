@@ -172,8 +172,7 @@ def full_child(args) -> None:
 
         apply = jax.jit(apply, donate_argnums=(0, 1, 2)).lower(params, state, params).compile()
     else:
-        step = trainer.make_train_step(graphdef, tx)[0].lower(params, state, batch[0]).compile(
-            compiler_options=trainer.LEAN_STEP_XLA_OPTIONS)
+        step = trainer.make_train_step(graphdef, tx)[0].lower(params, state, batch[0]).compile()
     compile_s = time.perf_counter() - t0
     losses, rows = [], []
     for tokens_ in batch:
@@ -209,9 +208,6 @@ def full_attempt(contender: str, model: str, args, workdir: Path) -> dict:
     cmd = [sys.executable, __file__, "--full", "--child", contender, "--model", model, "--seq", str(args.seq),
            "--store", str(store), "--f32-accum" if args.f32_accum else "--no-f32-accum"]
     env = dict(os.environ, MALLOC_ARENA_MAX="2", MALLOC_MMAP_THRESHOLD_=str(args.mmap_threshold or 131072))
-    if contender != "optax":  # what nsp train --bf16-params sets for itself (nsp.train.trainer.lean_xla_flags)
-        flag = "--xla_disable_hlo_passes=while-loop-invariant-code-motion"
-        env["XLA_FLAGS"] = f"{env.get('XLA_FLAGS', '')} {flag}".strip()
     limit = int(args.rss_limit_gib * 2**30)
     t0 = time.perf_counter()
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)

@@ -36,6 +36,8 @@ XLA_FFI_DECLARE_HANDLER_SYMBOL(NspFusedUpdateSparse);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(NspStoreUpdateDense);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(NspStoreUpdateSparse);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(NspStoreUpdatePieces);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(NspParamsHash);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(NspNextParamsUpdate);
 
 namespace nb = nanobind;
 
@@ -310,6 +312,8 @@ NB_MODULE(_nsp_ffi, m) {
     targets["nsp_store_update_dense"] = EncapsulateFfiHandler(NspStoreUpdateDense);
     targets["nsp_store_update_sparse"] = EncapsulateFfiHandler(NspStoreUpdateSparse);
     targets["nsp_store_update_pieces"] = EncapsulateFfiHandler(NspStoreUpdatePieces);
+    targets["nsp_params_hash"] = EncapsulateFfiHandler(NspParamsHash);
+    targets["nsp_next_params_update"] = EncapsulateFfiHandler(NspNextParamsUpdate);
     return targets;
   });
   m.def("cuda_registrations", []() {

@@ -44,9 +44,8 @@ def _train(args: argparse.Namespace) -> int:
 
     values = {f.name: getattr(args, f.name) for f in dataclasses.fields(TrainConfig)}
     if values["bf16_params"]:
-        from nsp.train.trainer import lean_malloc, lean_xla_flags
+        from nsp.train.trainer import lean_malloc
 
-        lean_xla_flags()  # before JAX's backend starts (nothing has run yet)
         lean_malloc()
     try:
         config = TrainConfig(**values)

@@ -48,6 +48,7 @@ import numpy as np
 import optax
 from jax.sharding import Mesh
 
+from nsp.optim import fingerprint as fp
 from nsp.optim._shards import shard_flat
 from nsp.optim.compress import Compressed
 from nsp.primitives.store_update import store_update, store_update_leaves
@@ -98,123 +99,6 @@ def lr_scale_consumers():
 def _mark_lr_scaled() -> None:
     for seen in getattr(_LR_SCALE_USERS, "stack", ()):
         seen.append(True)
-
-
-# ---- the params fingerprint -----------------------------------------------------------------------------------
-
-#: What the params may be rounded to between ``init`` and the first update (besides their own dtype).
-_INIT_CASTS = (jnp.float32, jnp.bfloat16, jnp.float16)
-_FINGERPRINT_WIDTH = 1 + len(_INIT_CASTS)
-
-
-def _leaf_bits(x: jax.Array) -> jax.Array:
-    """The leaf's bits as flat uint32 words: its own bit patterns, zero-extended (8-byte values give two words).
-
-    Only bitcasts and integer conversions: a float conversion here could be dropped by XLA's excess-precision
-    rewrites (``f32 -> bf16 -> f32`` pairs), and the hash must see exactly the bits the params hold."""
-    x = jnp.asarray(x)
-    if x.dtype == jnp.bool_:
-        x = x.astype(jnp.uint8)
-    size = jnp.dtype(x.dtype).itemsize
-    if jnp.issubdtype(x.dtype, jnp.complexfloating) or size not in (1, 2, 4, 8):
-        raise TypeError(f"nsp optimizers cannot fingerprint params of dtype {x.dtype}")
-    if size == 8:
-        return jax.lax.bitcast_convert_type(x, jnp.uint32).reshape(-1)
-    unsigned = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32}[size]
-    return jax.lax.bitcast_convert_type(x, unsigned).astype(jnp.uint32).reshape(-1)
-
-
-#: Elements hashed per iteration: the mixed words of one chunk stay in cache. XLA:CPU fuses no integer
-#: elementwise work into a reduction, so hashing a whole leaf at once would write (and page in) a params-sized
-#: temporary; chunked it costs about 0.5-1 ns per element on a 2-core machine (measured, 16M params).
-_CHUNK = 1 << 16
-
-
-def _mix_sum(words: jax.Array, first: jax.Array) -> jax.Array:
-    """The wrapping uint32 sum over ``words`` (at word positions ``first, first + 1, ...``) of murmur3's
-    finaliser -- a bijection -- of each word XOR its position code."""
-    pos = first + jnp.arange(words.shape[0], dtype=jnp.uint32)
-    h = words ^ (pos * jnp.uint32(0x9E3779B9))
-    h = (h ^ (h >> 16)) * jnp.uint32(0x85EBCA6B)
-    h = (h ^ (h >> 13)) * jnp.uint32(0xC2B2AE35)
-    h = h ^ (h >> 16)
-    return jnp.sum(h, dtype=jnp.uint32)
-
-
-def _hash_elements(n: int, words_of) -> jax.Array:
-    """An exact, order-independent uint32 hash of ``n`` elements; ``words_of(start, size)`` gives the flat uint32
-    words of elements ``[start, start + size)``.
-
-    Integer sums are associative, so however XLA orders the reduction (and whatever the chunking) the result is
-    the same bits. Any single changed element always changes the hash (the mixing is a bijection of each word);
-    several changed elements cancel out with probability about 2**-32."""
-    acc = jnp.uint32(0)
-    if n == 0:
-        return acc
-    per = words_of(0, 1).shape[0]  # words per element (2 for 8-byte values)
-    full, tail = divmod(n, _CHUNK)
-    if full:
-        def body(i, acc):
-            start = i * _CHUNK
-            return acc + _mix_sum(words_of(start, _CHUNK), (start * per).astype(jnp.uint32))
-        acc = jax.lax.fori_loop(0, full, body, acc)
-    if tail:
-        acc = acc + _mix_sum(words_of(full * _CHUNK, tail), jnp.uint32((full * _CHUNK * per) % (1 << 32)))
-    return acc
-
-
-def _slice(x: jax.Array, start, size: int) -> jax.Array:
-    return jax.lax.dynamic_slice(jnp.ravel(x), (start,), (size,))
-
-
-def _hash_leaf(x: jax.Array, cast=None) -> jax.Array:
-    """The hash of a leaf's bits (after ``cast``, a float dtype applied to float leaves)."""
-    x = jnp.asarray(x)
-    if cast is not None and jnp.issubdtype(x.dtype, jnp.floating):
-        return _hash_elements(x.size, lambda start, size: _leaf_bits(_slice(x, start, size).astype(cast)))
-    return _hash_elements(x.size, lambda start, size: _leaf_bits(_slice(x, start, size)))
-
-
-@jax.jit
-def _fingerprint(params) -> jax.Array:
-    """uint32 ``[leaves]``: each params leaf's hash."""
-    leaves = jax.tree_util.tree_leaves(params)
-    return jnp.stack([_hash_leaf(x) for x in leaves]) if leaves else jnp.zeros((0,), jnp.uint32)
-
-
-@jax.jit
-def _init_fingerprint(params) -> jax.Array:
-    """``[leaves, 4]``: the params as given, and rounded to each of ``_INIT_CASTS``."""
-    leaves = jax.tree_util.tree_leaves(params)
-    if not leaves:
-        return jnp.zeros((0, _FINGERPRINT_WIDTH), jnp.uint32)
-    return jnp.stack([jnp.stack([_hash_leaf(x, cast) for cast in (None, *_INIT_CASTS)]) for x in leaves])
-
-
-@functools.partial(jax.jit, static_argnames="wide")
-def _expected_fingerprint(params, new_params, wide: bool = False) -> jax.Array:
-    """``[leaves, 4]``: the hash of ``optax.apply_updates(params, updates)``, with the updates the storage
-    transform returns (``_update_in_params_dtype``, float32 when ``wide``), computed as they compute them, chunk
-    by chunk: neither the updates nor the next params are materialised for it."""
-    hashes = []
-    for p, t in zip(jax.tree_util.tree_leaves(params), jax.tree_util.tree_leaves(new_params)):
-        def words_of(start, size, p=p, t=t):
-            ps = _slice(p, start, size)
-            u = _update_in_params_dtype(_slice(t, start, size), ps, wide)
-            return _leaf_bits(jnp.asarray(ps + u).astype(jnp.asarray(ps).dtype))  # optax.apply_updates
-        hashes.append(_hash_elements(jnp.size(p), words_of))
-    fp = jnp.stack(hashes) if hashes else jnp.zeros((0,), jnp.uint32)
-    return jnp.broadcast_to(fp[:, None], (fp.shape[0], _FINGERPRINT_WIDTH))
-
-
-def _params_changed(state: StorageState, params) -> jax.Array:
-    """Whether ``params`` differ from the ones the state's fingerprint expects (a bool, traced under jit)."""
-    fp = _fingerprint(params)
-    expected = state.params_fingerprint
-    if expected.shape != (fp.shape[0], _FINGERPRINT_WIDTH):
-        raise ValueError(f"this StorageState fingerprints {expected.shape[0]} params leaves, the params have "
-                         f"{fp.shape[0]}: pass the state tx.init made for these params")
-    return jnp.logical_not(jnp.all(jnp.any(fp[:, None] == expected, axis=1)))
 
 
 def _static(name: str, value: Any) -> float | None:
@@ -282,8 +166,8 @@ def scale_by_storage(
             # abstract one (jax.ShapeDtypeStruct): the state's structure, as optax's own transforms give it. The
             # store is written by the first init on real arrays.
             return StorageState(jnp.zeros((), jnp.int32), jnp.zeros((), jnp.int32),
-                                jnp.zeros((len(leaves), _FINGERPRINT_WIDTH), jnp.uint32))
-        fingerprint = _init_fingerprint(params)
+                                jnp.zeros((len(leaves), fp.WIDTH), jnp.uint32))
+        fingerprint = fp.init_fingerprint(params)
         if traced:
             # Under jax.jit the params reach the store through a host callback (once, at init; never on the
             # step's path); under jax.eval_shape nothing runs and nothing is written.
@@ -312,7 +196,7 @@ def scale_by_storage(
             _mark_lr_scaled()
         # Params changed since the update that led to them (a transform after this one scaled its updates, code
         # edited them): the store steps from the params given, as optax would, instead of from its master.
-        adopt = _params_changed(state, params)
+        adopt = fp.params_changed(state.params_fingerprint, params)
         params_leaves = jax.tree_util.tree_leaves(params)
         if isinstance(updates, Compressed):
             if updates.values.shape[0] % layout.num_shards:
@@ -337,33 +221,14 @@ def scale_by_storage(
             out = store_update(handle, flat, version=state.version, lr=lr, step=state.count + 1, mesh=mesh,
                                axis_name=axis_name, params=params_leaves, adopt=adopt)
             new_params, version = layout.unflatten(out.params, params, dtype=jnp.float32), out.version
-        new_updates = jax.tree_util.tree_map(
-            functools.partial(_update_in_params_dtype, wide=float32_updates), new_params, params)
+        # The updates come with the fingerprint of where they lead (on the CPU from one C++ pass that reads the
+        # params before anything can write over them: nsp.optim.fingerprint).
+        new_updates, expected = fp.updates_and_expected(params, new_params, float32_updates)
         # A skipped step (non-finite gradient) leaves the version, and so the step count, where they were.
         applied = (version - state.version).astype(state.count.dtype)
-        return new_updates, StorageState(state.count + applied, version,
-                                         _expected_fingerprint(params, new_params, float32_updates))
+        return new_updates, StorageState(state.count + applied, version, expected)
 
     return optax.GradientTransformationExtraArgs(init_fn, update_fn)
-
-
-def _update_in_params_dtype(new: jax.Array, param: jax.Array, wide: bool = False) -> jax.Array:
-    """The update that ``optax.apply_updates`` turns into the store's new fp32 master rounded to the params' dtype
-    (``t``).
-
-    By default it is ``t - p`` in the params' dtype (optax's rule): ``p + (t - p)`` is exactly ``t`` whenever the
-    difference is exact in that dtype (Sterbenz: ``t`` and ``p`` within a factor of 2 of each other). A step
-    larger than that (a param near zero, or crossing it) needs a ``u`` finer than the dtype holds at ``u``'s size:
-    ``p + u`` then lands within an ulp of ``t``, as ``p + (t - p)`` does in optax's own arithmetic.
-
-    ``wide`` (``float32_updates``): for params narrower than float32 (bfloat16, float16) the update is ``t - p`` in
-    float32, where the difference of two such numbers is exact (or, with ``p`` far below ``t``, off by less than
-    a float32 ulp: nothing that moves ``t`` off its own grid point), so the sum rounded back to the params' dtype
-    is always ``t``: the params depend on the master alone, whatever path led there."""
-    target = new.astype(param.dtype)
-    promoted = jnp.promote_types(param.dtype, jnp.float32)
-    update = target.astype(promoted) - param.astype(promoted)
-    return update if wide else update.astype(param.dtype)
 
 
 def _leaves_path(layout, updates, params, mesh) -> bool:

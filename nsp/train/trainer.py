@@ -47,26 +47,6 @@ from nsp.train.config import TrainConfig
 from nsp.train.layerwise import LayerwiseInit, SetupProgress, SpecRecorder, fmt_gib, peak_rss_bytes
 
 
-#: XLA options of the step of a ``bf16_params`` run. The storage transform fingerprints the params in a loop over
-#: 64K-element chunks (``nsp.optim.storage``) so that nothing params-sized is materialised; XLA's
-#: while-loop-invariant code motion moves each leaf's integer conversion out of that loop, which makes a 4-byte
-#: copy of every leaf (measured: 4 bytes per parameter of the step's temporaries, 10 GB at 2.5B params). The GPT
-#: step has no other loop, so turning the pass off costs it nothing.
-LEAN_STEP_XLA_OPTIONS = {"xla_disable_hlo_passes": "while-loop-invariant-code-motion"}
-
-
-def lean_xla_flags() -> None:
-    """Adds ``LEAN_STEP_XLA_OPTIONS`` to ``XLA_FLAGS`` for every computation of this process (``tx.init``'s
-    fingerprint of the params too). Effective only before JAX's backend starts: ``nsp train --bf16-params`` calls
-    it first thing; the step of a ``bf16_params`` run is compiled with the options either way."""
-    import os
-
-    flag = "--xla_disable_hlo_passes=" + LEAN_STEP_XLA_OPTIONS["xla_disable_hlo_passes"]
-    flags = os.environ.get("XLA_FLAGS", "")
-    if "xla_disable_hlo_passes" not in flags:
-        os.environ["XLA_FLAGS"] = f"{flags} {flag}".strip()
-
-
 def lean_malloc() -> None:
     """glibc's malloc as ``bench/max_model.py`` runs its attempts: blocks from 128 KiB up mmapped (and unmapped
     when freed; glibc's default raises that threshold to the size of the blocks freed, which then stay in the
@@ -693,8 +673,7 @@ def train_and_evaluate(config: TrainConfig, *, log: Callable[[str], None] = prin
         t0 = time.perf_counter()
         first = put_batch(run.train_batches.batch(run.step, local_rows(config.batch, run.mesh)), run.mesh,
                           global_rows=config.batch)
-        train_step = train_step.lower(run.params, run.opt_state, first).compile(
-            compiler_options=LEAN_STEP_XLA_OPTIONS)
+        train_step = train_step.lower(run.params, run.opt_state, first).compile()
         log(f"compiled the train step in {time.perf_counter() - t0:.1f} s | peak RSS {fmt_gib(peak_rss_bytes())}")
     run_t0 = time.perf_counter()
     losses: list[float] = []

@@ -1,0 +1,232 @@
+"""The params fingerprint of the storage transforms: whether the params given to ``update`` are the ones the
+previous update led to.
+
+A fingerprint is one uint32 per params leaf: the wrapping sum over the leaf's words of murmur3's finaliser (a
+bijection) of ``word ^ (position * 0x9E3779B9)``. A 1-, 2- or 4-byte element is one word (its bits, zero-extended),
+an 8-byte one two (low word first). Integer sums are associative, so however the sum is cut up the result is the
+same bits: any single changed element always changes the hash, several cancel out with probability about 2**-32.
+
+It must cost no params-sized memory (the storage transform's step holds the gradient and little else), so it is
+computed where each platform does that well:
+
+- **CPU**: in C++ (``ffi/params_hash.cc``, targets ``nsp_params_hash`` and ``nsp_next_params_hash``), reading each
+  leaf where it lies on the kernels' thread pool. XLA:CPU fuses no integer elementwise work into a reduction, so
+  a jnp hash of a leaf writes a uint32 per element; cut into chunks in a loop, XLA hoists whole-leaf conversions
+  out of the loop (bf16 ops are computed in float32 there), which cost 4-8 bytes per parameter.
+- **elsewhere** (GPU): the same hash in jnp, whole leaves at once, which XLA fuses into one reduction per leaf:
+  one read of the leaf, no temporaries, no loop.
+
+Both give the same bits (tests compare them), so a state made on one platform checks params on the other.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from nsp.primitives import _ffi  # noqa: F401  (registers the FFI targets)
+
+#: What the params may be rounded to between ``init`` and the first update (besides their own dtype); the
+#: codes are the ``cast`` attribute of ``nsp_params_hash``.
+INIT_CASTS = (jnp.float32, jnp.bfloat16, jnp.float16)
+WIDTH = 1 + len(INIT_CASTS)
+
+_CAST_CODES = {jnp.dtype(jnp.float32): 1, jnp.dtype(jnp.bfloat16): 2, jnp.dtype(jnp.float16): 3}
+#: Float dtypes the C++ hash converts itself (float64 params keep their roundings in XLA).
+_CXX_FLOATS = tuple(_CAST_CODES)
+_GOLDEN = 0x9E3779B9
+
+
+def _leaf_bits(x: jax.Array) -> jax.Array:
+    """The leaf's bits as flat uint32 words: its own bit patterns, zero-extended (8-byte values give two words).
+
+    Only bitcasts and integer conversions: a float conversion here could be dropped by XLA's excess-precision
+    rewrites (``f32 -> bf16 -> f32`` pairs), and the hash must see exactly the bits the params hold."""
+    x = jnp.asarray(x)
+    if x.dtype == jnp.bool_:
+        x = x.astype(jnp.uint8)
+    size = jnp.dtype(x.dtype).itemsize
+    if jnp.issubdtype(x.dtype, jnp.complexfloating) or size not in (1, 2, 4, 8):
+        raise TypeError(f"nsp optimizers cannot fingerprint params of dtype {x.dtype}")
+    if size == 8:
+        return jax.lax.bitcast_convert_type(x, jnp.uint32).reshape(-1)
+    unsigned = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32}[size]
+    return jax.lax.bitcast_convert_type(x, unsigned).astype(jnp.uint32).reshape(-1)
+
+
+def _mix_sum(words: jax.Array) -> jax.Array:
+    """The hash of a leaf's words (jnp: XLA fuses the mixing into the sum on a GPU)."""
+    pos = jax.lax.iota(jnp.uint32, words.shape[0])
+    h = words ^ (pos * jnp.uint32(_GOLDEN))
+    h = (h ^ (h >> 16)) * jnp.uint32(0x85EBCA6B)
+    h = (h ^ (h >> 13)) * jnp.uint32(0xC2B2AE35)
+    h = h ^ (h >> 16)
+    return jnp.sum(h, dtype=jnp.uint32)
+
+
+def _stack(hashes: list[jax.Array]) -> jax.Array:
+    return jnp.stack(hashes) if hashes else jnp.zeros((0,), jnp.uint32)
+
+
+def _is_float(x) -> bool:
+    return jnp.issubdtype(x.dtype, jnp.floating)
+
+
+# ---- jnp: every platform but the CPU ---------------------------------------------------------------------------
+
+def _hash_jnp(x: jax.Array, cast=None) -> jax.Array:
+    if cast is not None and _is_float(x):
+        x = x.astype(cast)
+    return _mix_sum(_leaf_bits(x))
+
+
+def _next_params_jnp(p: jax.Array, t: jax.Array, wide: bool) -> jax.Array:
+    return _mix_sum(_leaf_bits(next_params(p, t, wide)))
+
+
+# ---- C++: the CPU ----------------------------------------------------------------------------------------------
+
+def _ffi_hash(leaves: list[jax.Array], target: str, count: int, **attrs) -> jax.Array:
+    """``count`` hashes of ``leaves`` by the C++ target ``target``."""
+    call = jax.ffi.ffi_call(target, jax.ShapeDtypeStruct((count,), jnp.uint32), vmap_method="sequential")
+    return call(*leaves, **{k: np.int32(v) for k, v in attrs.items()})
+
+
+def _hash_cpu(leaves: list[jax.Array], cast=None) -> jax.Array:
+    """Per leaf: the C++ hash, but for float64 leaves with a cast (jnp on the CPU: rare, x64 params only)."""
+    code = 0 if cast is None else _CAST_CODES[jnp.dtype(cast)]
+    by_cxx = [i for i, x in enumerate(leaves) if code == 0 or not _is_float(x) or x.dtype in _CXX_FLOATS]
+    out = [None] * len(leaves)
+    if by_cxx:
+        hashes = _ffi_hash([leaves[i] for i in by_cxx], "nsp_params_hash", len(by_cxx), cast=code)
+        for j, i in enumerate(by_cxx):
+            out[i] = hashes[j]
+    for i, x in enumerate(leaves):
+        if out[i] is None:
+            out[i] = _hash_jnp(x, cast)
+    return _stack(out)
+
+
+def _updates_cpu(params: list[jax.Array], new: list[jax.Array], wide: bool):
+    """``(updates, hashes)`` on the CPU. Params narrower than float32 with ``wide`` updates land exactly on the new
+    params rounded to their dtype (``update_in_params_dtype``), so the hash is that of the new params alone and
+    the updates stay jnp (XLA fuses them into ``optax.apply_updates``). Otherwise C++ computes the updates and the
+    hash of where they lead in one pass, writing each update over its new params when their dtypes match."""
+    updates, hashes = [None] * len(params), [None] * len(params)
+    narrow = [i for i, p in enumerate(params)
+              if wide and p.dtype in _CXX_FLOATS and p.dtype != jnp.dtype(jnp.float32)]
+    by_dtype: dict[int, list[int]] = {}
+    for i in narrow:
+        by_dtype.setdefault(_CAST_CODES[params[i].dtype], []).append(i)
+    for code, idx in by_dtype.items():
+        h = _ffi_hash([new[i] for i in idx], "nsp_params_hash", len(idx), cast=code)
+        for j, i in enumerate(idx):
+            hashes[i] = h[j]
+            updates[i] = update_in_params_dtype(new[i], params[i], wide)
+    by_cxx = [i for i, (p, t) in enumerate(zip(params, new))
+              if hashes[i] is None and p.dtype in _CXX_FLOATS and t.dtype in (jnp.dtype(jnp.float32), p.dtype)
+              and p.size == t.size and (not wide or p.dtype == jnp.dtype(jnp.float32))]
+    if by_cxx:
+        out_types = [jax.ShapeDtypeStruct((len(by_cxx),), jnp.uint32)]
+        out_types += [jax.ShapeDtypeStruct(params[i].shape, params[i].dtype) for i in by_cxx]
+        count = len(by_cxx)
+        aliases = {count + j: 1 + j for j, i in enumerate(by_cxx)
+                   if new[i].dtype == params[i].dtype and new[i].shape == params[i].shape}
+        call = jax.ffi.ffi_call("nsp_next_params_update", out_types, input_output_aliases=aliases,
+                                vmap_method="sequential")
+        outs = call(*[params[i] for i in by_cxx], *[new[i] for i in by_cxx])
+        for j, i in enumerate(by_cxx):
+            hashes[i], updates[i] = outs[0][j], outs[1 + j]
+    for i, (p, t) in enumerate(zip(params, new)):
+        if hashes[i] is None:
+            updates[i] = update_in_params_dtype(t, p, wide)
+            hashes[i] = _next_params_jnp(p, t, wide)
+    return updates, _stack(hashes)
+
+
+def _by_platform(cpu, other):
+    """``cpu()`` when the computation runs on a CPU, else ``other()`` (decided at lowering)."""
+    return jax.lax.platform_dependent(cpu=cpu, default=other)
+
+
+# ---- what the storage transform uses ---------------------------------------------------------------------------
+
+def next_params(p: jax.Array, t: jax.Array, wide: bool = False) -> jax.Array:
+    """``optax.apply_updates(p, u)`` for the update ``u`` the storage transform returns for new params ``t``
+    (``update_in_params_dtype``)."""
+    u = update_in_params_dtype(t, p, wide)
+    return jnp.asarray(p + u).astype(jnp.asarray(p).dtype)
+
+
+def update_in_params_dtype(new: jax.Array, param: jax.Array, wide: bool = False) -> jax.Array:
+    """The update that ``optax.apply_updates`` turns into the store's new fp32 master rounded to the params' dtype
+    (``t``).
+
+    By default it is ``t - p`` in the params' dtype (optax's rule): ``p + (t - p)`` is exactly ``t`` whenever the
+    difference is exact in that dtype (Sterbenz: ``t`` and ``p`` within a factor of 2 of each other). A step
+    larger than that (a param near zero, or crossing it) needs a ``u`` finer than the dtype holds at ``u``'s size:
+    ``p + u`` then lands within an ulp of ``t``, as ``p + (t - p)`` does in optax's own arithmetic.
+
+    ``wide`` (``float32_updates``): for params narrower than float32 (bfloat16, float16) the update is ``t - p`` in
+    float32, where the difference of two such numbers is exact (or, with ``p`` far below ``t``, off by less than
+    a float32 ulp: nothing that moves ``t`` off its own grid point), so the sum rounded back to the params' dtype
+    is always ``t``: the params depend on the master alone, whatever path led there."""
+    target = new.astype(param.dtype)
+    promoted = jnp.promote_types(param.dtype, jnp.float32)
+    update = target.astype(promoted) - param.astype(promoted)
+    return update if wide else update.astype(param.dtype)
+
+
+@jax.jit
+def fingerprint(params) -> jax.Array:
+    """uint32 ``[leaves]``: each params leaf's hash."""
+    leaves = [jnp.asarray(x) for x in jax.tree_util.tree_leaves(params)]
+    if not leaves:
+        return jnp.zeros((0,), jnp.uint32)
+    return _by_platform(lambda: _hash_cpu(leaves), lambda: _stack([_hash_jnp(x) for x in leaves]))
+
+
+@jax.jit
+def init_fingerprint(params) -> jax.Array:
+    """``[leaves, WIDTH]``: the params as given, and rounded to each of ``INIT_CASTS``."""
+    leaves = [jnp.asarray(x) for x in jax.tree_util.tree_leaves(params)]
+    if not leaves:
+        return jnp.zeros((0, WIDTH), jnp.uint32)
+    casts = (None, *INIT_CASTS)
+    return _by_platform(
+        lambda: jnp.stack([_hash_cpu(leaves, cast) for cast in casts], axis=1),
+        lambda: jnp.stack([_stack([_hash_jnp(x, cast) for x in leaves]) for cast in casts], axis=1))
+
+
+def updates_and_expected(params, new_params, wide: bool = False):
+    """``(updates, expected)``: the updates the storage transform returns for new params ``new_params``
+    (``update_in_params_dtype`` of each leaf, a tree like ``params``) and the ``[leaves, WIDTH]`` fingerprint of
+    ``optax.apply_updates(params, updates)``, computed without materialising the next params.
+
+    Every write over the params comes after the fingerprint's read of them (the updates are its results), so a
+    step that donates its params and writes the next ones over them needs no copy of the params."""
+    ps = [jnp.asarray(x) for x in jax.tree_util.tree_leaves(params)]
+    ts = [jnp.asarray(x) for x in jax.tree_util.tree_leaves(new_params)]
+    treedef = jax.tree_util.tree_structure(params)
+    if not ps:
+        return jax.tree_util.tree_unflatten(treedef, []), jnp.zeros((0, WIDTH), jnp.uint32)
+
+    def other():
+        return ([update_in_params_dtype(t, p, wide) for p, t in zip(ps, ts)],
+                _stack([_next_params_jnp(p, t, wide) for p, t in zip(ps, ts)]))
+
+    updates, fp = _by_platform(lambda: _updates_cpu(ps, ts, wide), other)
+    return jax.tree_util.tree_unflatten(treedef, updates), jnp.broadcast_to(fp[:, None], (fp.shape[0], WIDTH))
+
+
+def params_changed(expected: jax.Array, params) -> jax.Array:
+    """Whether ``params`` differ from the ones the ``[leaves, WIDTH]`` fingerprint ``expected`` describes (a
+    bool, traced under jit)."""
+    fp = fingerprint(params)
+    if expected.shape != (fp.shape[0], WIDTH):
+        raise ValueError(f"this StorageState fingerprints {expected.shape[0]} params leaves, the params have "
+                         f"{fp.shape[0]}: pass the state tx.init made for these params")
+    return jnp.logical_not(jnp.all(jnp.any(fp[:, None] == expected, axis=1)))
