@@ -9,11 +9,12 @@
 #
 # Limits (seconds) can be changed through the environment: INSTALL_TIMEOUT (240), TESTS_TIMEOUT (90),
 # BENCH_TIMEOUT (330, with the benchmark's own --time-budget-s BENCH_BUDGET, 270), CHECK_TIMEOUT (60).
+# For a dry run elsewhere: SKIP_INSTALL=1 (nsp already installed), BENCH_ARGS="--quick", PYTHON=<interpreter>.
 set -u
 cd "$(dirname "$0")/.."
 OUT="${OUT:-$PWD/gpu_out}"
 mkdir -p "$OUT"
-PY="${PYTHON:-python}"
+PY="${PYTHON:-$(command -v python || command -v python3)}"
 START=$(date +%s)
 stamp() { echo "[$(date +%H:%M:%S) +$(( $(date +%s) - START ))s] $*"; }
 summary="$OUT/gpu_run_summary.txt"
@@ -32,6 +33,9 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv > "$OUT/nvi
 # 1. Install nsp (builds its C++ extension). Without network the build requirements must already be there: try
 #    without build isolation first (the machine's scikit-build-core, nanobind and jax), then the ordinary way.
 export CMAKE_BUILD_PARALLEL_LEVEL="${CMAKE_BUILD_PARALLEL_LEVEL:-$(nproc)}"
+if [ -n "${SKIP_INSTALL:-}" ]; then
+  note "install: skipped (SKIP_INSTALL)"
+else
 stamp "pip install -e . (log: $OUT/pip_install.log)"
 if timeout "${INSTALL_TIMEOUT:-240}" $PY -m pip install -q --no-build-isolation -e . > "$OUT/pip_install.log" 2>&1; then
   note "install: ok (no build isolation)"
@@ -43,6 +47,7 @@ else
     note "install: FAILED (tail of the log below); going on with whatever nsp is importable"
     tail -n 30 "$OUT/pip_install.log" | tee -a "$summary"
   fi
+fi
 fi
 $PY -c 'import nsp.primitives as p; print("nsp imports; kernel ISA", p.kernel_isa())' 2>&1 | tail -3 | tee -a "$summary"
 
@@ -63,7 +68,7 @@ fi
 # 3. The benchmark: its record is rewritten after every part, so a timeout still leaves what it measured.
 stamp "bench/gpu_step.py (log: $OUT/gpu_step.log)"
 timeout -k 20 "${BENCH_TIMEOUT:-330}" $PY -u bench/gpu_step.py --out "$OUT/gpu_step.json" \
-  --time-budget-s "${BENCH_BUDGET:-270}" 2>&1 | tee "$OUT/gpu_step.log"
+  --time-budget-s "${BENCH_BUDGET:-270}" ${BENCH_ARGS:-} 2>&1 | tee "$OUT/gpu_step.log"
 note "gpu_step: exit ${PIPESTATUS[0]}"
 
 # 4. The params check once more under the portable kernels (there it must hold bit for bit), if time is left.
