@@ -827,7 +827,8 @@ def print_size(key: str, size_rec: dict[str, Any]) -> None:
         status = rec.get("status", "")
         rows.append({"contender": name, "status": "ok" if status == "ok" else status[:40],
                      "step": rec.get("steady_step_ms", rec.get("step_ms")), "drain": rec.get("drain_ms"),
-                     "x_nsp": rec.get("x_nsp"), "fb": split.get("fwd_bwd_ms") if name != FWD_BWD else rec.get("step_ms"),
+                     "x_nsp": rec.get("x_nsp"),
+                     "fb": split.get("fwd_bwd_ms") if name != FWD_BWD else rec.get("step_ms"),
                      "down": split.get("down_ms"), "update": split.get("update_ms"), "up": split.get("up_ms"),
                      "down_mb": link.get("down_bytes", 0) / 1e6 if "down_bytes" in link else None,
                      "up_mb": link.get("up_bytes", 0) / 1e6 if "up_bytes" in link else None,
@@ -836,18 +837,19 @@ def print_size(key: str, size_rec: dict[str, Any]) -> None:
     print_table(
         f"{key}: {size_rec['model']}, {size_rec['params'] / 1e6:.1f}M params, batch {size_rec['batch']} x "
         f"{size_rec['seq']} tokens, median of {size_rec.get('rounds')} interleaved rounds per step (nsp: steady, "
-        "between drains)", rows,
+        "between drains); x nsp: the ratio to " + REFERENCE, rows,
         [("contender", "contender", ""), ("status", "status", ""), ("step", "step ms", ".2f"),
-         ("x_nsp", f"x {REFERENCE}", ".2f"), ("fb", "fwd/bwd ms", ".2f"), ("down", "link down ms", ".2f"),
+         ("x_nsp", "x nsp", ".2f"), ("fb", "fwd/bwd ms", ".2f"), ("down", "link down ms", ".2f"),
          ("update", "update ms", ".2f"), ("up", "link up ms", ".2f"), ("drain", "drain ms", ".2f"),
          ("down_mb", "down MB", ".1f"), ("up_mb", "up MB", ".1f"), ("down_gbps", "down GB/s", ".1f"),
          ("up_gbps", "up GB/s", ".1f"), ("hidden", "s1 hides %", ".0f")])
     t = size_rec.get("targets", {})
     regime = t.get("regime", {})
     if regime:
+        longer = regime.get("fwd_bwd_at_least_update")
         print(f"  regime: forward/backward {fmt(regime.get('fwd_bwd_ms'))} ms vs update {fmt(regime.get('update_ms'))}"
-              f" ms: {'forward/backward >= update' if regime.get('fwd_bwd_at_least_update') else 'forward/backward < update'}"
-              f" at batch {size_rec['batch']} x {size_rec['seq']}")
+              f" ms: forward/backward {'>=' if longer else '<'} update at batch {size_rec['batch']} x "
+              f"{size_rec['seq']}")
     for what, label in (("hides", f"staleness 1 hides >= {HIDE_TARGET:.0%} of the update"),
                         ("vs_hbm", f"{REFERENCE} <= {HBM_RATIO_TARGET}x {OPTAX_HBM}"),
                         ("vs_pinned_host", f"{REFERENCE} faster than {OPTAX_PINNED}")):
@@ -856,9 +858,10 @@ def print_size(key: str, size_rec: dict[str, Any]) -> None:
         print(f"  target: {label}: {fmt(value, '.3f')} -> {item.get('status', t.get('status'))}")
     for name, rec in size_rec["contenders"].items():
         if "hidden_share" in rec:
+            of_step = rec.get("hidden_share_of_step_cost")
             print(f"  {name}: hides {rec['hidden_share']:.0%} of the update (its staleness-0 twin's update_ns), "
-                  f"{fmt(rec.get('hidden_share_of_step_cost', None) and rec['hidden_share_of_step_cost'] * 100, '.0f')}%"
-                  f" of what the update adds to the staleness-0 step")
+                  f"{fmt(None if of_step is None else of_step * 100, '.0f')}% of what the update adds to the "
+                  "staleness-0 step")
     for name, rec in size_rec["contenders"].items():
         if "split" in rec and name.startswith("nsp"):
             srcs = {k: v for k, v in rec["split"].items() if k.endswith("_source")}
