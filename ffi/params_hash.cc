@@ -13,7 +13,8 @@
 //
 // Targets (every operand a params leaf, flat or not; result uint32[leaves]):
 //   nsp_params_hash       attribute `cast` (0: the bits as they are; 1, 2, 3: float leaves rounded to float32,
-//                         bfloat16, float16 first, as `x.astype(cast)` rounds: to nearest, ties to even).
+//                         bfloat16, float16 first, as `x.astype(cast)` rounds: to nearest, ties to even; plus 8:
+//                         then -0 taken as +0, where `p + (t - p)` lands).
 //   nsp_next_params_update  operands p_0..p_{L-1}, t_0..t_{L-1}; results the hashes, then u_0..u_{L-1}: the
 //                         update the storage transform returns for new params `t` (float32 or p's dtype), in p's
 //                         dtype: target = t rounded to p's dtype, u = target - p in float32 rounded to p's dtype;
@@ -26,6 +27,11 @@
 #include <cstring>
 #include <string>
 #include <vector>
+
+#if defined(__SSE__) || defined(__x86_64__)
+#include <xmmintrin.h>
+#define NSP_HAVE_MXCSR 1
+#endif
 
 #include "ffi_common.h"
 #include "thread_pool.h"
@@ -140,13 +146,39 @@ size_t ItemSize(ffi::DataType type) {
   }
 }
 
+// The caller's floating-point mode (XLA:CPU runs its computations with denormals flushed to zero) in force on
+// whichever pool thread runs a block, so that the float arithmetic here rounds as XLA's does on every thread.
+class CallerFloatMode {
+ public:
+#ifdef NSP_HAVE_MXCSR
+  CallerFloatMode() : csr_(_mm_getcsr()) {}
+  class Scope {
+   public:
+    explicit Scope(unsigned int csr) : saved_(_mm_getcsr()) { _mm_setcsr(csr); }
+    ~Scope() { _mm_setcsr(saved_); }
+
+   private:
+    unsigned int saved_;
+  };
+  Scope Enter() const { return Scope(csr_); }
+
+ private:
+  unsigned int csr_;
+#else
+  struct Scope {};
+  Scope Enter() const { return {}; }
+#endif
+};
+
 // Sums word_of(i) mixed with its position over elements [0, n) of a leaf whose elements are `per` words each, in
 // blocks on the thread pool. `word_of(i, w)` gives word w of element i.
 template <typename WordOf>
 uint32_t HashLeaf(int64_t n, int per, const WordOf& word_of) {
   const int64_t blocks = (n + kBlock - 1) / kBlock;
   std::vector<uint32_t> sums(static_cast<size_t>(blocks), 0);
+  const CallerFloatMode mode;
   ParallelFor(static_cast<int>(blocks), [&](int b) {
+    const auto scope = mode.Enter();
     const int64_t begin = static_cast<int64_t>(b) * kBlock, end = std::min(n, begin + kBlock);
     uint32_t sum = 0;
     for (int64_t i = begin; i < end; ++i) {
@@ -186,7 +218,12 @@ ffi::Error ParamsHashImpl(ffi::RemainingArgs leaves, ffi::Result<ffi::Buffer<ffi
   if (out->element_count() != leaves.size()) {
     return Invalid(kOp, "the result needs one element per leaf: " + std::to_string(leaves.size()));
   }
-  if (cast < 0 || cast > 3) return Invalid(kOp, "cast must be 0 (none), 1 (float32), 2 (bfloat16) or 3 (float16)");
+  // Bit 3 of `cast`: the values as a float32-wide update lands on them, p + (t - p), where a zero target is +0.
+  const bool landed = (cast & 8) != 0;
+  cast &= ~8;
+  if (cast < 0 || cast > 3 || (landed && cast == 0)) {
+    return Invalid(kOp, "cast must be 0 (none), 1 (float32), 2 (bfloat16) or 3 (float16), plus 8 for landed values");
+  }
   static constexpr Float kCasts[] = {Float::kOther, Float::kF32, Float::kBF16, Float::kF16};
   for (size_t l = 0; l < leaves.size(); ++l) {
     auto leaf = leaves.get<ffi::AnyBuffer>(l);
@@ -206,7 +243,13 @@ ffi::Error ParamsHashImpl(ffi::RemainingArgs leaves, ffi::Result<ffi::Buffer<ffi
     } else {
       const void* data = leaf->untyped_data();
       const Float to = kCasts[cast];
-      h = HashLeaf(n, 1, [data, type, to](int64_t i, int) { return BitsAs(ToF32(data, type, i), to); });
+      h = HashLeaf(n, 1, [data, type, to, landed](int64_t i, int) {
+        const float value = ToF32(data, type, i);
+        const uint32_t bits = BitsAs(value, to);
+        if (!landed) return bits;
+        const uint32_t sign = to == Float::kF32 ? 0x80000000u : 0x8000u;
+        return bits == sign ? 0u : bits;  // -0 lands on +0
+      });
     }
     out->typed_data()[l] = h;
   }

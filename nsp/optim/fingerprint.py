@@ -114,7 +114,12 @@ def _updates_cpu(params: list[jax.Array], new: list[jax.Array], wide: bool):
     """``(updates, hashes)`` on the CPU. Params narrower than float32 with ``wide`` updates land exactly on the new
     params rounded to their dtype (``update_in_params_dtype``), so the hash is that of the new params alone and
     the updates stay jnp (XLA fuses them into ``optax.apply_updates``). Otherwise C++ computes the updates and the
-    hash of where they lead in one pass, writing each update over its new params when their dtypes match."""
+    hash of where they lead in one pass, writing each update over its new params when their dtypes match.
+
+    One edge: XLA:CPU flushes float32 denormals to zero, so a param whose new value lies below float32's smallest
+    normal (about 1.2e-38 in magnitude) lands on zero instead, and with ``wide`` updates the next update then sees
+    params that differ from the fingerprint and adopts them (the step is still the one optax would take: it starts
+    from the params given). So does a step from or to an infinite param."""
     updates, hashes = [None] * len(params), [None] * len(params)
     narrow = [i for i, p in enumerate(params)
               if wide and p.dtype in _CXX_FLOATS and p.dtype != jnp.dtype(jnp.float32)]
@@ -122,7 +127,8 @@ def _updates_cpu(params: list[jax.Array], new: list[jax.Array], wide: bool):
     for i in narrow:
         by_dtype.setdefault(_CAST_CODES[params[i].dtype], []).append(i)
     for code, idx in by_dtype.items():
-        h = _ffi_hash([new[i] for i in idx], "nsp_params_hash", len(idx), cast=code)
+        # + 8: p + (t - p) lands on +0 where t rounds to -0.
+        h = _ffi_hash([new[i] for i in idx], "nsp_params_hash", len(idx), cast=code + 8)
         for j, i in enumerate(idx):
             hashes[i] = h[j]
             updates[i] = update_in_params_dtype(new[i], params[i], wide)
