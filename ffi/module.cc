@@ -38,6 +38,9 @@ XLA_FFI_DECLARE_HANDLER_SYMBOL(NspStoreUpdateSparse);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(NspStoreUpdatePieces);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(NspParamsHash);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(NspNextParamsUpdate);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(NspNextParamsUpdateFlat);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(NspSegmentHash);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(NspTopkSelect);
 
 namespace nb = nanobind;
 
@@ -314,6 +317,9 @@ NB_MODULE(_nsp_ffi, m) {
     targets["nsp_store_update_pieces"] = EncapsulateFfiHandler(NspStoreUpdatePieces);
     targets["nsp_params_hash"] = EncapsulateFfiHandler(NspParamsHash);
     targets["nsp_next_params_update"] = EncapsulateFfiHandler(NspNextParamsUpdate);
+    targets["nsp_next_params_update_flat"] = EncapsulateFfiHandler(NspNextParamsUpdateFlat);
+    targets["nsp_segment_hash"] = EncapsulateFfiHandler(NspSegmentHash);
+    targets["nsp_topk_select"] = EncapsulateFfiHandler(NspTopkSelect);
     return targets;
   });
   m.def("cuda_registrations", []() {

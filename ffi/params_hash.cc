@@ -22,6 +22,9 @@
 //                         bfloat16, float16. Returning u (written over `t` where Python aliases them) orders every
 //                         write over the params after this read of them: a caller's step that donates its params
 //                         then needs no copy of them.
+//   nsp_next_params_update_flat  the same with the new params as one flat vector (a store layout's, leaf l at
+//                         attribute offsets[l], in p's dtype) and the updates flat like it.
+//   nsp_segment_hash      segments of one flat vector (attributes offsets, sizes, cast as nsp_params_hash's).
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -256,20 +259,48 @@ ffi::Error ParamsHashImpl(ffi::RemainingArgs leaves, ffi::Result<ffi::Buffer<ffi
   return ffi::Error::Success();
 }
 
-// The updates for new params `t` (results 1..L, each may alias its `t` operand: element i of `t` is read before
-// element i of the update is written) and the hash of the params they lead to (result 0).
+// Per leaf: the update for new params `t` (written to `u`, which may be `t` itself: element i of `t` is read
+// before element i of `u` is written) and the hash of the params it leads to. `u` has p's dtype.
+uint32_t NextParamsLeaf(const void* pd, Float ptype, const void* td, Float ttype, void* ud, int64_t n) {
+  return HashLeaf(n, 1, [=](int64_t i, int) {
+    const float param = ToF32(pd, ptype, i);
+    const float target = RoundTo(ToF32(td, ttype, i), ptype);
+    const float update = RoundTo(target - param, ptype);  // float32 difference, then the params' dtype
+    if (ptype == Float::kF32) {
+      static_cast<float*>(ud)[i] = update;
+    } else {
+      static_cast<uint16_t*>(ud)[i] = static_cast<uint16_t>(BitsAs(update, ptype));
+    }
+    return BitsAs(param + update, ptype);  // optax.apply_updates: p + u, back in p's dtype
+  });
+}
+
+ffi::Error CheckLeafTypes(size_t l, Float ptype, Float ttype, ffi::DataType p, ffi::DataType u) {
+  if (ptype == Float::kOther || (ttype != Float::kF32 && ttype != ptype) || u != p) {
+    return Invalid(kOp, "leaf " + std::to_string(l) + ": params (and their update) must be float32, bfloat16 or "
+                        "float16, the new params float32 or the params' dtype");
+  }
+  return ffi::Error::Success();
+}
+
+ffi::ErrorOr<uint32_t*> HashesResult(ffi::RemainingRets& rets, size_t leaves) {
+  auto hashes = rets.get<ffi::AnyBuffer>(0);
+  if (hashes.has_error()) return ffi::Unexpected(hashes.error());
+  if ((*hashes)->element_type() != ffi::DataType::U32 || (*hashes)->element_count() != leaves) {
+    return ffi::Unexpected(Invalid(kOp, "the hashes result must be uint32 with one element per leaf"));
+  }
+  return static_cast<uint32_t*>((*hashes)->untyped_data());
+}
+
+// Operands p_0..p_{L-1}, t_0..t_{L-1}; results the hashes, u_0..u_{L-1}.
 ffi::Error NextParamsUpdateImpl(ffi::RemainingArgs args, ffi::RemainingRets rets) {
   const size_t leaves = args.size() / 2;
   if (args.size() % 2 || rets.size() != leaves + 1) {
     return Invalid(kOp, "needs the params leaves, then as many new-params leaves; returns the hashes, then one "
                         "update per leaf");
   }
-  auto hashes = rets.get<ffi::AnyBuffer>(0);
-  if (hashes.has_error()) return hashes.error();
-  if ((*hashes)->element_type() != ffi::DataType::U32 || (*hashes)->element_count() != leaves) {
-    return Invalid(kOp, "the hashes result must be uint32 with one element per leaf");
-  }
-  auto* hash_out = static_cast<uint32_t*>((*hashes)->untyped_data());
+  auto hash_out = HashesResult(rets, leaves);
+  if (hash_out.has_error()) return hash_out.error();
   for (size_t l = 0; l < leaves; ++l) {
     auto p = args.get<ffi::AnyBuffer>(l);
     auto t = args.get<ffi::AnyBuffer>(leaves + l);
@@ -278,27 +309,82 @@ ffi::Error NextParamsUpdateImpl(ffi::RemainingArgs args, ffi::RemainingRets rets
     if (t.has_error()) return t.error();
     if (u.has_error()) return u.error();
     const Float ptype = FloatOf(p->element_type()), ttype = FloatOf(t->element_type());
-    if (ptype == Float::kOther || (ttype != Float::kF32 && ttype != ptype) ||
-        (*u)->element_type() != p->element_type()) {
-      return Invalid(kOp, "leaf " + std::to_string(l) + ": params (and their update) must be float32, bfloat16 or "
-                          "float16, the new params float32 or the params' dtype");
+    if (ffi::Error e = CheckLeafTypes(l, ptype, ttype, p->element_type(), (*u)->element_type()); e.failure()) {
+      return e;
     }
     if (p->element_count() != t->element_count() || p->element_count() != (*u)->element_count()) {
       return Invalid(kOp, "leaf " + std::to_string(l) + ": params, new params and update differ in size");
     }
-    const void* pd = p->untyped_data();
-    const void* td = t->untyped_data();
-    void* ud = (*u)->untyped_data();
-    hash_out[l] = HashLeaf(static_cast<int64_t>(p->element_count()), 1, [=](int64_t i, int) {
-      const float param = ToF32(pd, ptype, i);
-      const float target = RoundTo(ToF32(td, ttype, i), ptype);
-      const float update = RoundTo(target - param, ptype);  // float32 difference, then the params' dtype
-      if (ptype == Float::kF32) {
-        static_cast<float*>(ud)[i] = update;
-      } else {
-        static_cast<uint16_t*>(ud)[i] = static_cast<uint16_t>(BitsAs(update, ptype));
-      }
-      return BitsAs(param + update, ptype);  // optax.apply_updates: p + u, back in p's dtype
+    (*hash_out)[l] = NextParamsLeaf(p->untyped_data(), ptype, t->untyped_data(), ttype, (*u)->untyped_data(),
+                                    static_cast<int64_t>(p->element_count()));
+  }
+  return ffi::Error::Success();
+}
+
+// The new params as one flat vector (a store layout's: leaf l at offsets[l]): operands p_0..p_{L-1}, t; results
+// the hashes and u, flat like t (and in p's dtype, which t shares).
+ffi::Error NextParamsUpdateFlatImpl(ffi::RemainingArgs args, ffi::RemainingRets rets,
+                                    ffi::Span<const int64_t> offsets) {
+  const size_t leaves = offsets.size();
+  if (args.size() != leaves + 1 || rets.size() != 2) {
+    return Invalid(kOp, "needs the params leaves (one per offset) and the flat new params; returns the hashes and "
+                        "the flat updates");
+  }
+  auto hash_out = HashesResult(rets, leaves);
+  if (hash_out.has_error()) return hash_out.error();
+  auto t = args.get<ffi::AnyBuffer>(leaves);
+  auto u = rets.get<ffi::AnyBuffer>(1);
+  if (t.has_error()) return t.error();
+  if (u.has_error()) return u.error();
+  const Float ttype = FloatOf(t->element_type());
+  if ((*u)->element_type() != t->element_type() || (*u)->element_count() != t->element_count()) {
+    return Invalid(kOp, "the flat updates must have the flat new params' dtype and size");
+  }
+  const int64_t total = static_cast<int64_t>(t->element_count());
+  for (size_t l = 0; l < leaves; ++l) {
+    auto p = args.get<ffi::AnyBuffer>(l);
+    if (p.has_error()) return p.error();
+    const Float ptype = FloatOf(p->element_type());
+    if (ffi::Error e = CheckLeafTypes(l, ptype, ttype, p->element_type(), (*u)->element_type()); e.failure()) {
+      return e;
+    }
+    const int64_t n = static_cast<int64_t>(p->element_count());
+    if (offsets[l] < 0 || offsets[l] + n > total) {
+      return Invalid(kOp, "leaf " + std::to_string(l) + " lies outside the flat new params");
+    }
+    const size_t bytes = ttype == Float::kF32 ? 4 : 2;
+    const char* td = static_cast<const char*>(t->untyped_data()) + offsets[l] * bytes;
+    char* ud = static_cast<char*>((*u)->untyped_data()) + offsets[l] * bytes;
+    (*hash_out)[l] = NextParamsLeaf(p->untyped_data(), ptype, td, ttype, ud, n);
+  }
+  return ffi::Error::Success();
+}
+
+// The hashes of segments [offsets[l], offsets[l] + sizes[l]) of one flat float vector, rounded to `cast` as
+// nsp_params_hash rounds (its codes, landed bit included).
+ffi::Error SegmentHashImpl(ffi::AnyBuffer flat, ffi::Result<ffi::Buffer<ffi::U32>> out,
+                           ffi::Span<const int64_t> offsets, ffi::Span<const int64_t> sizes, int32_t cast) {
+  const size_t leaves = offsets.size();
+  const Float type = FloatOf(flat.element_type());
+  const bool landed = (cast & 8) != 0;
+  static constexpr Float kCasts[] = {Float::kOther, Float::kF32, Float::kBF16, Float::kF16};
+  const int code = cast & ~8;
+  if (sizes.size() != leaves || out->element_count() != leaves || type == Float::kOther || code < 1 || code > 3) {
+    return Invalid(kOp, "a segment hash needs a float32, bfloat16 or float16 vector, one size per offset, one "
+                        "result per segment and a cast of 1, 2 or 3 (plus 8)");
+  }
+  const Float to = kCasts[code];
+  const int64_t total = static_cast<int64_t>(flat.element_count());
+  const size_t bytes = type == Float::kF32 ? 4 : 2;
+  for (size_t l = 0; l < leaves; ++l) {
+    if (offsets[l] < 0 || sizes[l] < 0 || offsets[l] + sizes[l] > total) {
+      return Invalid(kOp, "segment " + std::to_string(l) + " lies outside the vector");
+    }
+    const char* data = static_cast<const char*>(flat.untyped_data()) + offsets[l] * bytes;
+    out->typed_data()[l] = HashLeaf(sizes[l], 1, [data, type, to, landed](int64_t i, int) {
+      const uint32_t bits = BitsAs(ToF32(data, type, i), to);
+      const uint32_t sign = to == Float::kF32 ? 0x80000000u : 0x8000u;
+      return landed && bits == sign ? 0u : bits;  // -0 lands on +0
     });
   }
   return ffi::Error::Success();
@@ -315,3 +401,15 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(NspParamsHash, nsp::ParamsHashImpl,
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(NspNextParamsUpdate, nsp::NextParamsUpdateImpl,
                               xla::ffi::Ffi::Bind().RemainingArgs().RemainingRets());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(NspNextParamsUpdateFlat, nsp::NextParamsUpdateFlatImpl,
+                              xla::ffi::Ffi::Bind().RemainingArgs().RemainingRets().Attr<xla::ffi::Span<const int64_t>>(
+                                  "offsets"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(NspSegmentHash, nsp::SegmentHashImpl,
+                              xla::ffi::Ffi::Bind()
+                                  .Arg<xla::ffi::AnyBuffer>()
+                                  .Ret<xla::ffi::Buffer<xla::ffi::U32>>()
+                                  .Attr<xla::ffi::Span<const int64_t>>("offsets")
+                                  .Attr<xla::ffi::Span<const int64_t>>("sizes")
+                                  .Attr<int32_t>("cast"));

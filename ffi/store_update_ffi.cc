@@ -11,8 +11,9 @@
 // last, instead of from the committed version's), then grad (f32|bf16)[n] (dense target) or
 // values (f32|bf16)[k] + indices s32[k] (sparse target; shard positions, sorted), then none or all of the
 // params tree's leaves (f32|bf16, the whole tree on every device; read only when adopt is 1).
-// Results: params f32[n], version s32[], [params_bf16 bf16[n]]. Attributes: handles (one engine handle per
-// shard), staleness, and hyper, the hyperparameters other than lr and step as one dictionary (hyper_params.h).
+// Results: params f32[n] (or bf16[n] alone), version s32[], [params_bf16 bf16[n]]. Attributes: handles (one
+// engine handle per shard), staleness, and hyper, the hyperparameters other than lr and step as one dictionary
+// (hyper_params.h).
 //
 // A third target (single-shard stores) takes the gradient as the params tree's leaves instead of one flat
 // vector: operands lr, step, version, shard, apply, adopt, then one (f32|bf16) buffer per leaf in the layout's
@@ -110,7 +111,7 @@ ffi::ErrorOr<int32_t> RunStep(Call& call, int32_t staleness) {
 // What the dense and sparse targets start from: the call (StartCall), its params results, the caller's params
 // when the step adopts them, and the gradient's dtype from `grad` (the dense gradient, or the sparse values).
 ffi::ErrorOr<Call> Prepare(const Scalars& scalars, const ffi::AnyBuffer& grad, ffi::RemainingArgs params_in,
-                           ffi::ResultBuffer<ffi::F32> params, ffi::RemainingRets extra,
+                           ffi::Result<ffi::AnyBuffer> params, ffi::RemainingRets extra,
                            ffi::Span<const int64_t> handles, ffi::Dictionary hyper) {
   auto started = StartCall(scalars, handles, hyper);
   if (started.has_error()) return started;
@@ -120,12 +121,20 @@ ffi::ErrorOr<Call> Prepare(const Scalars& scalars, const ffi::AnyBuffer& grad, f
     return ffi::Unexpected(Invalid(kOp, "the params result has " + std::to_string(params->element_count()) +
                                             " elements, the shard " + std::to_string(n)));
   }
-  call.update.params_out = params->typed_data();
-  auto bf16 = ffi_common::OptionalBf16Result(kOp, extra, 1, n,
-                                             "the bf16 params result must be bfloat16 with one element per shard "
-                                             "element");
-  if (bf16.has_error()) return ffi::Unexpected(bf16.error());
-  call.update.params_bf16_out = *bf16;
+  // The params result in float32, or in bfloat16 alone (bf16 params: half the bytes, and no float32 copy).
+  if (params->element_type() == ffi::DataType::F32) {
+    call.update.params_out = static_cast<float*>(params->untyped_data());
+    auto bf16 = ffi_common::OptionalBf16Result(kOp, extra, 1, n,
+                                               "the bf16 params result must be bfloat16 with one element per shard "
+                                               "element");
+    if (bf16.has_error()) return ffi::Unexpected(bf16.error());
+    call.update.params_bf16_out = *bf16;
+  } else if (params->element_type() == ffi::DataType::BF16 && extra.size() == 1) {
+    call.update.params_bf16_out = static_cast<uint16_t*>(params->untyped_data());
+  } else {
+    return ffi::Unexpected(Invalid(kOp, "the params result must be float32 (optionally with a bfloat16 copy) or "
+                                        "bfloat16 alone"));
+  }
   if (ffi::Error e = TakeParams(call, scalars, params_in, 0, params_in.size()); e.failure()) {
     return ffi::Unexpected(e);
   }
@@ -146,7 +155,7 @@ ffi::Error Finish(Call& call, ffi::RemainingRets extra, int32_t staleness) {
 
 ffi::Error DenseImpl(ffi::Buffer<ffi::F32> lr, ffi::Buffer<ffi::S32> step, ffi::Buffer<ffi::S32> version,
                      ffi::Buffer<ffi::S32> shard, ffi::Buffer<ffi::S32> apply, ffi::Buffer<ffi::S32> adopt,
-                     ffi::AnyBuffer grad, ffi::RemainingArgs params_in, ffi::ResultBuffer<ffi::F32> params,
+                     ffi::AnyBuffer grad, ffi::RemainingArgs params_in, ffi::Result<ffi::AnyBuffer> params,
                      ffi::RemainingRets extra, ffi::Span<const int64_t> handles, int32_t staleness,
                      ffi::Dictionary hyper) {
   auto call = Prepare({lr, step, version, shard, apply, adopt}, grad, params_in, params, extra, handles, hyper);
@@ -162,7 +171,7 @@ ffi::Error DenseImpl(ffi::Buffer<ffi::F32> lr, ffi::Buffer<ffi::S32> step, ffi::
 ffi::Error SparseImpl(ffi::Buffer<ffi::F32> lr, ffi::Buffer<ffi::S32> step, ffi::Buffer<ffi::S32> version,
                       ffi::Buffer<ffi::S32> shard, ffi::Buffer<ffi::S32> apply, ffi::Buffer<ffi::S32> adopt,
                       ffi::AnyBuffer values, ffi::Buffer<ffi::S32> indices, ffi::RemainingArgs params_in,
-                      ffi::ResultBuffer<ffi::F32> params, ffi::RemainingRets extra, ffi::Span<const int64_t> handles,
+                      ffi::Result<ffi::AnyBuffer> params, ffi::RemainingRets extra, ffi::Span<const int64_t> handles,
                       int32_t staleness, ffi::Dictionary hyper) {
   auto call = Prepare({lr, step, version, shard, apply, adopt}, values, params_in, params, extra, handles, hyper);
   if (call.has_error()) return call.error();
@@ -255,7 +264,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(NspStoreUpdateDense, nsp::DenseImpl,
                               nsp::WithAttrs(nsp::ScalarArgs(xla::ffi::Ffi::Bind())
                                                  .Arg<xla::ffi::AnyBuffer>()              // grad
                                                  .RemainingArgs()                         // [params leaves]
-                                                 .Ret<xla::ffi::Buffer<xla::ffi::F32>>()  // params
+                                                 .Ret<xla::ffi::AnyBuffer>()             // params (f32|bf16)
                                                  .RemainingRets()));                      // version, [bf16]
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(NspStoreUpdateSparse, nsp::SparseImpl,
@@ -263,7 +272,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(NspStoreUpdateSparse, nsp::SparseImpl,
                                                  .Arg<xla::ffi::AnyBuffer>()              // values
                                                  .Arg<xla::ffi::Buffer<xla::ffi::S32>>()  // indices
                                                  .RemainingArgs()                         // [params leaves]
-                                                 .Ret<xla::ffi::Buffer<xla::ffi::F32>>()  // params
+                                                 .Ret<xla::ffi::AnyBuffer>()             // params (f32|bf16)
                                                  .RemainingRets()));                      // version, [bf16]
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(NspStoreUpdatePieces, nsp::PiecesImpl,

@@ -139,21 +139,44 @@ def _lowered(method: str, platform: str, size: int = 2**20) -> str:
     return f.trace(x).lower(lowering_platforms=(platform,)).as_text()
 
 
-def test_auto_lowers_the_threshold_path_on_cpu_and_the_exact_one_elsewhere():
+def test_auto_lowers_the_cxx_selection_on_cpu_and_the_exact_one_elsewhere():
     # On an H200 at 16M entries the threshold path measured 0.6x the speed of lax.top_k
-    # (bench/results/topk_gpu_16777216.json), on CPU 12x: below ACCELERATOR_THRESHOLD_MIN_SIZE "auto" is the
-    # threshold path on CPU only. That path orders magnitudes by their float bits (the one bitcast_convert of these
-    # programs); the exact path is a lax.top_k and a sort of its indices.
+    # (bench/results/topk_gpu_16777216.json): below ACCELERATOR_THRESHOLD_MIN_SIZE "auto" is lax.top_k off the CPU.
+    # On the CPU it is the C++ selection (no input-sized temporaries). The threshold path orders magnitudes by
+    # their float bits (the one bitcast_convert of these programs); the exact path is a lax.top_k and a sort of
+    # its indices.
     assert _lowered("threshold", "cpu").count("bitcast_convert") == 1
     assert _lowered("exact", "cpu").count("bitcast_convert") == 0
-    assert _lowered("auto", "cpu").count("bitcast_convert") == 1
+    auto = _lowered("auto", "cpu")
+    assert "nsp_topk_select" in auto and "bitcast_convert" not in auto and "top_k" not in auto
     for platform in ("cuda", "rocm", "tpu"):
         lowered = _lowered("auto", platform)
-        assert "bitcast_convert" not in lowered, platform
+        assert "bitcast_convert" not in lowered and "nsp_topk_select" not in lowered, platform
         assert lowered.count("stablehlo.sort") == 1 and lowered.count("top_k") == 1, platform
         # From ACCELERATOR_THRESHOLD_MIN_SIZE entries on, lax.top_k is the slower there too.
         big = _lowered("auto", platform, size=topk.ACCELERATOR_THRESHOLD_MIN_SIZE)
         assert big.count("bitcast_convert") == 1, platform
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("data", ["normal", "ties", "zeros"])
+def test_cpu_selection_matches_numpy(dtype, data):
+    """"auto" on the CPU is the C++ radix select: lax.top_k's set and tie rule (lower position first), in index
+    order, over inputs with many equal magnitudes and with fewer nonzeros than k."""
+    rng = np.random.default_rng(7)
+    x = rng.standard_normal(200003).astype(np.float32)
+    if data == "ties":
+        x = np.round(x * 4)
+    elif data == "zeros":
+        x[rng.random(x.size) > 0.001] = 0.0
+    x = jnp.asarray(x, dtype)
+    k = kept_count(x.size, ratio=0.03)
+    assert topk._resolve_method("auto", x.size, k, dtype) == "auto"
+    values, indices = jax.jit(lambda a: topk_compress(a, k=k, method="auto"))(x)
+    expected = numpy_topk(np.asarray(x.astype(jnp.float32)), k)
+    assert values.dtype == dtype
+    np.testing.assert_array_equal(np.asarray(indices), expected)
+    np.testing.assert_array_equal(np.asarray(values.astype(jnp.float32)), np.asarray(x.astype(jnp.float32))[expected])
 
 
 # ---------------------------------------------------------------------------------------------------------------

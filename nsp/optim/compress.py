@@ -133,6 +133,20 @@ def flatten_padded(tree: Any, num_shards: int, dtype=jnp.float32) -> jax.Array:
     return jnp.concatenate(parts)
 
 
+def _add_into(residual: jax.Array, leaves: list[jax.Array]) -> jax.Array:
+    """``residual + flatten_padded(leaves)``, leaf by leaf into the residual's own buffer: a donated residual is
+    updated in place, and no flat copy of the gradient is made (each leaf is read once, converted on the fly)."""
+    offsets = [0]
+    for leaf in leaves:
+        offsets.append(offsets[-1] + int(leaf.size))
+    for leaf, offset in zip(leaves, offsets):
+        n = int(leaf.size)
+        if n:
+            part = jax.lax.dynamic_slice(residual, (offset,), (n,)) + jnp.ravel(leaf).astype(jnp.float32)
+            residual = jax.lax.dynamic_update_slice(residual, part, (offset,))
+    return residual
+
+
 def _check_residual_decay(residual_decay: float) -> float:
     if (isinstance(residual_decay, bool) or not isinstance(residual_decay, numbers.Real)
             or not 0.0 <= float(residual_decay) <= 1.0):
@@ -196,16 +210,28 @@ def topk_compress(
         del params
         if isinstance(updates, Compressed):
             raise ValueError("the updates are compressed already (topk_compress appears twice in the chain)")
-        flat = shard_flat(flatten_padded(updates, num_shards), mesh, axis_name)
-        if error_feedback:
-            if state.residual.shape != flat.shape:
-                raise ValueError(f"the updates flatten to {flat.shape[0]} entries; this state was made for "
-                                 f"{state.residual.shape[0]}")
-            flat = flat + state.residual
+        leaves = jax.tree_util.tree_leaves(updates)
+        _, padded = flat_size(updates, num_shards)
+        if error_feedback and state.residual.shape != (padded,):
+            raise ValueError(f"the updates flatten to {padded} entries; this state was made for "
+                             f"{state.residual.shape[0]}")
+        if error_feedback and mesh is None:
+            flat = _add_into(state.residual, leaves)
+        else:
+            # Without a residual to add into, the flat vector keeps the gradient's own dtype when the leaves share
+            # one (bf16 gradients: half the bytes); the selection reads magnitudes in float32 either way.
+            dtypes = {x.dtype for x in leaves}
+            dtype = dtypes.pop() if len(dtypes) == 1 and not error_feedback else jnp.float32
+            if not jnp.issubdtype(dtype, jnp.floating) or jnp.dtype(dtype).itemsize > 4:
+                dtype = jnp.float32
+            flat = shard_flat(flatten_padded(updates, num_shards, dtype), mesh, axis_name)
+            if error_feedback:
+                flat = flat + state.residual
         k = kept_count(flat.shape[0] // num_shards, ratio=ratio)
 
         def compress_shard(shard):
             values, indices = _topk(shard, k=k, method=method)
+            values = values.astype(jnp.float32)
             if not error_feedback:
                 return values, indices, jnp.zeros((0,), shard.dtype)
             rest = shard.at[indices].set(0.0)

@@ -228,6 +228,51 @@ def updates_and_expected(params, new_params, wide: bool = False):
     return jax.tree_util.tree_unflatten(treedef, updates), jnp.broadcast_to(fp[:, None], (fp.shape[0], WIDTH))
 
 
+def updates_and_expected_flat(params, new_flat: jax.Array, offsets: list[int], wide: bool = False):
+    """``updates_and_expected`` for new params given as one flat vector (a store layout's: leaf ``l`` at
+    ``offsets[l]``). On the CPU, when the flat vector has the params' one dtype (float32 or bfloat16: the store
+    update returns it so), nothing params-sized is made: the updates are written over the flat vector (or, for
+    ``wide`` updates of bf16 params, computed from its slices inside ``optax.apply_updates``)."""
+    ps = [jnp.asarray(x) for x in jax.tree_util.tree_leaves(params)]
+    treedef = jax.tree_util.tree_structure(params)
+    if not ps:
+        return jax.tree_util.tree_unflatten(treedef, []), jnp.zeros((0, WIDTH), jnp.uint32)
+
+    def leaf(flat, i):
+        return flat[offsets[i]: offsets[i] + ps[i].size].reshape(ps[i].shape)
+
+    def by_leaves():
+        return updates_and_expected(params, jax.tree_util.tree_unflatten(
+            treedef, [leaf(new_flat, i) for i in range(len(ps))]), wide)
+
+    dtype = new_flat.dtype
+    if dtype not in (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16)) or any(p.dtype != dtype for p in ps):
+        return by_leaves()
+
+    def cpu():
+        if wide and dtype != jnp.dtype(jnp.float32):
+            call = jax.ffi.ffi_call("nsp_segment_hash", jax.ShapeDtypeStruct((len(ps),), jnp.uint32),
+                                    vmap_method="sequential")
+            hashes = call(new_flat, offsets=np.asarray(offsets, np.int64),
+                          sizes=np.asarray([p.size for p in ps], np.int64),
+                          cast=np.int32(_CAST_CODES[dtype] + 8))  # + 8: p + (t - p) lands on +0 at -0
+            updates = [update_in_params_dtype(leaf(new_flat, i), p, wide) for i, p in enumerate(ps)]
+            return updates, hashes
+        call = jax.ffi.ffi_call("nsp_next_params_update_flat",
+                                (jax.ShapeDtypeStruct((len(ps),), jnp.uint32),
+                                 jax.ShapeDtypeStruct(new_flat.shape, dtype)),
+                                input_output_aliases={len(ps): 1}, vmap_method="sequential")
+        hashes, flat_updates = call(*ps, new_flat, offsets=np.asarray(offsets, np.int64))
+        return [leaf(flat_updates, i) for i in range(len(ps))], hashes
+
+    def other():
+        updates, expected = by_leaves()
+        return jax.tree_util.tree_leaves(updates), expected[:, 0]
+
+    updates, fp = _by_platform(cpu, other)
+    return jax.tree_util.tree_unflatten(treedef, updates), jnp.broadcast_to(fp[:, None], (fp.shape[0], WIDTH))
+
+
 def params_changed(expected: jax.Array, params) -> jax.Array:
     """Whether ``params`` differ from the ones the ``[leaves, WIDTH]`` fingerprint ``expected`` describes (a
     bool, traced under jit)."""

@@ -198,14 +198,15 @@ def scale_by_storage(
         # edited them): the store steps from the params given, as optax would, instead of from its master.
         adopt = fp.params_changed(state.params_fingerprint, params)
         params_leaves = jax.tree_util.tree_leaves(params)
+        new_flat = None  # the new params as the store's flat vector (the paths but the leaves path)
         if isinstance(updates, Compressed):
             if updates.values.shape[0] % layout.num_shards:
                 raise ValueError(f"{updates.values.shape[0]} compressed entries do not split over the store's "
                                  f"{layout.num_shards} shards (topk_compress(num_shards=...) must match)")
             out = store_update(handle, values=updates.values.astype(jnp.float32), indices=updates.indices,
                                version=state.version, lr=lr, step=state.count + 1, mesh=mesh, axis_name=axis_name,
-                               params=params_leaves, adopt=adopt)
-            new_params, version = layout.unflatten(out.params, params, dtype=jnp.float32), out.version
+                               params=params_leaves, adopt=adopt, params_dtype=_flat_params_dtype(params_leaves))
+            new_flat, version = out.params, out.version
         elif _leaves_path(layout, updates, params, mesh):
             # One store shard, gradient and params of one dtype: the update reads the gradient leaves where they
             # are and writes the new params over them (no flat copies: the leanest step in memory).
@@ -219,16 +220,28 @@ def scale_by_storage(
             dtype = jnp.bfloat16 if leaves and all(x.dtype == jnp.bfloat16 for x in leaves) else jnp.float32
             flat = shard_flat(layout.flatten(updates, dtype=dtype), mesh, axis_name)
             out = store_update(handle, flat, version=state.version, lr=lr, step=state.count + 1, mesh=mesh,
-                               axis_name=axis_name, params=params_leaves, adopt=adopt)
-            new_params, version = layout.unflatten(out.params, params, dtype=jnp.float32), out.version
+                               axis_name=axis_name, params=params_leaves, adopt=adopt,
+                               params_dtype=_flat_params_dtype(params_leaves))
+            new_flat, version = out.params, out.version
         # The updates come with the fingerprint of where they lead (on the CPU from one C++ pass that reads the
         # params before anything can write over them: nsp.optim.fingerprint).
-        new_updates, expected = fp.updates_and_expected(params, new_params, float32_updates)
+        if new_flat is None:
+            new_updates, expected = fp.updates_and_expected(params, new_params, float32_updates)
+        else:
+            new_updates, expected = fp.updates_and_expected_flat(
+                params, new_flat, [spec.offset for spec in layout.leaves], float32_updates)
         # A skipped step (non-finite gradient) leaves the version, and so the step count, where they were.
         applied = (version - state.version).astype(state.count.dtype)
         return new_updates, StorageState(state.count + applied, version, expected)
 
     return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+
+
+def _flat_params_dtype(params_leaves) -> Any:
+    """The dtype the store returns its flat params in: bfloat16 for bf16 params (half the bytes up the shared
+    link, no float32 copy in the step), else float32."""
+    bf16 = params_leaves and all(x.dtype == jnp.bfloat16 for x in params_leaves)
+    return jnp.bfloat16 if bf16 else jnp.float32
 
 
 def _leaves_path(layout, updates, params, mesh) -> bool:

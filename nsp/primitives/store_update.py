@@ -94,6 +94,7 @@ def store_update(
     params_bf16: bool = False,
     params: list[jax.Array] | None = None,
     adopt: jax.typing.ArrayLike = False,
+    params_dtype: Any = jnp.float32,
 ) -> StoreUpdateResult:
     """Runs one optimizer step of ``store`` on a (sharded) gradient, inside or outside ``jax.jit``.
 
@@ -112,6 +113,8 @@ def store_update(
       mesh, axis_name: the mesh and the axis the state is sharded over (one store shard per device on it).
         Without a mesh the store must have a single shard.
       params_bf16: also return a bf16 copy of the params (half the bytes up the shared link).
+      params_dtype: the dtype of the returned ``params``: float32, or bfloat16 (then the only params returned,
+        half the bytes up the shared link and no float32 copy in the step's memory; not with ``params_bf16``).
       params: the params tree's leaves in the layout's order (whole, not sharded: every device reads its shard's
         part), for ``adopt``.
       adopt: a (traced) bool: start this step from ``params`` instead of from the committed version's params
@@ -154,7 +157,12 @@ def store_update(
             raise TypeError(f"gradients must be float32 or bfloat16, got {x.dtype}")
 
     _check_platform(mesh)
-    out_types = [jax.ShapeDtypeStruct((layout.shard_size,), jnp.float32), jax.ShapeDtypeStruct((), jnp.int32)]
+    params_dtype = jnp.dtype(params_dtype)
+    if params_dtype not in (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16)):
+        raise TypeError(f"params_dtype must be float32 or bfloat16, got {params_dtype}")
+    if params_bf16 and params_dtype != jnp.dtype(jnp.float32):
+        raise ValueError("params_bf16 adds a bf16 copy to float32 params: with params_dtype=bfloat16 it is not needed")
+    out_types = [jax.ShapeDtypeStruct((layout.shard_size,), params_dtype), jax.ShapeDtypeStruct((), jnp.int32)]
     if params_bf16:
         out_types.append(jax.ShapeDtypeStruct((layout.shard_size,), jnp.bfloat16))
     call = jax.ffi.ffi_call(

@@ -5,8 +5,10 @@ A compressed gradient is ``values`` (x's dtype, shape ``(k,)``) and ``indices`` 
 kernel streams pages in order and walks the indices with them. Decompression is a scatter-ADD, so an index may
 repeat only with a value that is harmless to add.
 
-Everything here is plain JAX (no callbacks, no custom calls of our own), so it runs under ``jax.jit`` on CPU and GPU;
-``k`` and ``method`` are static Python values.
+Everything here is plain JAX but ``"auto"`` on a CPU, which runs an exact selection in C++ (``ffi/topk_select.cc``,
+a radix select on the magnitudes' bits: nothing input-sized allocated, where the jnp paths materialise masks and
+conversions on XLA:CPU, about 4 bytes per entry); it runs under ``jax.jit`` on CPU and GPU; ``k`` and ``method``
+are static Python values.
 
 Methods, and the trade-off between them (measured with ``python bench/topk.py`` on a 2-core CPU — a shared,
 noisy developer machine —, 16M fp32 at ratio 1% (k=167773), jax 0.10.2; medians of 7 interleaved rounds, ranges
@@ -29,7 +31,8 @@ On a GPU the balance differs (``python bench/topk.py --size N`` on an NVIDIA H20
 the threshold path's many small steps take 1.4–2 ms at any size up to 128M. So the threshold path is 0.6x the
 exact one at 16M, about even at 32M, 1.7x at 64M and 2.6x at 128M on the gaussian and Student-t inputs; where its
 fallback runs (ties, sparse gradients) it costs the exact path's time on top. ``"auto"`` therefore takes the
-threshold path on CPU, and off the CPU only from ``ACCELERATOR_THRESHOLD_MIN_SIZE`` (64M) entries on.
+threshold path off the CPU only from ``ACCELERATOR_THRESHOLD_MIN_SIZE`` (64M) entries on; on the CPU it takes the
+C++ selection (exact, and without the jnp paths' input-sized temporaries).
 
 Why ``threshold`` is fast and still exact: XLA's CPU top-k and sort are slow (``lax.top_k`` of 1% of 16M takes
 ~0.8 s; sorting 16M takes ~9 s), whereas one fused elementwise pass over the data takes a few ms. So the threshold
@@ -156,7 +159,7 @@ def topk_compress(
             top-k only on TPU; on CPU and GPU it lowers to an exact top-k, so it is not faster there),
             ``"threshold"`` (sampled threshold + candidate compaction, exact result, much faster for a large k;
             it takes the exact path where that is as fast: below 65536 entries, k below 4096, or ratio above 1/4)
-            or ``"auto"`` (``"threshold"`` on CPU; on other platforms ``"threshold"`` from
+            or ``"auto"`` (on CPU an exact C++ selection; on other platforms ``"threshold"`` from
             ``ACCELERATOR_THRESHOLD_MIN_SIZE`` entries on, ``"exact"`` below, chosen when the computation is lowered
             for one). See the module docstring for measured speeds.
         recall_target: passed to ``lax.approx_max_k`` by ``"approx"``; ignored by the other methods.
@@ -243,10 +246,21 @@ def _compress(flat: jax.Array, *, k: int, method: str, recall: float) -> tuple[j
         return _exact(flat, k)
     if method == "approx":
         return _approx(flat, k, recall)
-    if method == "auto" and flat.size < ACCELERATOR_THRESHOLD_MIN_SIZE:
+    if method == "auto":
         # Chosen when lowered, by the platform the computation runs on: only the chosen path is compiled.
-        return lax.platform_dependent(flat, cpu=lambda f: _threshold_or_exact(f, k), default=lambda f: _exact(f, k))
+        other = _exact if flat.size < ACCELERATOR_THRESHOLD_MIN_SIZE else _threshold_or_exact
+        return lax.platform_dependent(flat, cpu=lambda f: _select_cpu(f, k), default=lambda f: other(f, k))
     return _threshold_or_exact(flat, k)
+
+
+def _select_cpu(flat: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
+    """The exact top-k in C++ (``ffi/topk_select.cc``): a radix select on the magnitudes' bits, nothing
+    input-sized allocated (the jnp paths materialise masks and conversions on XLA:CPU, 4 bytes per entry)."""
+    if flat.dtype not in (jnp.float32, jnp.bfloat16):
+        return _threshold_or_exact(flat, k)
+    call = jax.ffi.ffi_call("nsp_topk_select", (jax.ShapeDtypeStruct((k,), flat.dtype),
+                                                jax.ShapeDtypeStruct((k,), jnp.int32)), vmap_method="sequential")
+    return call(flat)
 
 
 def _threshold_or_exact(flat: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:

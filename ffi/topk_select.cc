@@ -1,0 +1,153 @@
+// XLA FFI handler: exact Top-K by magnitude of one flat vector on the CPU (nsp.primitives.topk, method "auto").
+//
+// The k entries of largest |x| (ordered as float32 bit patterns, so NaN counts above +inf, as in the jnp paths),
+// ties broken towards lower positions (lax.top_k's rule), returned in ascending position order: values in x's
+// dtype and int32 positions. Nothing input-sized is allocated: a radix select on the 31 magnitude bits (four
+// histogram passes of 8 bits, each over the entries that still match the prefix found so far), then one pass that
+// counts and one that writes the kept entries, every pass cut into blocks on the kernels' thread pool. In XLA:CPU
+// the same selection written in jnp materialises its masks and conversions (reductions there do not fuse their
+// producers): 4 bytes per entry.
+//
+// Operand x f32[n] or bf16[n]; results values (x's dtype)[k], indices s32[k], 1 <= k <= n.
+#include <algorithm>
+#include <array>
+#include <cstdint>
+#include <cstring>
+#include <string>
+#include <vector>
+
+#include "ffi_common.h"
+#include "thread_pool.h"
+#include "xla/ffi/api/ffi.h"
+
+namespace nsp {
+namespace {
+
+using ffi_common::Invalid;
+
+constexpr char kOp[] = "nsp.topk_select";
+constexpr int64_t kBlock = 1 << 16;
+
+// |x| as float32 bits: for non-negative floats the integer order is the float order.
+inline uint32_t KeyF32(const float* x, int64_t i) {
+  uint32_t b;
+  std::memcpy(&b, x + i, 4);
+  return b & 0x7FFFFFFFu;
+}
+
+inline uint32_t KeyBf16(const uint16_t* x, int64_t i) { return (static_cast<uint32_t>(x[i]) << 16) & 0x7FFFFFFFu; }
+
+template <typename KeyOf>
+struct Selection {
+  const KeyOf& key;
+  int64_t n;
+  int64_t blocks() const { return (n + kBlock - 1) / kBlock; }
+
+  // The k-th largest key, and how many entries equal to it are kept (the rest of k are above it).
+  std::pair<uint32_t, int64_t> KthLargest(int64_t k) const {
+    uint32_t prefix = 0, mask = 0;
+    int64_t remaining = k;
+    const int64_t nb = blocks();
+    std::vector<std::array<int64_t, 256>> hist(static_cast<size_t>(nb));
+    for (int shift = 24; shift >= 0; shift -= 8) {
+      ParallelFor(static_cast<int>(nb), [&](int b) {
+        auto& h = hist[static_cast<size_t>(b)];
+        h.fill(0);
+        const int64_t begin = static_cast<int64_t>(b) * kBlock, end = std::min(n, begin + kBlock);
+        for (int64_t i = begin; i < end; ++i) {
+          const uint32_t kk = key(i);
+          if ((kk & mask) == prefix) ++h[(kk >> shift) & 0xFFu];
+        }
+      });
+      std::array<int64_t, 256> total{};
+      for (const auto& h : hist) {
+        for (int d = 0; d < 256; ++d) total[d] += h[d];
+      }
+      int digit = 255;
+      for (; digit > 0; --digit) {  // the digit where the remaining count is reached, from the top
+        if (total[digit] >= remaining) break;
+        remaining -= total[digit];
+      }
+      prefix |= static_cast<uint32_t>(digit) << shift;
+      mask |= 0xFFu << shift;
+    }
+    return {prefix, remaining};
+  }
+
+  template <typename Emit>
+  void Write(uint32_t kth, int64_t room, const Emit& emit) const {
+    const int64_t nb = blocks();
+    std::vector<int64_t> above(static_cast<size_t>(nb)), tied(static_cast<size_t>(nb));
+    ParallelFor(static_cast<int>(nb), [&](int b) {
+      const int64_t begin = static_cast<int64_t>(b) * kBlock, end = std::min(n, begin + kBlock);
+      int64_t a = 0, t = 0;
+      for (int64_t i = begin; i < end; ++i) {
+        const uint32_t kk = key(i);
+        a += kk > kth;
+        t += kk == kth;
+      }
+      above[static_cast<size_t>(b)] = a;
+      tied[static_cast<size_t>(b)] = t;
+    });
+    std::vector<int64_t> out_start(static_cast<size_t>(nb)), tie_start(static_cast<size_t>(nb));
+    int64_t out = 0, ties = 0;
+    for (int64_t b = 0; b < nb; ++b) {
+      out_start[static_cast<size_t>(b)] = out;
+      tie_start[static_cast<size_t>(b)] = ties;
+      const int64_t taken = std::max<int64_t>(0, std::min(tied[static_cast<size_t>(b)], room - ties));
+      out += above[static_cast<size_t>(b)] + taken;
+      ties += tied[static_cast<size_t>(b)];
+    }
+    ParallelFor(static_cast<int>(nb), [&](int b) {
+      const int64_t begin = static_cast<int64_t>(b) * kBlock, end = std::min(n, begin + kBlock);
+      int64_t slot = out_start[static_cast<size_t>(b)], tie = tie_start[static_cast<size_t>(b)];
+      for (int64_t i = begin; i < end; ++i) {
+        const uint32_t kk = key(i);
+        if (kk > kth || (kk == kth && tie++ < room)) emit(slot++, i);
+      }
+    });
+  }
+};
+
+template <typename T, typename KeyOf>
+void Select(const T* x, int64_t n, int64_t k, const KeyOf& key, T* values, int32_t* indices) {
+  Selection<KeyOf> sel{key, n};
+  const auto [kth, room] = sel.KthLargest(k);
+  sel.Write(kth, room, [&](int64_t slot, int64_t i) {
+    values[slot] = x[i];
+    indices[slot] = static_cast<int32_t>(i);
+  });
+}
+
+ffi::Error TopkSelectImpl(ffi::AnyBuffer x, ffi::Result<ffi::AnyBuffer> values,
+                          ffi::Result<ffi::Buffer<ffi::S32>> indices) {
+  const int64_t n = static_cast<int64_t>(x.element_count());
+  const int64_t k = static_cast<int64_t>(indices->element_count());
+  if (k < 1 || k > n || static_cast<int64_t>(values->element_count()) != k) {
+    return Invalid(kOp, "needs 1 <= k <= n and k values and indices, got n = " + std::to_string(n) +
+                            ", k = " + std::to_string(k));
+  }
+  if (n > INT32_MAX) return Invalid(kOp, "the vector has more entries than int32 positions reach");
+  if (values->element_type() != x.element_type()) return Invalid(kOp, "the values must have the input's dtype");
+  if (x.element_type() == ffi::DataType::F32) {
+    const auto* data = static_cast<const float*>(x.untyped_data());
+    const auto key = [data](int64_t i) { return KeyF32(data, i); };
+    Select(data, n, k, key, static_cast<float*>(values->untyped_data()), indices->typed_data());
+  } else if (x.element_type() == ffi::DataType::BF16) {
+    const auto* data = static_cast<const uint16_t*>(x.untyped_data());
+    const auto key = [data](int64_t i) { return KeyBf16(data, i); };
+    Select(data, n, k, key, static_cast<uint16_t*>(values->untyped_data()), indices->typed_data());
+  } else {
+    return Invalid(kOp, "the input must be float32 or bfloat16");
+  }
+  return ffi::Error::Success();
+}
+
+}  // namespace
+}  // namespace nsp
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(NspTopkSelect, nsp::TopkSelectImpl,
+                              xla::ffi::Ffi::Bind()
+                                  .Arg<xla::ffi::AnyBuffer>()
+                                  .Ret<xla::ffi::AnyBuffer>()
+                                  .Ret<xla::ffi::Buffer<xla::ffi::S32>>());
