@@ -41,6 +41,7 @@ XLA_FFI_DECLARE_HANDLER_SYMBOL(NspNextParamsUpdate);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(NspNextParamsUpdateFlat);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(NspSegmentHash);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(NspTopkSelect);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(NspTopkFeedback);
 
 namespace nb = nanobind;
 
@@ -320,6 +321,7 @@ NB_MODULE(_nsp_ffi, m) {
     targets["nsp_next_params_update_flat"] = EncapsulateFfiHandler(NspNextParamsUpdateFlat);
     targets["nsp_segment_hash"] = EncapsulateFfiHandler(NspSegmentHash);
     targets["nsp_topk_select"] = EncapsulateFfiHandler(NspTopkSelect);
+    targets["nsp_topk_feedback"] = EncapsulateFfiHandler(NspTopkFeedback);
     return targets;
   });
   m.def("cuda_registrations", []() {

@@ -31,12 +31,8 @@
 #include <string>
 #include <vector>
 
-#if defined(__SSE__) || defined(__x86_64__)
-#include <xmmintrin.h>
-#define NSP_HAVE_MXCSR 1
-#endif
-
 #include "ffi_common.h"
+#include "float_mode.h"
 #include "thread_pool.h"
 #include "xla/ffi/api/ffi.h"
 
@@ -148,30 +144,6 @@ size_t ItemSize(ffi::DataType type) {
     default: return 0;
   }
 }
-
-// The caller's floating-point mode (XLA:CPU runs its computations with denormals flushed to zero) in force on
-// whichever pool thread runs a block, so that the float arithmetic here rounds as XLA's does on every thread.
-class CallerFloatMode {
- public:
-#ifdef NSP_HAVE_MXCSR
-  CallerFloatMode() : csr_(_mm_getcsr()) {}
-  class Scope {
-   public:
-    explicit Scope(unsigned int csr) : saved_(_mm_getcsr()) { _mm_setcsr(csr); }
-    ~Scope() { _mm_setcsr(saved_); }
-
-   private:
-    unsigned int saved_;
-  };
-  Scope Enter() const { return Scope(csr_); }
-
- private:
-  unsigned int csr_;
-#else
-  struct Scope {};
-  Scope Enter() const { return {}; }
-#endif
-};
 
 // Sums word_of(i) mixed with its position over elements [0, n) of a leaf whose elements are `per` words each, in
 // blocks on the thread pool. `word_of(i, w)` gives word w of element i.

@@ -8,7 +8,14 @@
 // the same selection written in jnp materialises its masks and conversions (reductions there do not fuse their
 // producers): 4 bytes per entry.
 //
-// Operand x f32[n] or bf16[n]; results values (x's dtype)[k], indices s32[k], 1 <= k <= n.
+// nsp_topk_select: operand x f32[n] or bf16[n]; results values (x's dtype)[k], indices s32[k], 1 <= k <= n.
+//
+// nsp_topk_feedback: Top-K with error feedback in place (nsp.optim.topk_compress on one device): operands the
+// residual f32[S * m] (aliased to the first result) and the gradient's leaves (f32 or bf16, in the layout's
+// order, covering the residual's first elements; the rest is padding); attributes `shards` (S) and `decay`.
+// Adds the gradient into the residual (float32, as `residual + g` rounds), selects the k largest magnitudes of
+// each of the S shards, hands them out (values f32[S * k], shard-local indices s32[S * k], shard by shard), and
+// leaves in the residual what was not sent, times `decay`. Neither the gradient nor the sum is copied.
 #include <algorithm>
 #include <array>
 #include <cstdint>
@@ -17,6 +24,7 @@
 #include <vector>
 
 #include "ffi_common.h"
+#include "float_mode.h"
 #include "thread_pool.h"
 #include "xla/ffi/api/ffi.h"
 
@@ -143,6 +151,86 @@ ffi::Error TopkSelectImpl(ffi::AnyBuffer x, ffi::Result<ffi::AnyBuffer> values,
   return ffi::Error::Success();
 }
 
+ffi::Error TopkFeedbackImpl(ffi::RemainingArgs args, ffi::RemainingRets rets, int64_t shards, float decay) {
+  constexpr char kFeedbackOp[] = "nsp.topk_feedback";
+  if (args.size() < 1 || rets.size() != 3 || shards < 1) {
+    return Invalid(kFeedbackOp, "needs the residual and the gradient leaves; returns residual, values, indices");
+  }
+  auto residual_in = args.get<ffi::AnyBuffer>(0);
+  auto residual = rets.get<ffi::AnyBuffer>(0);
+  auto values = rets.get<ffi::AnyBuffer>(1);
+  auto indices = rets.get<ffi::AnyBuffer>(2);
+  if (residual_in.has_error()) return residual_in.error();
+  if (residual.has_error()) return residual.error();
+  if (values.has_error()) return values.error();
+  if (indices.has_error()) return indices.error();
+  const int64_t total = static_cast<int64_t>((*residual)->element_count());
+  const int64_t k_all = static_cast<int64_t>((*values)->element_count());
+  if ((*residual)->element_type() != ffi::DataType::F32 || residual_in->element_type() != ffi::DataType::F32 ||
+      static_cast<int64_t>(residual_in->element_count()) != total || (*values)->element_type() != ffi::DataType::F32 ||
+      (*indices)->element_type() != ffi::DataType::S32 || (*indices)->element_count() != (*values)->element_count() ||
+      total % shards || k_all % shards) {
+    return Invalid(kFeedbackOp, "the residual and values must be float32, the indices int32, both split evenly over "
+                                "the shards");
+  }
+  const int64_t m = total / shards, k = k_all / shards;
+  if (k < 1 || k > m) return Invalid(kFeedbackOp, "needs 1 <= k <= shard size");
+  if (m > INT32_MAX) return Invalid(kFeedbackOp, "a shard has more entries than int32 positions reach");
+  float* r = static_cast<float*>((*residual)->untyped_data());
+  if (residual_in->untyped_data() != r) {  // not aliased (XLA kept the operand): start from a copy
+    std::memcpy(r, residual_in->untyped_data(), sizeof(float) * static_cast<size_t>(total));
+  }
+  const CallerFloatMode mode;  // the additions round as XLA's would (denormals flushed)
+  int64_t offset = 0;
+  for (size_t l = 1; l < args.size(); ++l) {
+    auto g = args.get<ffi::AnyBuffer>(l);
+    if (g.has_error()) return g.error();
+    const int64_t n = static_cast<int64_t>(g->element_count());
+    const bool bf16 = g->element_type() == ffi::DataType::BF16;
+    if ((!bf16 && g->element_type() != ffi::DataType::F32) || offset + n > total) {
+      return Invalid(kFeedbackOp, "gradient leaf " + std::to_string(l - 1) + " must be float32 or bfloat16 and "
+                                  "lie within the residual");
+    }
+    const void* data = g->untyped_data();
+    float* out = r + offset;
+    const int64_t blocks = (n + kBlock - 1) / kBlock;
+    ParallelFor(static_cast<int>(blocks), [&](int b) {
+      const auto scope = mode.Enter();
+      const int64_t begin = static_cast<int64_t>(b) * kBlock, end = std::min(n, begin + kBlock);
+      if (bf16) {
+        const auto* x = static_cast<const uint16_t*>(data);
+        for (int64_t i = begin; i < end; ++i) {
+          uint32_t bits = static_cast<uint32_t>(x[i]) << 16;
+          float v;
+          std::memcpy(&v, &bits, 4);
+          out[i] = out[i] + v;
+        }
+      } else {
+        const auto* x = static_cast<const float*>(data);
+        for (int64_t i = begin; i < end; ++i) out[i] = out[i] + x[i];
+      }
+    });
+    offset += n;
+  }
+  auto* vals = static_cast<float*>((*values)->untyped_data());
+  auto* idx = static_cast<int32_t*>((*indices)->untyped_data());
+  for (int64_t s = 0; s < shards; ++s) {
+    float* shard = r + s * m;
+    const auto key = [shard](int64_t i) { return KeyF32(shard, i); };
+    Select(shard, m, k, key, vals + s * k, idx + s * k);
+    for (int64_t j = 0; j < k; ++j) shard[idx[s * k + j]] = 0.0f;  // sent: nothing left of it
+    if (decay != 1.0f) {
+      const int64_t blocks = (m + kBlock - 1) / kBlock;
+      ParallelFor(static_cast<int>(blocks), [&](int b) {
+        const auto scope = mode.Enter();
+        const int64_t begin = static_cast<int64_t>(b) * kBlock, end = std::min(m, begin + kBlock);
+        for (int64_t i = begin; i < end; ++i) shard[i] = shard[i] * decay;
+      });
+    }
+  }
+  return ffi::Error::Success();
+}
+
 }  // namespace
 }  // namespace nsp
 
@@ -151,3 +239,10 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(NspTopkSelect, nsp::TopkSelectImpl,
                                   .Arg<xla::ffi::AnyBuffer>()
                                   .Ret<xla::ffi::AnyBuffer>()
                                   .Ret<xla::ffi::Buffer<xla::ffi::S32>>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(NspTopkFeedback, nsp::TopkFeedbackImpl,
+                              xla::ffi::Ffi::Bind()
+                                  .RemainingArgs()
+                                  .RemainingRets()
+                                  .Attr<int64_t>("shards")
+                                  .Attr<float>("decay"));

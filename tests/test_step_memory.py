@@ -71,15 +71,9 @@ def _optimizer(store, staleness, topk):
     return nsp.optim.adamw(1e-3, store=store, staleness=staleness, **kw)
 
 
-TOPK_GAP = pytest.mark.xfail(
-    strict=True, reason="Top-K: the gradient is added into the error-feedback residual leaf by leaf in the layout's "
-                        "order, so the backward pass's float32 weight gradients wait for their turn (about 1 byte "
-                        "per parameter over the bound on a 4-layer 1024-wide GPT)")
-
-
 @pytest.mark.parametrize("tier", ["memory", "file"])
 @pytest.mark.parametrize("staleness", [0, 1])
-@pytest.mark.parametrize("topk", [False, pytest.param(True, marks=TOPK_GAP)], ids=["dense", "topk"])
+@pytest.mark.parametrize("topk", [False, True], ids=["dense", "topk"])
 def test_train_step_bf16_params(tier, staleness, topk, tmp_path):
     graphdef, params = _model(jnp.float32)
     store = _store(tier, tmp_path)

@@ -179,6 +179,47 @@ def test_cpu_selection_matches_numpy(dtype, data):
     np.testing.assert_array_equal(np.asarray(values.astype(jnp.float32)), np.asarray(x.astype(jnp.float32))[expected])
 
 
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("shards, decay", [(1, 1.0), (2, 0.5)])
+def test_error_feedback_in_place_matches_the_flat_computation(dtype, shards, decay):
+    """``nsp.optim.topk_compress`` on one device runs ``topk_feedback`` on a CPU (add into the residual, select,
+    clear, decay, in C++): the same values, indices and residual as the flat computation it replaces, in numpy."""
+    from nsp.optim import compress
+
+    rng = np.random.default_rng(0)
+    grads = {"a": jnp.asarray(rng.standard_normal((300, 700)), dtype), "b": jnp.asarray(rng.standard_normal(70001), dtype)}
+    tx = compress.topk_compress(0.02, num_shards=shards, residual_decay=decay)
+    residual = jnp.asarray(rng.standard_normal(tx.init(grads).residual.shape) * 0.1, jnp.float32)
+    out, state = jax.jit(tx.update)(grads, compress.TopKState(residual))
+    flat = np.asarray(compress.flatten_padded(grads, shards)) + np.asarray(residual)
+    size = flat.size // shards
+    k = kept_count(size, ratio=0.02)
+    values, indices, rest = [], [], []
+    for s in range(shards):
+        shard = flat[s * size:(s + 1) * size]
+        idx = numpy_topk(shard, k)
+        values.append(shard[idx])
+        indices.append(idx)
+        left = shard.copy()
+        left[idx] = 0
+        rest.append(left * np.float32(decay) if decay != 1.0 else left)
+    np.testing.assert_array_equal(np.asarray(out.indices), np.concatenate(indices))
+    np.testing.assert_array_equal(np.asarray(out.values), np.concatenate(values))
+    np.testing.assert_array_equal(np.asarray(state.residual), np.concatenate(rest))
+    # Off the CPU the same transform lowers to the jnp path (no C++ target there).
+    lowered = jax.jit(tx.update).trace(grads, compress.TopKState(residual)).lower(lowering_platforms=("cuda",))
+    assert "nsp_topk_feedback" not in lowered.as_text()
+
+
+def test_topk_feedback_rejects_bad_input():
+    with pytest.raises(ValueError, match="float32 vector"):
+        topk.topk_feedback(jnp.zeros(10, jnp.bfloat16), [jnp.zeros(10)], k=1)
+    with pytest.raises(ValueError, match="k must be"):
+        topk.topk_feedback(jnp.zeros(10), [jnp.zeros(10)], k=11)
+    with pytest.raises(TypeError, match="float32 or bfloat16"):
+        topk.topk_feedback(jnp.zeros(10), [jnp.zeros(10, jnp.int32)], k=1)
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # quality and determinism of the fast methods on large inputs
 

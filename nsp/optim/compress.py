@@ -54,7 +54,7 @@ import optax
 from jax.sharding import Mesh
 
 from nsp.optim._shards import map_shards, shard_flat
-from nsp.primitives.topk import METHODS, kept_count, topk_compress as _topk
+from nsp.primitives.topk import METHODS, kept_count, resolve_method, topk_feedback, topk_compress as _topk
 
 #: Default factor applied to the unsent remainder each step (see the module docstring for the measurements).
 DEFAULT_RESIDUAL_DECAY = 1.0
@@ -215,20 +215,31 @@ def topk_compress(
         if error_feedback and state.residual.shape != (padded,):
             raise ValueError(f"the updates flatten to {padded} entries; this state was made for "
                              f"{state.residual.shape[0]}")
-        if error_feedback and mesh is None:
-            flat = _add_into(state.residual, leaves)
-        else:
-            # Without a residual to add into, the flat vector keeps the gradient's own dtype when the leaves share
-            # one (bf16 gradients: half the bytes); the selection reads magnitudes in float32 either way.
-            dtypes = {x.dtype for x in leaves}
-            dtype = dtypes.pop() if len(dtypes) == 1 and not error_feedback else jnp.float32
-            if not jnp.issubdtype(dtype, jnp.floating) or jnp.dtype(dtype).itemsize > 4:
-                dtype = jnp.float32
-            flat = shard_flat(flatten_padded(updates, num_shards, dtype), mesh, axis_name)
-            if error_feedback:
-                flat = flat + state.residual
-        k = kept_count(flat.shape[0] // num_shards, ratio=ratio)
+        k = kept_count(padded // num_shards, ratio=ratio)
+        in_place = (error_feedback and mesh is None and leaves
+                    and all(x.dtype in (jnp.float32, jnp.bfloat16) for x in leaves)
+                    and resolve_method(method, padded // num_shards, k, jnp.float32) == "auto")
+        if in_place:
+            # On a CPU the whole step -- add the gradient into the residual, select, clear what is sent, decay --
+            # is one C++ pass over the residual's own buffer (nsp.primitives.topk.topk_feedback); elsewhere the
+            # jnp path below, which XLA fuses on an accelerator.
+            values, indices, residual = jax.lax.platform_dependent(
+                cpu=lambda: topk_feedback(state.residual, leaves, k=k, shards=num_shards, decay=decay),
+                default=lambda: _compress_flat(_add_into(state.residual, leaves), k))
+            return Compressed(values, indices), TopKState(residual)
+        # Without a residual to add into, the flat vector keeps the gradient's own dtype when the leaves share one
+        # (bf16 gradients: half the bytes); the selection reads magnitudes in float32 either way.
+        dtypes = {x.dtype for x in leaves}
+        dtype = dtypes.pop() if len(dtypes) == 1 and not error_feedback else jnp.float32
+        if not jnp.issubdtype(dtype, jnp.floating) or jnp.dtype(dtype).itemsize > 4:
+            dtype = jnp.float32
+        flat = shard_flat(flatten_padded(updates, num_shards, dtype), mesh, axis_name)
+        if error_feedback:
+            flat = flat + state.residual
+        values, indices, residual = _compress_flat(flat, k)
+        return Compressed(values, indices), TopKState(residual)
 
+    def _compress_flat(flat, k):
         def compress_shard(shard):
             values, indices = _topk(shard, k=k, method=method)
             values = values.astype(jnp.float32)
@@ -239,7 +250,6 @@ def topk_compress(
                 rest = rest * decay
             return values, indices, rest
 
-        values, indices, residual = map_shards(compress_shard, num_shards, mesh, axis_name, flat)
-        return Compressed(values, indices), TopKState(residual)
+        return map_shards(compress_shard, num_shards, mesh, axis_name, flat)
 
     return optax.GradientTransformationExtraArgs(init_fn, update_fn)

@@ -65,9 +65,10 @@ from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
-__all__ = ["METHODS", "kept_count", "topk_compress", "topk_decompress"]
+__all__ = ["METHODS", "kept_count", "resolve_method", "topk_compress", "topk_decompress", "topk_feedback"]
 
 METHODS = ("auto", "exact", "approx", "threshold")
 
@@ -251,6 +252,45 @@ def _compress(flat: jax.Array, *, k: int, method: str, recall: float) -> tuple[j
         other = _exact if flat.size < ACCELERATOR_THRESHOLD_MIN_SIZE else _threshold_or_exact
         return lax.platform_dependent(flat, cpu=lambda f: _select_cpu(f, k), default=lambda f: other(f, k))
     return _threshold_or_exact(flat, k)
+
+
+def resolve_method(method: str, size: int, k: int, dtype) -> str:
+    """The method ``topk_compress(method=method)`` runs on ``size`` entries of ``dtype`` at ``k``: ``"auto"`` (the
+    C++ selection on a CPU, chosen per platform when lowered), ``"threshold"``, ``"exact"`` or ``"approx"``."""
+    return _resolve_method(method, size, k, jnp.dtype(dtype))
+
+
+def topk_feedback(residual: jax.Array, grads: Sequence[jax.Array], *, k: int, shards: int = 1,
+                  decay: float = 1.0) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Top-K with error feedback, in place, on a CPU (``ffi/topk_select.cc``, target ``nsp_topk_feedback``).
+
+    ``residual`` (float32, ``shards`` equal shards) plus the gradient leaves (float32 or bfloat16, concatenated in
+    order over the residual's first elements): each shard's ``k`` largest magnitudes are returned (``values``
+    float32 and shard-local ``indices``, shard by shard, indices ascending within each) and the rest, times
+    ``decay``, is the new residual -- written over ``residual``'s buffer (donate it to keep it in place). What
+    ``flatten_padded(grads) + residual`` followed by ``topk_compress`` per shard gives, with no flat copy of the
+    gradient or of the sum.
+
+    Returns:
+      ``(values, indices, residual)``.
+    """
+    grads = list(grads)
+    total = sum(int(g.size) for g in grads)
+    if residual.dtype != jnp.float32 or residual.ndim != 1 or residual.shape[0] % shards or total > residual.size:
+        raise ValueError(f"the residual must be a float32 vector of {shards} equal shards holding the gradient's "
+                         f"{total} entries, got {residual.dtype}{list(residual.shape)}")
+    if any(g.dtype not in (jnp.float32, jnp.bfloat16) for g in grads):
+        raise TypeError("gradient leaves must be float32 or bfloat16")
+    size = residual.shape[0] // shards
+    if not 1 <= k <= size:
+        raise ValueError(f"k must be in [1, {size}], got {k}")
+    call = jax.ffi.ffi_call(
+        "nsp_topk_feedback",
+        (jax.ShapeDtypeStruct(residual.shape, jnp.float32), jax.ShapeDtypeStruct((shards * k,), jnp.float32),
+         jax.ShapeDtypeStruct((shards * k,), jnp.int32)),
+        input_output_aliases={0: 0}, vmap_method="sequential")
+    residual, values, indices = call(residual, *grads, shards=np.int64(shards), decay=np.float32(decay))
+    return values, indices, residual
 
 
 def _select_cpu(flat: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
