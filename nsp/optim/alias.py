@@ -10,6 +10,8 @@ lands bf16 params exactly on the store's master rounded to bf16 (``nsp.optim.sca
 
 from __future__ import annotations
 
+import jax
+import jax.numpy as jnp
 import optax
 from jax.sharding import Mesh
 
@@ -46,35 +48,73 @@ def _compose(scale_by_storage_kind, store: StateStore, compression: TopK | None,
     return optax.chain(compress, tx)
 
 
-def adam(learning_rate: optax.ScalarOrSchedule, b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8, *,
-         store: StateStore, compression: TopK | None = None, weight_decay: float = 0.0,
-         mesh: Mesh | None = None, axis_name: str | None = None,
-         staleness: int = 0, float32_updates: bool = False) -> optax.GradientTransformationExtraArgs:
-    """Adam with its state in ``store`` (see ``optax.adam``).
+def _unsupported(name: str, value, default, why: str) -> None:
+    """Raises ``NotImplementedError`` for an optax argument nsp accepts (so that signatures match optax's) but
+    cannot honour; a traced value (``optax.inject_hyperparams``) cannot be inspected and is left to the store's
+    own hyperparameters, as every static hyperparameter is."""
+    if isinstance(value, jax.core.Tracer):
+        return
+    same = value is default if default is None or isinstance(default, bool) else float(value) == float(default)
+    if not same:
+        raise NotImplementedError(f"{name}={value!r} is not supported by nsp's optimizers: {why}")
+
+
+def _moment_dtype(name: str, value) -> None:
+    if value is not None and jnp.dtype(value) != jnp.dtype(jnp.float32):
+        raise NotImplementedError(f"{name}={value!r} is not supported: nsp keeps the optimizer's state in float32 "
+                                  "in the store (its memory is the store's, not the accelerator's)")
+
+
+def adam(learning_rate: optax.ScalarOrSchedule, b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8,
+         eps_root: float = 0.0, mu_dtype=None, *, nesterov: bool = False, store: StateStore,
+         compression: TopK | None = None, weight_decay: float = 0.0, mesh: Mesh | None = None,
+         axis_name: str | None = None, staleness: int = 0,
+         float32_updates: bool = False) -> optax.GradientTransformationExtraArgs:
+    """Adam with its state in ``store``: ``optax.adam``'s arguments, in its order, plus nsp's keyword-only ones.
+
+    ``eps_root`` other than 0, ``mu_dtype`` other than None or float32 (the store keeps float32 moments) and
+    ``nesterov=True`` raise ``NotImplementedError``. ``weight_decay`` (nsp's) adds L2 decay to the gradient.
 
     Example::
 
       store = nsp.storage.open("/nvme/run/store", tier="file")
       tx = nsp.optim.adam(1e-3, store=store, compression=nsp.optim.TopK(0.01))
     """
+    _unsupported("eps_root", eps_root, 0.0, "the update kernel adds eps outside the square root only")
+    _moment_dtype("mu_dtype", mu_dtype)
+    _unsupported("nesterov", nesterov, False, "Nesterov Adam (NAdam) is not in the update kernel")
     return _compose(scale_by_storage_adam, store, compression, mesh, axis_name, staleness, float32_updates,
                     learning_rate, b1, b2, eps, weight_decay)
 
 
 def adamw(learning_rate: optax.ScalarOrSchedule, b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8,
-          weight_decay: float = 1e-4, *, store: StateStore, compression: TopK | None = None,
-          mesh: Mesh | None = None, axis_name: str | None = None,
-          staleness: int = 0, float32_updates: bool = False) -> optax.GradientTransformationExtraArgs:
-    """AdamW with its state in ``store`` (see ``optax.adamw``)."""
+          eps_root: float = 0.0, mu_dtype=None, weight_decay: float = 1e-4, mask=None, *, nesterov: bool = False,
+          store: StateStore, compression: TopK | None = None, mesh: Mesh | None = None,
+          axis_name: str | None = None, staleness: int = 0,
+          float32_updates: bool = False) -> optax.GradientTransformationExtraArgs:
+    """AdamW with its state in ``store``: ``optax.adamw``'s arguments, in its order, plus nsp's keyword-only ones.
+
+    ``eps_root`` other than 0, ``mu_dtype`` other than None or float32, a ``mask`` and ``nesterov=True`` raise
+    ``NotImplementedError`` (to keep some leaves from weight decay, give them their own optimizer with
+    ``optax.partition``, each with its own store)."""
+    _unsupported("eps_root", eps_root, 0.0, "the update kernel adds eps outside the square root only")
+    _moment_dtype("mu_dtype", mu_dtype)
+    if mask is not None:
+        raise NotImplementedError("mask is not supported by nsp.optim.adamw: the store decays every param; to keep "
+                                  "some from weight decay, give them their own optimizer (weight_decay=0) with "
+                                  "optax.partition, each with its own store")
+    _unsupported("nesterov", nesterov, False, "Nesterov Adam (NAdam) is not in the update kernel")
     return _compose(scale_by_storage_adamw, store, compression, mesh, axis_name, staleness, float32_updates,
                     learning_rate, b1, b2, eps, weight_decay)
 
 
-def sgd(learning_rate: optax.ScalarOrSchedule, momentum: float | None = None, nesterov: bool = False, *,
-        store: StateStore, compression: TopK | None = None, weight_decay: float = 0.0,
+def sgd(learning_rate: optax.ScalarOrSchedule, momentum: float | None = None, nesterov: bool = False,
+        accumulator_dtype=None, *, store: StateStore, compression: TopK | None = None, weight_decay: float = 0.0,
         mesh: Mesh | None = None, axis_name: str | None = None,
         staleness: int = 0, float32_updates: bool = False) -> optax.GradientTransformationExtraArgs:
-    """SGD (optionally with momentum) with its state in ``store`` (see ``optax.sgd``)."""
+    """SGD (optionally with momentum) with its state in ``store``: ``optax.sgd``'s arguments, in its order, plus
+    nsp's keyword-only ones. ``accumulator_dtype`` other than None or float32 raises ``NotImplementedError``."""
+    _moment_dtype("accumulator_dtype", accumulator_dtype)
     return _compose(scale_by_storage_sgd, store, compression, mesh, axis_name, staleness, float32_updates,
                     learning_rate, momentum, nesterov, weight_decay)
 
@@ -83,6 +123,6 @@ def adagrad(learning_rate: optax.ScalarOrSchedule, initial_accumulator_value: fl
             store: StateStore, compression: TopK | None = None, mesh: Mesh | None = None,
             axis_name: str | None = None, staleness: int = 0,
             float32_updates: bool = False) -> optax.GradientTransformationExtraArgs:
-    """AdaGrad with its state in ``store`` (see ``optax.adagrad``)."""
+    """AdaGrad with its state in ``store``: ``optax.adagrad``'s arguments, plus nsp's keyword-only ones."""
     return _compose(scale_by_storage_adagrad, store, compression, mesh, axis_name, staleness, float32_updates,
                     learning_rate, initial_accumulator_value, eps)
