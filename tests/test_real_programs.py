@@ -70,3 +70,27 @@ def test_arguments_at_their_defaults_or_float32_are_accepted():
         nsp.optim.sgd(1e-3, 0.9, True, jnp.float32, store=store)
     finally:
         store.close()
+
+
+def test_update_without_params_says_why_and_what_to_do():
+    """optax's getting-started loop calls ``tx.update(grads, state)``; nsp needs the params and says so."""
+    store = nsp.storage.open(None, tier="memory")
+    try:
+        tx = nsp.optim.adam(1e-3, store=store)
+        params = {"w": jnp.ones(3)}
+        state = tx.init(params)
+        with pytest.raises(ValueError, match=r"tx.update\(grads, state, params\).*fp32 master"):
+            tx.update({"w": jnp.ones(3)}, state)
+    finally:
+        store.close()
+
+
+def test_partition_sharing_one_store_says_give_each_its_own():
+    store = nsp.storage.open(None, tier="memory")
+    try:
+        tx = optax.partition({"a": nsp.optim.adam(1e-3, store=store), "b": nsp.optim.sgd(1e-2, store=store)},
+                             {"x": "a", "y": "b"})
+        with pytest.raises(nsp.storage.StoreError, match="its own store"):
+            tx.init({"x": jnp.ones(3), "y": jnp.ones(5)})
+    finally:
+        store.close()

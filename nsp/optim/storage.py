@@ -187,7 +187,9 @@ def scale_by_storage(
         # learning-rate scale from nsp.optim.reduce_on_plateau.
         lr_scale = extra_args.get(LR_SCALE_ARG)
         if params is None:
-            raise ValueError("nsp storage transforms need params: call tx.update(grads, state, params)")
+            raise ValueError("nsp storage transforms need params: call tx.update(grads, state, params). The update "
+                             "returns new params - params in the params' dtype (the store keeps only their fp32 "
+                             "master), and checks that the params are the ones the last update led to")
         handle = store.handle()
         layout = handle.layout
         lr = learning_rate(state.count) if callable(learning_rate) else learning_rate

@@ -248,10 +248,13 @@ class StateStore:
         if self.initialized:
             diff = self.layout.describe_difference(layout)
             if diff:
-                raise StoreError(f"store {self.root or '(memory)'} holds a different layout: {diff}")
+                raise StoreError(f"store {self.root or '(memory)'} holds a different layout: {diff}. A store holds "
+                                 "one optimizer's state: give each optimizer (each part of an optax.partition, "
+                                 "each model) its own store")
             if self.optimizer != optimizer:
                 raise StoreError(
-                    f"store {self.root or '(memory)'} was created for {self.optimizer}, not {optimizer}"
+                    f"store {self.root or '(memory)'} was created for {self.optimizer}, not {optimizer}: give each "
+                    "optimizer its own store"
                 )
             return self.version
         if self.tier != "memory":  # every backend on disk keeps the file tier's files
