@@ -6,14 +6,25 @@ from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
+
+
+def explicit(mesh) -> bool:
+    """Whether ``mesh`` has Explicit axes (``jax.make_mesh``'s default in current JAX): shardings are then part of
+    the arrays' types and are changed with ``jax.sharding.reshard``, not constrained."""
+    types = getattr(mesh, "axis_types", None) or ()
+    return any(t == AxisType.Explicit for t in types)
 
 
 def shard_flat(flat: jax.Array, mesh: Mesh | None, axis_name: str | None) -> jax.Array:
-    """Asks XLA to keep the flat vector split over the mesh axis (each device holds its own shard)."""
+    """Splits the flat vector over the mesh axis (each device holds its own shard): a sharding constraint for
+    XLA on an Auto mesh, a reshard on an Explicit one."""
     if mesh is None:
         return flat
-    return jax.lax.with_sharding_constraint(flat, NamedSharding(mesh, P(axis_name)))
+    sharding = NamedSharding(mesh, P(axis_name))
+    if explicit(mesh):
+        return jax.sharding.reshard(flat, sharding)
+    return jax.lax.with_sharding_constraint(flat, sharding)
 
 
 def map_shards(fn: Callable, num_shards: int, mesh: Mesh | None, axis_name: str | None, *flats: jax.Array):
@@ -23,7 +34,7 @@ def map_shards(fn: Callable, num_shards: int, mesh: Mesh | None, axis_name: str 
     in order on the one device.
     """
     if mesh is not None:
-        n_out = len(jax.eval_shape(fn, *(x[: x.shape[0] // num_shards] for x in flats)))
+        n_out = len(jax.eval_shape(fn, *(jax.ShapeDtypeStruct((x.shape[0] // num_shards,), x.dtype) for x in flats)))
         return jax.shard_map(fn, mesh=mesh, in_specs=(P(axis_name),) * len(flats),
                              out_specs=(P(axis_name),) * n_out, check_vma=False)(*flats)
     size = [x.shape[0] // num_shards for x in flats]

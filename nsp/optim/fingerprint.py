@@ -26,6 +26,7 @@ import functools
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import AxisType, PartitionSpec as P
 
 from nsp.primitives import _ffi  # noqa: F401  (registers the FFI targets)
 
@@ -153,8 +154,27 @@ def _updates_cpu(params: list[jax.Array], new: list[jax.Array], wide: bool):
     return updates, _stack(hashes)
 
 
-def _by_platform(cpu, other):
-    """``cpu()`` when the computation runs on a CPU, else ``other()`` (decided at lowering)."""
+def _explicit_mesh() -> bool:
+    """Whether the computation is traced under a mesh with Explicit axes (shardings are part of the types)."""
+    mesh = jax.sharding.get_abstract_mesh()
+    return not mesh.empty and any(t == AxisType.Explicit for t in mesh.axis_types)
+
+
+def _spec(x: jax.Array) -> P:
+    """``x``'s partition spec under an Explicit mesh (P() when its type carries none)."""
+    sharding = getattr(jax.typeof(x), "sharding", None)
+    return getattr(sharding, "spec", None) or P()
+
+
+def _by_platform(cpu, other, specs=None):
+    """``cpu()`` when the computation runs on a CPU, else ``other()`` (decided at lowering). Under an Explicit
+    mesh both branches' outputs are resharded to ``specs`` (a pytree of PartitionSpecs like the outputs: the
+    params' own for updates, replicated for hashes), so that their types agree whatever each branch computed."""
+    if specs is not None and _explicit_mesh():
+        def settle(branch):
+            return lambda: jax.tree_util.tree_map(jax.sharding.reshard, branch(), specs,
+                                                  is_leaf=lambda x: isinstance(x, P))
+        cpu, other = settle(cpu), settle(other)
     return jax.lax.platform_dependent(cpu=cpu, default=other)
 
 
@@ -192,7 +212,7 @@ def fingerprint(params) -> jax.Array:
     leaves = [jnp.asarray(x) for x in jax.tree_util.tree_leaves(params)]
     if not leaves:
         return jnp.zeros((0,), jnp.uint32)
-    return _by_platform(lambda: _hash_cpu(leaves), lambda: _stack([_hash_jnp(x) for x in leaves]))
+    return _by_platform(lambda: _hash_cpu(leaves), lambda: _stack([_hash_jnp(x) for x in leaves]), P())
 
 
 @jax.jit
@@ -204,7 +224,7 @@ def init_fingerprint(params) -> jax.Array:
     casts = (None, *INIT_CASTS)
     return _by_platform(
         lambda: jnp.stack([_hash_cpu(leaves, cast) for cast in casts], axis=1),
-        lambda: jnp.stack([_stack([_hash_jnp(x, cast) for x in leaves]) for cast in casts], axis=1))
+        lambda: jnp.stack([_stack([_hash_jnp(x, cast) for x in leaves]) for cast in casts], axis=1), P())
 
 
 def updates_and_expected(params, new_params, wide: bool = False):
@@ -224,7 +244,7 @@ def updates_and_expected(params, new_params, wide: bool = False):
         return ([update_in_params_dtype(t, p, wide) for p, t in zip(ps, ts)],
                 _stack([_next_params_jnp(p, t, wide) for p, t in zip(ps, ts)]))
 
-    updates, fp = _by_platform(lambda: _updates_cpu(ps, ts, wide), other)
+    updates, fp = _by_platform(lambda: _updates_cpu(ps, ts, wide), other, ([_spec(p) for p in ps], P()))
     return jax.tree_util.tree_unflatten(treedef, updates), jnp.broadcast_to(fp[:, None], (fp.shape[0], WIDTH))
 
 
@@ -269,7 +289,7 @@ def updates_and_expected_flat(params, new_flat: jax.Array, offsets: list[int], w
         updates, expected = by_leaves()
         return jax.tree_util.tree_leaves(updates), expected[:, 0]
 
-    updates, fp = _by_platform(cpu, other)
+    updates, fp = _by_platform(cpu, other, ([_spec(p) for p in ps], P()))
     return jax.tree_util.tree_unflatten(treedef, updates), jnp.broadcast_to(fp[:, None], (fp.shape[0], WIDTH))
 
 

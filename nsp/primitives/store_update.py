@@ -9,12 +9,13 @@ the shared link) and the new version.
 
 from __future__ import annotations
 
+import functools
 from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import Mesh, PartitionSpec as P
+from jax.sharding import AxisType, Mesh, PartitionSpec as P
 
 from nsp.primitives import _ffi  # noqa: F401  (registers the FFI targets)
 from nsp.storage.handle import StoreHandle
@@ -73,6 +74,44 @@ def _check_platform(mesh: Mesh | None) -> None:
             f"nsp's store update has no handler for the {platform!r} platform (device {device}): it runs on CPU "
             "and CUDA devices only. Run the step on those (e.g. JAX_PLATFORMS=cpu, or a CUDA device), or keep "
             "the optimizer state on the device with optax")
+
+
+def _context_mesh():
+    """The mesh the step is traced under (``jax.set_mesh``), when it spans more than one device; else None."""
+    mesh = jax.sharding.get_abstract_mesh()
+    return None if mesh.empty or mesh.size == 1 else mesh
+
+
+def _share(x: jax.Array, axes) -> jax.Array:
+    """``x`` of the one device along ``axes`` that computed it (the others hold zeros), on every device: an
+    integer sum of its bits (exact, and -0.0 stays -0.0, where a float sum would give +0.0)."""
+    width = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32, 8: jnp.uint64}[jnp.dtype(x.dtype).itemsize]
+    if x.dtype == width:
+        return jax.lax.psum(x, axes)
+    return jax.lax.bitcast_convert_type(jax.lax.psum(jax.lax.bitcast_convert_type(x, width), axes), x.dtype)
+
+
+def _on_one_device(mesh, call, operands: list[jax.Array], out_types) -> list[jax.Array]:
+    """``call(*operands)`` for a single-shard store inside a step traced under a multi-device ``mesh``: one device
+    (the first on every axis) updates the store, and every device takes its results, bit for bit.
+
+    A side-effecting call needs a placement under a mesh: run on every device, the single shard would be updated
+    once per device. The results travel as integers (an integer sum with zeros is exact, and keeps -0.0)."""
+    specs = (P(),) * len(operands)
+    operands = [jax.sharding.reshard(x, P()) if _explicit(mesh) else x for x in operands]
+
+    def local(*ops):
+        first = functools.reduce(jnp.logical_and, [jax.lax.axis_index(a) == 0 for a in mesh.axis_names])
+        outs = jax.lax.cond(first, lambda: tuple(call(*ops)),
+                            lambda: tuple(jnp.zeros(t.shape, t.dtype) for t in out_types))
+        return tuple(_share(o, mesh.axis_names) for o in outs)
+
+    return list(jax.shard_map(local, mesh=mesh, in_specs=specs, out_specs=(P(),) * len(out_types),
+                              check_vma=False)(*operands))
+
+
+def _explicit(mesh) -> bool:
+    return any(t == AxisType.Explicit for t in getattr(mesh, "axis_types", ()) or ())
 
 
 def _attrs(handle: StoreHandle) -> dict:
@@ -182,7 +221,29 @@ def store_update(
         outs = call(lr_, step_, version_, shard, apply_, adopt_, *ops, **attrs)
         return tuple(outs[:1]) + (outs[1][None],) + tuple(outs[2:])
 
-    if mesh is None:
+    others = () if mesh is None else tuple(a for a in mesh.axis_names if a != axis_name)
+    if others:
+        # The mesh has axes beside the store's: the devices along them hold the same shard. One of them (the
+        # first on every other axis) updates it; the others take its results (as integers: exact, -0.0 kept).
+        per_device = local
+        out_shapes = [jax.ShapeDtypeStruct((layout.shard_size,), params_dtype), jax.ShapeDtypeStruct((1,), jnp.int32)]
+        out_shapes += [jax.ShapeDtypeStruct((layout.shard_size,), jnp.bfloat16)] * params_bf16
+
+        def local(*args):  # noqa: F811  (the lead device's call, shared along the other axes)
+            lead = functools.reduce(jnp.logical_and, [jax.lax.axis_index(a) == 0 for a in others])
+            outs = jax.lax.cond(lead, lambda: per_device(*args),
+                                lambda: tuple(jnp.zeros(t.shape, t.dtype) for t in out_shapes))
+            return tuple(_share(o, others) for o in outs)
+
+    context = _context_mesh() if mesh is None else None
+    if context is not None:
+        def single(lr_, step_, version_, apply_, adopt_, *ops):
+            outs = call(lr_, step_, version_, jnp.int32(0), apply_, adopt_, *ops, **attrs)
+            return tuple(outs[:1]) + (outs[1][None],) + tuple(outs[2:])
+
+        shapes = [out_types[0], jax.ShapeDtypeStruct((1,), jnp.int32)] + out_types[2:]
+        outs = _on_one_device(context, single, [*scalars, *operands, *params_in], shapes)
+    elif mesh is None:
         outs = local(*scalars, *operands, *params_in)
     else:
         n_out = len(out_types)
@@ -250,5 +311,10 @@ def store_update_leaves(
     first = len(scalars)
     call = jax.ffi.ffi_call("nsp_store_update_pieces", out_types, has_side_effect=True,
                             input_output_aliases={first + i: 1 + i for i in range(len(grads))})
-    outs = call(*scalars, *grads, *params_in, **_attrs(handle))
+    context = _context_mesh()
+    if context is not None:
+        outs = _on_one_device(context, functools.partial(call, **_attrs(handle)), [*scalars, *grads, *params_in],
+                              out_types)
+    else:
+        outs = call(*scalars, *grads, *params_in, **_attrs(handle))
     return list(outs[1:]), outs[0]
