@@ -530,6 +530,8 @@ NB_MODULE(_nsp_ffi, m) {
           nb::arg("slot"), nb::arg("state"), "Reads every page, checking checksums; returns the problems found.")
       .def_prop_ro("version", [](EngineRef& ref) { return ref.get().version(); })
       .def_prop_ro("previous_valid", [](EngineRef& ref) { return ref.get().previous_valid(); })
+      .def("forget_previous", [](EngineRef& ref) { ref.get().ForgetPrevious(); },
+           "The version before the committed one may no longer be replayed.")
       .def("set_manifest",
            [](EngineRef& ref, std::string path, int64_t version, std::string store_id, int64_t shard) {
              ref.get().SetManifest(std::move(path), version, std::move(store_id), shard);

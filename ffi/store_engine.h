@@ -106,6 +106,9 @@ class ShardEngine {
   // manifest rename when the shard has a manifest path; memory-only otherwise).
   int64_t version() const { return version_; }
   bool previous_valid() const { return previous_valid_; }
+  // The version before the committed one may no longer be replayed (the store restarted from new params: a state
+  // that still names the old version must fail, not overwrite the new one).
+  void ForgetPrevious() { previous_valid_ = false; }
   std::string Commit(int64_t version);
 
   // A step whose gradient is not finite (NaN/Inf: an overflowed loss scale, a diverged batch) is skipped: the

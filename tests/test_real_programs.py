@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import inspect
 
+import jax
+
 import jax.numpy as jnp
 import optax
 import pytest
@@ -164,3 +166,86 @@ def test_explicit_mesh_topk_and_staleness_1_run():
     for k in got:
         assert jnp.array_equal(got[k], auto[k]), k
     assert updates == 3
+
+
+# ---- init means a fresh state, as in optax -------------------------------------------------------------------
+
+def test_second_init_starts_afresh():
+    """The gradient-accumulation example builds two models from one optimizer: the second init must not resume the
+    first model's state (the issue's reproduction: w 0.9 after a step from each init, as optax gives)."""
+    p, g = {"w": jnp.ones(3)}, {"w": jnp.ones(3)}
+    store = nsp.storage.open(None, tier="memory")
+    try:
+        tx = nsp.optim.sgd(0.1, store=store)
+        s = tx.init(p)
+        u, s = tx.update(g, s, p)
+        assert jnp.allclose(optax.apply_updates(p, u)["w"], 0.9)
+        old = s
+        s = tx.init(p)
+        u, s = tx.update(g, s, p)
+        assert jnp.allclose(optax.apply_updates(p, u)["w"], 0.9)
+        assert int(s.count) == 1
+        # The state from before the second init names a version the store no longer holds: a clear error, and
+        # the new state is untouched.
+        with pytest.raises(Exception, match="no longer holds version"):
+            tx.update(g, old, p)
+        u, s = tx.update(g, s, optax.apply_updates(p, u))
+        assert int(s.count) == 2
+    finally:
+        store.close()
+
+
+@pytest.mark.parametrize("tier", ["memory", "file"])
+def test_second_init_of_adam_matches_a_fresh_store(tier, tmp_path):
+    """Moments start at zero again: three steps after a second init equal three steps on a new store, bit for bit."""
+    params = {"w": jnp.linspace(-1.0, 1.0, 300).reshape(30, 10), "b": jnp.zeros(10)}
+    grad = lambda p: jax.tree_util.tree_map(lambda x: x * 0.3 + 0.1, p)  # noqa: E731
+
+    def three_steps(tx, state, p):
+        for _ in range(3):
+            u, state = tx.update(grad(p), state, p)
+            p = optax.apply_updates(p, u)
+        return p
+
+    def opened(name):
+        return nsp.storage.open(str(tmp_path / name) if tier == "file" else None, tier=tier)
+
+    reused, fresh = opened("a"), opened("b")
+    try:
+        tx = nsp.optim.adam(1e-2, store=reused)
+        three_steps(tx, tx.init(params), params)  # a first run, then init again
+        again = three_steps(tx, tx.init(params), params)
+        tx2 = nsp.optim.adam(1e-2, store=fresh)
+        new = three_steps(tx2, tx2.init(params), params)
+    finally:
+        reused.close()
+        fresh.close()
+    for k in params:
+        assert jnp.array_equal(again[k], new[k]), k
+
+
+def test_script_run_twice_on_one_store_directory_starts_afresh_and_resuming_continues(tmp_path):
+    """A script run twice against the same store directory: init starts afresh (optax's meaning); resuming is
+    the explicit ``nsp.optim.resuming()``."""
+    path = str(tmp_path / "store")
+    p, g = {"w": jnp.ones(3)}, {"w": jnp.ones(3)}
+
+    def run(resume=False):
+        store = nsp.storage.open(path, tier="file")
+        try:
+            tx = nsp.optim.sgd(0.1, store=store)
+            if resume:
+                with nsp.optim.resuming():
+                    s = tx.init(p)
+            else:
+                s = tx.init(p)
+            u, s = tx.update(g, s, p)
+            return float(optax.apply_updates(p, u)["w"][0]), int(store.version)
+        finally:
+            store.close()
+
+    assert run() == pytest.approx((0.9, 1))
+    w, version = run()
+    assert w == pytest.approx(0.9) and version == 3  # restarted as version 2, stepped to 3
+    w, version = run(resume=True)
+    assert version == 4  # resumed the committed version and stepped from it

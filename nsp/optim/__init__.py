@@ -6,6 +6,7 @@ from nsp.optim.compress import TOPK_ADAM_BETAS, Compressed, TopK, TopKState, top
 from nsp.optim.plateau import ReduceOnPlateauState, reduce_on_plateau
 from nsp.optim.storage import (
     StorageState,
+    resuming,
     scale_by_storage,
     scale_by_storage_adagrad,
     scale_by_storage_adam,
@@ -26,6 +27,7 @@ __all__ = [
     "adamw",
     "multi_steps",
     "reduce_on_plateau",
+    "resuming",
     "scale_by_storage",
     "scale_by_storage_adagrad",
     "scale_by_storage_adam",

@@ -72,6 +72,36 @@ class StorageState(NamedTuple):
     params_fingerprint: jax.Array
 
 
+_RESUMING = threading.local()
+_RESUMING.depth = 0
+
+
+@contextlib.contextmanager
+def resuming():
+    """Inside it, ``tx.init(params)`` of a storage transform resumes: on a store that holds a state it checks
+    that state against the params' layout and the optimizer and returns an optax state naming the store's
+    committed version (its moments, master and version carry on), writing nothing.
+
+    Outside it ``init`` means what it means in optax: a fresh state from the params given, also on a store that
+    holds one (``StateStore.restart``: the next version holds the params and zeroed moments; an optax state made
+    before it fails its next update with a clear error).
+
+    Example::
+
+      store = nsp.storage.open("/nvme/run/store", tier="file")   # a store a previous run left
+      tx = nsp.optim.adamw(1e-3, store=store)
+      with nsp.optim.resuming():
+          state = tx.init(params)                                 # continues the previous run's state
+    """
+    if not hasattr(_RESUMING, "depth"):
+        _RESUMING.depth = 0
+    _RESUMING.depth += 1
+    try:
+        yield
+    finally:
+        _RESUMING.depth -= 1
+
+
 #: The extra argument through which ``nsp.optim.reduce_on_plateau`` (or any caller) scales the learning rate of
 #: the storage transforms inside an ``update`` call: the store then applies the scaled step itself.
 LR_SCALE_ARG = "nsp_learning_rate_scale"
@@ -127,8 +157,9 @@ def scale_by_storage(
     ``topk_compress``) go before it.
 
     Args:
-      store: an opened ``nsp.storage`` store; ``init`` writes the params into it (or checks that the store
-        already holds this layout and optimizer, when resuming).
+      store: an opened ``nsp.storage`` store; ``init`` writes the params into it: a fresh state, as in optax,
+        also on a store that holds one (``StateStore.restart``). Inside ``nsp.optim.resuming()`` it instead checks
+        that the store holds this layout and optimizer and continues the store's state.
       optimizer: which update and its static hyperparameters (None inside a traced ``update`` when they were
         injected: the store's own are used; only the learning rate can change after init).
       learning_rate: a scalar or an optax schedule of the step count (traced: changing it never recompiles).
@@ -168,19 +199,27 @@ def scale_by_storage(
             return StorageState(jnp.zeros((), jnp.int32), jnp.zeros((), jnp.int32),
                                 jnp.zeros((len(leaves), fp.WIDTH), jnp.uint32))
         fingerprint = fp.init_fingerprint(params)
+        resume = bool(getattr(_RESUMING, "depth", 0))  # taken when init is called (or traced, under jax.jit)
         if traced:
             # Under jax.jit the params reach the store through a host callback (once, at init; never on the
             # step's path); under jax.eval_shape nothing runs and nothing is written.
-            version = jax.experimental.io_callback(
-                lambda p: np.int32(_initialize(p)), jax.ShapeDtypeStruct((), jnp.int32), params, ordered=True)
-            return StorageState(version, version, fingerprint)
-        version = _initialize(params)
-        return StorageState(jnp.asarray(version, jnp.int32), jnp.asarray(version, jnp.int32), fingerprint)
+            def initialize(p):
+                version = _initialize(p, resume)
+                return np.int32(version - store.base_version(version)), np.int32(version)
 
-    def _initialize(params) -> int:
+            count, version = jax.experimental.io_callback(
+                initialize, (jax.ShapeDtypeStruct((), jnp.int32),) * 2, params, ordered=True)
+            return StorageState(count, version, fingerprint)
+        version = _initialize(params, resume)
+        count = version - store.base_version(version)  # updates applied since the optimizer started
+        return StorageState(jnp.asarray(count, jnp.int32), jnp.asarray(version, jnp.int32), fingerprint)
+
+    def _initialize(params, resume: bool) -> int:
         if staleness is None:
             raise TypeError("staleness must be a concrete 0 or 1 when init runs")
-        return store.initialize(params, optimizer, staleness=int(staleness))
+        if resume:  # nsp.optim.resuming(): the state the store holds, checked against the params' layout
+            return store.initialize(params, optimizer, staleness=int(staleness))
+        return store.restart(params, optimizer, staleness=int(staleness))
 
     def update_fn(updates, state, params=None, **extra_args):
         # The store's update needs no extra args (accepted so that chains passing e.g. value= work), except a

@@ -33,6 +33,8 @@ from nsp.spec import STATES
 
 FORMAT_VERSION = 2
 METADATA = "nsp_store.json"
+#: The versions at which the optimizer was started afresh on the store (``StateStore.restart``).
+RESTARTS = "restarts.json"
 MANIFEST = "MANIFEST.json"
 SHARD_ID = "SHARD.json"
 LOCK = "LOCK"

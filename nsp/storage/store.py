@@ -32,8 +32,9 @@ import numpy as np
 import tensorstore as ts
 
 from nsp import _nsp_ffi
-from nsp.storage.format import (MANIFEST, METADATA, STATES, TIER_BACKENDS, StoreError, array_dir, atomic_write_json,
-                                inside, lock_store, recorded_path, store_metadata, zarr_spec)
+from nsp.storage.format import (MANIFEST, METADATA, RESTARTS, STATES, TIER_BACKENDS, StoreError, array_dir,
+                                atomic_write_json, inside, lock_store, read_json, recorded_path, store_metadata,
+                                zarr_spec)
 from nsp.storage.handle import StoreHandle
 from nsp.storage.layout import Layout, Leaf
 from nsp.storage.lifetime import Lifetime
@@ -287,10 +288,72 @@ class StateStore:
         self._engines = []
         self.layout = self.optimizer = None
 
-    def _write_first_version(self, produce: Callable[[int], Any], progress: Callable[[int, int], None] | None
-                             ) -> None:
-        """Writes version 0 of this process's shards: the params from ``produce`` (``_Leaves``), zeroed moments
-        and ``initial_nu``, a few pages at a time in flat-vector order, then syncs each shard.
+    def restart(self, params: Any, optimizer: OptimizerSpec, *, staleness: int = 0) -> int:
+        """Starts the optimizer afresh from ``params`` on a store that holds a state already: what ``tx.init`` does
+        on such a store (optax's ``init``: a fresh state from these params). Writes the params, zeroed moments and
+        ``initial_nu`` as the next version (into the slot beside the committed one, so a crash keeps the old state
+        whole), commits it, and stops the old version from being replayed: an optax state that still names it
+        fails its next update with a clear error instead of overwriting the new state.
+
+        Returns the new committed version. Raises ``StoreError`` for another layout or optimizer (a store holds one
+        optimizer's state: give each its own), or for a store whose shards live in several processes.
+        """
+        self._check_open()
+        if not self.initialized:
+            return self.initialize(params, optimizer, staleness=staleness)
+        if staleness not in (0, 1):
+            raise ValueError(f"staleness must be 0 or 1, got {staleness}")
+        layout = Layout.from_tree(params, num_shards=self.num_shards, page_bytes=self.page_bytes)
+        diff = self.layout.describe_difference(layout)
+        if diff or self.optimizer != optimizer:
+            what = f"holds a different layout: {diff}" if diff else f"was created for {self.optimizer}, not {optimizer}"
+            raise StoreError(f"store {self.root or '(memory)'} {what}. A store holds one optimizer's state: give "
+                             "each optimizer (each model, each part of an optax.partition) its own store")
+        if len(self.local_shards) != self.num_shards:
+            raise StoreError(f"store {self.root or '(memory)'} has shards in other processes: a fresh init of it "
+                             "needs every process; open a new store for the new run")
+        self.barrier()
+        version = self.version + 1
+        leaves = jax.tree_util.tree_leaves(params)
+        # Recorded before the commit: a crash between the two leaves a restart newer than the committed version,
+        # which base_version() ignores.
+        self._restarts = sorted(set(self.restarts()) | {version})
+        if self.root is not None:
+            atomic_write_json(self.root / RESTARTS, {"restarts": self._restarts})
+        try:
+            self._write_first_version(lambda i: leaves[i], None, slot=version % 2)
+            for engine in self._engines:
+                engine.commit(version)
+                engine.forget_previous()
+        except (RuntimeError, OSError) as e:
+            if isinstance(e, StoreError):
+                raise
+            raise StoreError(f"cannot restart store {self.root or '(memory)'}: {e}; version {version - 1} is "
+                             "intact") from e
+        self._staleness = int(staleness)
+        return version
+
+    def restarts(self) -> list[int]:
+        """The versions at which ``restart`` began the optimizer afresh (a file-tier store keeps them in
+        ``restarts.json`` beside its metadata)."""
+        if getattr(self, "_restarts", None) is None:
+            self._restarts = []
+            path = None if self.root is None else self.root / RESTARTS
+            if path is not None and path.exists():
+                self._restarts = [int(v) for v in read_json(path, "store restarts")["restarts"]]
+        return list(self._restarts)
+
+    def base_version(self, version: int | None = None) -> int:
+        """The version the optimizer's run that reached ``version`` (default: the committed one) started from:
+        0, or the latest restart at or below it. ``version - base_version()`` updates were applied since."""
+        version = self.version if version is None else version
+        return max([0] + [v for v in self.restarts() if v <= version])
+
+    def _write_first_version(self, produce: Callable[[int], Any], progress: Callable[[int, int], None] | None,
+                             slot: int = 0) -> None:
+        """Writes version 0 (or, restarting, the next version into ``slot``) of this process's shards: the params
+        from ``produce`` (``_Leaves``), zeroed moments and ``initial_nu``, a few pages at a time in flat-vector
+        order, then syncs each shard.
 
         The next chunk is gathered while the pool writes the one before it; each engine runs one write at a time
         (its chunks in order), and a shard's sync runs beside the next shard's writes."""
@@ -305,13 +368,13 @@ class StateStore:
         in_flight: list[tuple[concurrent.futures.Future, int, Any]] = []  # (write, its bytes, its engine)
 
         def write(engine, page, params, last):
-            engine.write_pages(0, 0, page, params)
+            engine.write_pages(slot, 0, page, params)
             if used[1]:
-                engine.write_pages(0, 1, page, mu0[:params.size])
+                engine.write_pages(slot, 1, page, mu0[:params.size])
             if used[2]:
-                engine.write_pages(0, 2, page, nu0[:params.size])
+                engine.write_pages(slot, 2, page, nu0[:params.size])
             if last:
-                engine.sync(0)
+                engine.sync(slot)
 
         def settle(engine=None):
             """Waits for the writes in flight to ``engine`` (to every engine without one), telling ``progress``."""

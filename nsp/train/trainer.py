@@ -195,7 +195,8 @@ def init_store_layerwise(config: TrainConfig, layerwise: LayerwiseInit, store, t
         layerwise.close()
     params = jax.tree_util.tree_unflatten(layerwise.treedef, leaves)
     del leaves
-    return params, tx.init(params)  # the store holds the state: init checks it and takes its version
+    with nsp.optim.resuming():  # the store holds the state just written: init checks it and takes its version
+        return params, tx.init(params)
 
 
 def _beside_earlier_default_runs(config: TrainConfig, log: Callable[[str], None]) -> TrainConfig:
@@ -333,7 +334,8 @@ def _build(config: TrainConfig, log: Callable[[str], None]) -> Run:
                                                 layerwise.abstract)
             _check_layout(store, params)
             params = store_resume.params_from_store(store, params)
-            opt_state = tx.init(params)  # the store holds the state: init checks it and takes its version
+            with nsp.optim.resuming():  # the store holds the state: init checks it and takes its version
+                opt_state = tx.init(params)
         except ValueError as e:
             store.close()
             raise TrainError(f"--resume: {e}") from None
@@ -364,7 +366,8 @@ def _build(config: TrainConfig, log: Callable[[str], None]) -> Run:
         if params is None:  # bf16 params: restored from the checkpoint, never built
             params = jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(x.shape, jnp.bfloat16), layerwise.abstract)
             _check_layout(store, params)
-        template = {"params": params, "opt_state": tx.init(params)}  # checks the layout; writes nothing
+        with nsp.optim.resuming():  # checks the layout; writes nothing
+            template = {"params": params, "opt_state": tx.init(params)}
         if mesh is not None and jax.process_count() > 1:  # restored straight onto the mesh, replicated
             replicated = NamedSharding(mesh, P())
             template = jax.tree_util.tree_map(
