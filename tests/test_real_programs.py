@@ -249,3 +249,26 @@ def test_script_run_twice_on_one_store_directory_starts_afresh_and_resuming_cont
     assert w == pytest.approx(0.9) and version == 3  # restarted as version 2, stepped to 3
     w, version = run(resume=True)
     assert version == 4  # resumed the committed version and stepped from it
+
+
+def test_a_store_smaller_than_a_page_gets_a_page_of_its_size(tmp_path):
+    """A few hundred params on the file tier with the default 4 MiB pages: the page shrinks to the shard (in 4 KiB
+    steps), so a step moves kilobytes, not megabytes."""
+    store = nsp.storage.open(str(tmp_path / "s"), tier="file")
+    try:
+        tx = nsp.optim.adam(1e-3, store=store)
+        params = {"w": jnp.ones(300)}
+        state = tx.init(params)
+        assert store.layout.page_elems == 1024 and store.page_bytes == 4096
+        before = store.stats()
+        tx.update(params, state, params)
+        after = store.stats()
+        moved = after.get("internal_write_bytes", 0) - before.get("internal_write_bytes", 0)
+        assert 0 < moved <= 3 * 8192, moved  # three states, a page of 4 KiB each (plus checksums)
+    finally:
+        store.close()
+    reopened = nsp.storage.open(str(tmp_path / "s"), tier="file")  # the store's metadata agrees with its layout
+    try:
+        assert reopened.layout.page_elems == 1024
+    finally:
+        reopened.close()

@@ -81,7 +81,11 @@ class Layout:
             shape = tuple(int(d) for d in leaf.shape)
             leaves.append(Leaf(name, shape, dtype.name, offset))
             offset += math.prod(shape)
-        return cls(tuple(leaves), int(num_shards), page_bytes // _STATE_ITEMSIZE)
+        # A shard smaller than a page gets a page of its own size (in 4 KiB steps): a store of a few hundred
+        # params should not read and write megabytes a step.
+        shard = max(1, -(-offset // int(num_shards)))
+        page_elems = min(page_bytes // _STATE_ITEMSIZE, -(-shard // _MIN_PAGE_ELEMS) * _MIN_PAGE_ELEMS)
+        return cls(tuple(leaves), int(num_shards), page_elems)
 
     def to_json(self) -> dict:
         return {
@@ -147,6 +151,10 @@ class Layout:
             piece = flat[spec.offset : spec.offset + spec.size].reshape(spec.shape)
             out.append(piece.astype(dtype or spec.dtype))
         return jax.tree_util.tree_unflatten(treedef, out)
+
+
+#: Pages are whole 4 KiB blocks (O_DIRECT), so a page shrunk to a small shard keeps a multiple of this many elements.
+_MIN_PAGE_ELEMS = 4096 // 4
 
 
 def check_page_bytes(page_bytes: int) -> None:

@@ -226,6 +226,8 @@ def _open_existing(root: Path, tier, num_shards, page_bytes, shard_paths, pages_
     options = _options_string(held_backend, backend_options)
     num_shards = layout.num_shards if num_shards is None else num_shards
     page_bytes = meta["page_bytes"] if page_bytes is None else page_bytes
+    if page_bytes > meta["page_bytes"] and layout.shard_size <= meta["page_bytes"] // 4:
+        page_bytes = meta["page_bytes"]  # the page asked for, shrunk to the store's small shards when created
     for name, asked, held in (("tier", tier, meta["tier"]), ("num_shards", num_shards, layout.num_shards),
                               ("page_bytes", page_bytes, meta["page_bytes"])):
         if asked != held:

@@ -262,10 +262,12 @@ class StateStore:
             check_free_space(self.shard_paths, layout, optimizer, root=self.root, shards=self.local_shards,
                              checksum=self.checksum, checkpoints=checkpoint_margin)
         self.layout, self.optimizer = layout, optimizer
+        asked_page_bytes, self.page_bytes = self.page_bytes, layout.page_elems * 4  # less when a shard is smaller
         try:
             self._make_engines(create=True)
         except BaseException:
             self.layout = self.optimizer = None  # no engines: the store stays uninitialized
+            self.page_bytes = asked_page_bytes
             raise
         try:
             self._write_first_version(produce, progress)
@@ -276,6 +278,7 @@ class StateStore:
                 atomic_write_json(self.root / METADATA, self.metadata())
         except BaseException as e:
             self._drop_engines()
+            self.page_bytes = asked_page_bytes
             if isinstance(e, (RuntimeError, OSError)) and not isinstance(e, StoreError):
                 raise StoreError(f"cannot initialize store {self.root or '(memory)'}: {e}") from e
             raise

@@ -182,3 +182,8 @@ class SpecRecorder:
     def initialize(self, params: Any, optimizer: Any, *, staleness: int = 0) -> int:
         self.optimizer, self.staleness = optimizer, staleness
         return 0
+
+    restart = initialize  # what a fresh (not resuming) init asks for
+
+    def base_version(self, version: int | None = None) -> int:
+        return 0
