@@ -272,3 +272,29 @@ def test_a_store_smaller_than_a_page_gets_a_page_of_its_size(tmp_path):
         assert reopened.layout.page_elems == 1024
     finally:
         reopened.close()
+
+
+def test_explicit_meshes_of_1_and_8_devices():
+    """One device and eight (one axis, and 2x4), in a process of its own with eight host devices."""
+    import subprocess
+    import sys
+    import textwrap
+
+    code = textwrap.dedent("""
+        import os
+        os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
+        import jax.numpy as jnp
+        from jax.sharding import AxisType
+        import test_real_programs as t
+        for shape in [(1,), (8,), (2, 4)]:
+            for how in ["plain", "mesh"]:
+                got, want, updates = t._sharded_run(shape, how, AxisType.Explicit)
+                assert updates == 3, (shape, how, updates)
+                for k in want:
+                    assert jnp.allclose(got[k], want[k], rtol=1e-5, atol=1e-5), (shape, how, k)
+        print("ok")
+    """)
+    env = dict(__import__("os").environ, XLA_FLAGS="--xla_force_host_platform_device_count=8")
+    out = subprocess.run([sys.executable, "-c", code], cwd=__import__("os").path.dirname(__file__), env=env,
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stderr[-3000:]

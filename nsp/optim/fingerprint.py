@@ -258,6 +258,11 @@ def updates_and_expected_flat(params, new_flat: jax.Array, offsets: list[int], w
     if not ps:
         return jax.tree_util.tree_unflatten(treedef, []), jnp.zeros((0, WIDTH), jnp.uint32)
 
+    if _explicit_mesh():
+        # The store's flat params come sharded over its axis; the leaves cut from them are whole (as the params
+        # are under a data-parallel mesh): gather them first, as XLA does by itself on an Auto mesh.
+        new_flat = jax.sharding.reshard(new_flat, P())
+
     def leaf(flat, i):
         return flat[offsets[i]: offsets[i] + ps[i].size].reshape(ps[i].shape)
 
