@@ -100,3 +100,33 @@ def test_updates_and_expected_tree():
     nxt = jax.tree_util.tree_map(lambda p, u: p + u, params, updates)
     assert not bool(fp.params_changed(expected, nxt))
     assert bool(fp.params_changed(expected, params))
+
+
+def test_a_step_lowered_for_cuda_calls_no_cpu_only_target():
+    """Lowered for a GPU (no GPU needed to lower), a step of an nsp optimizer -- dense and Top-K, bf16 params --
+    calls no C++ target but the store update's: the fingerprint and Top-K are jnp there."""
+    import optax
+
+    import nsp.optim
+    import nsp.storage
+
+    params = {"w": jnp.ones((300, 7), jnp.bfloat16), "b": jnp.zeros((7,), jnp.bfloat16)}
+    cpu_only = ("nsp_params_hash", "nsp_next_params_update", "nsp_segment_hash", "nsp_topk_select",
+                "nsp_topk_feedback")
+    for kw in ({}, {"compression": nsp.optim.TopK(0.05)}):
+        store = nsp.storage.open(None, tier="memory")
+        try:
+            tx = nsp.optim.adamw(1e-3, store=store, **kw)
+            state = tx.init(params)
+
+            def step(p, s):
+                u, s = tx.update(jax.tree_util.tree_map(jnp.ones_like, p), s, p)
+                return optax.apply_updates(p, u), s
+
+            text = jax.jit(step).trace(params, state).lower(lowering_platforms=("cuda",)).as_text()
+            assert not [t for t in cpu_only if t in text], kw
+            assert "nsp_store_update" in text
+            cpu = jax.jit(step).trace(params, state).lower(lowering_platforms=("cpu",)).as_text()
+            assert "nsp_params_hash" in cpu  # and on the CPU the C++ hash is what runs
+        finally:
+            store.close()
