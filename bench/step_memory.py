@@ -80,7 +80,7 @@ def main() -> None:
                     finally:
                         store.close()
                 rows.append({"step": f"nsp {tier} {'top-k 1%' if topk else 'dense'} s{staleness}", "params": "bf16",
-                             "temp_b_per_param": temp, "within_bound": temp <= bound})
+                             "temp_b_per_param": temp, "within_bound": "yes" if temp <= bound else "NO"})
     print_table(f"compiled step temporaries, GPT {args.layers} x {args.width} ({n / 1e6:.1f}M params), batch 1 x "
                 f"{args.seq}; nsp's bound: fwd/bwd + bf16 gradient + {SLACK_PER_PARAM} = {bound:.2f} B/param",
                 rows, [("step", "step", "s"), ("params", "params", "s"), ("temp_b_per_param", "temp (B/param)", ".2f"),
