@@ -17,6 +17,7 @@
 // each of the S shards, hands them out (values f32[S * k], shard-local indices s32[S * k], shard by shard), and
 // leaves in the residual what was not sent, times `decay`. Neither the gradient nor the sum is copied.
 #include <algorithm>
+#include <functional>
 #include <array>
 #include <cstdint>
 #include <cstring>
@@ -117,8 +118,55 @@ struct Selection {
   }
 };
 
+// The fast path: a key above which about 1.5 k entries are expected, from a fixed sample; one pass collects the
+// positions of the entries at or above it (in position order, block by block); the exact selection then runs
+// on those candidates alone. Exact whenever at least k entries pass the cut (every entry of the top k is then a
+// candidate); false when fewer do (ties, skewed data), and the caller takes the full radix select. The candidates
+// take about 1.5 k positions of memory: a fraction of the input, never the input's size.
+template <typename T, typename KeyOf>
+bool SelectFromSample(const T* x, int64_t n, int64_t k, const KeyOf& key, T* values, int32_t* indices) {
+  constexpr int64_t kSample = 1 << 15;
+  if (n < 8 * kSample || k * 4 > n) return false;
+  std::vector<uint32_t> sample(static_cast<size_t>(kSample));
+  uint64_t h = 0x9E3779B97F4A7C15ull;
+  for (auto& s : sample) {  // splitmix64 positions: spread over rows and columns of any layout
+    h += 0x9E3779B97F4A7C15ull;
+    uint64_t z = h;
+    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+    s = key(static_cast<int64_t>((z ^ (z >> 31)) % static_cast<uint64_t>(n)));
+  }
+  const double expected = 1.5 * static_cast<double>(k) * kSample / static_cast<double>(n);
+  const int64_t hits = std::max<int64_t>(1, std::min<int64_t>(kSample, static_cast<int64_t>(expected)));
+  std::nth_element(sample.begin(), sample.begin() + (hits - 1), sample.end(), std::greater<uint32_t>());
+  const uint32_t cut = sample[static_cast<size_t>(hits - 1)];
+  const int64_t nb = (n + kBlock - 1) / kBlock;
+  std::vector<std::vector<int32_t>> found(static_cast<size_t>(nb));
+  ParallelFor(static_cast<int>(nb), [&](int b) {
+    const int64_t begin = static_cast<int64_t>(b) * kBlock, end = std::min(n, begin + kBlock);
+    auto& mine = found[static_cast<size_t>(b)];
+    for (int64_t i = begin; i < end; ++i) {
+      if (key(i) >= cut) mine.push_back(static_cast<int32_t>(i));
+    }
+  });
+  std::vector<int32_t> candidates;
+  for (const auto& f : found) candidates.insert(candidates.end(), f.begin(), f.end());
+  const int64_t m = static_cast<int64_t>(candidates.size());
+  if (m < k) return false;
+  const int32_t* pos = candidates.data();
+  const auto candidate_key = [&](int64_t j) { return key(pos[j]); };
+  Selection<decltype(candidate_key)> sel{candidate_key, m};
+  const auto [kth, room] = sel.KthLargest(k);
+  sel.Write(kth, room, [&](int64_t slot, int64_t j) {
+    values[slot] = x[pos[j]];
+    indices[slot] = pos[j];
+  });
+  return true;
+}
+
 template <typename T, typename KeyOf>
 void Select(const T* x, int64_t n, int64_t k, const KeyOf& key, T* values, int32_t* indices) {
+  if (SelectFromSample(x, n, k, key, values, indices)) return;
   Selection<KeyOf> sel{key, n};
   const auto [kth, room] = sel.KthLargest(k);
   sel.Write(kth, room, [&](int64_t slot, int64_t i) {
