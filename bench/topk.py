@@ -19,7 +19,9 @@ checked against numpy: k distinct ascending indices, values equal to ``x`` at th
 the k-th largest and every larger one kept ("correct"); "fallback" says whether the threshold method's candidate
 count missed (its ``ok`` flag, computed apart from the timed call), i.e. whether the exact path ran.
 
-"nsp auto" is what a user gets by default: the threshold path on CPU; on a GPU or TPU the threshold path from
+"nsp auto" is what a user gets by default: on CPU the C++ selection (``ffi/topk_select.cc``: a sampled cut, one
+pass collecting the candidates, an exact select among them; a full radix select where the cut falls on many equal
+values); on a GPU or TPU the threshold path from
 ``ACCELERATOR_THRESHOLD_MIN_SIZE`` (64M) entries on and the exact one below, where the threshold path measured
 slower than ``lax.top_k`` on an H200. On a GPU run ``--size N --json bench/results/topk_gpu_N.json`` (the
 report renders ``topk_gpu_67108864.json``); the record names the platform and device either way.
@@ -162,10 +164,12 @@ def main(argv: list[str] | None = None) -> None:
         parser.error("--repeats must be >= 5 (the protocol takes a median of at least 5)")
 
     k = kept_count(args.size, ratio=args.ratio)
-    # "auto" is the threshold path on CPU and the exact one elsewhere (nsp.primitives.topk), where threshold applies.
+    # "auto" is the C++ selection on CPU and the threshold or exact path elsewhere (nsp.primitives.topk), where the
+    # threshold path applies.
     applies = topk_lib._resolve_method("auto", args.size, k, jnp.float32) == "auto"
     on_cpu = jax.devices()[0].platform == "cpu"
-    auto_path = "threshold" if applies and (on_cpu or args.size >= topk_lib.ACCELERATOR_THRESHOLD_MIN_SIZE) else "exact"
+    auto_path = ("C++ selection" if applies and on_cpu else
+                 "threshold" if applies and args.size >= topk_lib.ACCELERATOR_THRESHOLD_MIN_SIZE else "exact")
     print(f"Top-K of {args.size:,} fp32 at ratio {args.ratio:g} (k={k:,}); jax {jax.__version__} on "
           f"{jax.devices()[0].platform}; median of {args.repeats} interleaved rounds after 2 warm-ups")
     rows = []

@@ -140,6 +140,10 @@ bool SelectFromSample(const T* x, int64_t n, int64_t k, const KeyOf& key, T* val
   const int64_t hits = std::max<int64_t>(1, std::min<int64_t>(kSample, static_cast<int64_t>(expected)));
   std::nth_element(sample.begin(), sample.begin() + (hits - 1), sample.end(), std::greater<uint32_t>());
   const uint32_t cut = sample[static_cast<size_t>(hits - 1)];
+  // A cut on a value many entries share (ties, zeros of a sparse input) would make the candidates most of the
+  // input: the full radix select is cheaper then.
+  const int64_t at_or_above = std::count_if(sample.begin(), sample.end(), [cut](uint32_t s) { return s >= cut; });
+  if (at_or_above > 4 * hits) return false;
   const int64_t nb = (n + kBlock - 1) / kBlock;
   std::vector<std::vector<int32_t>> found(static_cast<size_t>(nb));
   ParallelFor(static_cast<int>(nb), [&](int b) {
