@@ -26,6 +26,11 @@ lax.top_k      0.73–0.94 s   100%          reference: ``lax.top_k`` on ``|x|``
 
 One fused read pass over the same 16M entries (the roofline) takes 5–12 ms.
 
+``"auto"`` on a CPU is the C++ selection (``python bench/topk.py``, record ``bench/results/topk.json``, 16M fp32
+at 1%, median of 7): 21 ms on the gaussian input and 19 ms on the Student-t one (20-22x ``lax.top_k``; the
+threshold path 12-13x in the same run), 28-31 ms on ties and clusters, 102-104 ms where its full radix select runs
+(0.5% non-zero, all equal: 1.35x and 0.94x ``lax.top_k``; the threshold path's fallback 0.79x).
+
 On a GPU the balance differs (``python bench/topk.py --size N`` on an NVIDIA H200, jax 0.11.2, at 1%; records in
 ``bench/results/topk_gpu_<N>.json``): ``lax.top_k`` takes about 1 ms at 16M entries and grows with the size, while
 the threshold path's many small steps take 1.4–2 ms at any size up to 128M. So the threshold path is 0.6x the
