@@ -126,6 +126,13 @@ inline uint32_t BitsAs(float f, Float type) {
   }
 }
 
+// The bits of float32 `f` rounded to `type`; with `landed`, -0 taken as +0 (where `p + (t - p)` lands).
+inline uint32_t HashedBits(float f, Float type, bool landed) {
+  const uint32_t bits = BitsAs(f, type);
+  const uint32_t negative_zero = type == Float::kF32 ? 0x80000000u : 0x8000u;
+  return landed && bits == negative_zero ? 0u : bits;
+}
+
 // Float `f` rounded to `type` and back to float32.
 inline float RoundTo(float f, Float type) {
   switch (type) {
@@ -219,11 +226,7 @@ ffi::Error ParamsHashImpl(ffi::RemainingArgs leaves, ffi::Result<ffi::Buffer<ffi
       const void* data = leaf->untyped_data();
       const Float to = kCasts[cast];
       h = HashLeaf(n, 1, [data, type, to, landed](int64_t i, int) {
-        const float value = ToF32(data, type, i);
-        const uint32_t bits = BitsAs(value, to);
-        if (!landed) return bits;
-        const uint32_t sign = to == Float::kF32 ? 0x80000000u : 0x8000u;
-        return bits == sign ? 0u : bits;  // -0 lands on +0
+        return HashedBits(ToF32(data, type, i), to, landed);
       });
     }
     out->typed_data()[l] = h;
@@ -354,9 +357,7 @@ ffi::Error SegmentHashImpl(ffi::AnyBuffer flat, ffi::Result<ffi::Buffer<ffi::U32
     }
     const char* data = static_cast<const char*>(flat.untyped_data()) + offsets[l] * bytes;
     out->typed_data()[l] = HashLeaf(sizes[l], 1, [data, type, to, landed](int64_t i, int) {
-      const uint32_t bits = BitsAs(ToF32(data, type, i), to);
-      const uint32_t sign = to == Float::kF32 ? 0x80000000u : 0x8000u;
-      return landed && bits == sign ? 0u : bits;  // -0 lands on +0
+      return HashedBits(ToF32(data, type, i), to, landed);
     });
   }
   return ffi::Error::Success();

@@ -6,14 +6,9 @@ from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
-from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-
-def explicit(mesh) -> bool:
-    """Whether ``mesh`` has Explicit axes (``jax.make_mesh``'s default in current JAX): shardings are then part of
-    the arrays' types and are changed with ``jax.sharding.reshard``, not constrained."""
-    types = getattr(mesh, "axis_types", None) or ()
-    return any(t == AxisType.Explicit for t in types)
+from nsp.primitives.store_update import explicit_axes
 
 
 def shard_flat(flat: jax.Array, mesh: Mesh | None, axis_name: str | None) -> jax.Array:
@@ -22,7 +17,7 @@ def shard_flat(flat: jax.Array, mesh: Mesh | None, axis_name: str | None) -> jax
     if mesh is None:
         return flat
     sharding = NamedSharding(mesh, P(axis_name))
-    if explicit(mesh):
+    if explicit_axes(mesh):
         return jax.sharding.reshard(flat, sharding)
     return jax.lax.with_sharding_constraint(flat, sharding)
 

@@ -9,8 +9,8 @@ same bits: any single changed element always changes the hash, several cancel ou
 It must cost no params-sized memory (the storage transform's step holds the gradient and little else), so it is
 computed where each platform does that well:
 
-- **CPU**: in C++ (``ffi/params_hash.cc``, targets ``nsp_params_hash`` and ``nsp_next_params_hash``), reading each
-  leaf where it lies on the kernels' thread pool. XLA:CPU fuses no integer elementwise work into a reduction, so
+- **CPU**: in C++ (``ffi/params_hash.cc``: ``nsp_params_hash``, ``nsp_next_params_update[_flat]``,
+  ``nsp_segment_hash``), reading each leaf where it lies on the kernels' thread pool. XLA:CPU fuses no integer elementwise work into a reduction, so
   a jnp hash of a leaf writes a uint32 per element; cut into chunks in a loop, XLA hoists whole-leaf conversions
   out of the loop (bf16 ops are computed in float32 there), which cost 4-8 bytes per parameter.
 - **elsewhere** (GPU): the same hash in jnp, whole leaves at once, which XLA fuses into one reduction per leaf:
@@ -26,9 +26,10 @@ import functools
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import AxisType, PartitionSpec as P
+from jax.sharding import PartitionSpec as P
 
 from nsp.primitives import _ffi  # noqa: F401  (registers the FFI targets)
+from nsp.primitives.store_update import explicit_axes
 
 #: What the params may be rounded to between ``init`` and the first update (besides their own dtype); the
 #: codes are the ``cast`` attribute of ``nsp_params_hash``.
@@ -157,7 +158,7 @@ def _updates_cpu(params: list[jax.Array], new: list[jax.Array], wide: bool):
 def _explicit_mesh() -> bool:
     """Whether the computation is traced under a mesh with Explicit axes (shardings are part of the types)."""
     mesh = jax.sharding.get_abstract_mesh()
-    return not mesh.empty and any(t == AxisType.Explicit for t in mesh.axis_types)
+    return not mesh.empty and explicit_axes(mesh)
 
 
 def _spec(x: jax.Array) -> P:

@@ -98,7 +98,7 @@ def _on_one_device(mesh, call, operands: list[jax.Array], out_types) -> list[jax
     A side-effecting call needs a placement under a mesh: run on every device, the single shard would be updated
     once per device. The results travel as integers (an integer sum with zeros is exact, and keeps -0.0)."""
     specs = (P(),) * len(operands)
-    operands = [jax.sharding.reshard(x, P()) if _explicit(mesh) else x for x in operands]
+    operands = [jax.sharding.reshard(x, P()) if explicit_axes(mesh) else x for x in operands]
 
     def local(*ops):
         first = functools.reduce(jnp.logical_and, [jax.lax.axis_index(a) == 0 for a in mesh.axis_names])
@@ -110,7 +110,9 @@ def _on_one_device(mesh, call, operands: list[jax.Array], out_types) -> list[jax
                               check_vma=False)(*operands))
 
 
-def _explicit(mesh) -> bool:
+def explicit_axes(mesh) -> bool:
+    """Whether ``mesh`` (concrete or abstract) has Explicit axes (``jax.make_mesh``'s default in current JAX):
+    shardings are then part of the arrays' types and are changed with ``jax.sharding.reshard``."""
     return any(t == AxisType.Explicit for t in getattr(mesh, "axis_types", ()) or ())
 
 
