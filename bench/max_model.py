@@ -13,7 +13,9 @@ contender's largest model.
              (about 16 bytes per parameter, plus the step's temporaries).
   nsp-file   ``nsp.optim.adamw(store=<file tier>)``: fp32 master params and moments on disk; the accelerator
              side keeps bf16 params, and the update takes the bf16 gradient leaves and writes the new params over
-             them (``store_update_leaves``): about 4 bytes per parameter in memory.
+             them (``store_update_leaves``): about 4 bytes per parameter in memory. Set up with
+             ``nsp.optim.init_from`` from the GPT's per-part init functions (``LayerwiseInit``): the model is
+             never whole in fp32.
 
 Both compute in bf16 on the same batch (1 x ``--seq`` tokens), and both get the same model and process settings:
 
@@ -81,28 +83,27 @@ def child(args) -> None:
     import nsp.storage
     from nsp.models import GPT
     from nsp.models.gpt import GPTConfig
+    from nsp.train.layerwise import LayerwiseInit
     from nsp.train.trainer import make_train_step
 
     cfg = GPTConfig(vocab_size=256, block_size=args.seq, n_layer=args.layers, n_head=args.width // 64,
                     n_embd=args.width, dtype=jnp.bfloat16, f32_accum=args.f32_accum)
     t0 = time.perf_counter()
-    graphdef, params = nnx.split(GPT(cfg, rngs=nnx.Rngs(0)), nnx.Param)
-    n_params = sum(x.size for x in jax.tree_util.tree_leaves(params))
     if args.child == "optax":
+        graphdef, params = nnx.split(GPT(cfg, rngs=nnx.Rngs(0)), nnx.Param)
         tx = optax.adamw(1e-4)
         state = tx.init(params)
     else:
         store = nsp.storage.open(args.store, tier="file", num_shards=1)
         tx = nsp.optim.adamw(1e-4, store=store)
-        state = tx.init(params)  # the fp32 master params go to the store, a few pages at a time
-        # The accelerator side keeps bf16 params: convert leaf by leaf so fp32 and bf16 copies never coexist.
-        leaves, treedef = jax.tree_util.tree_flatten(params)
-        del params
-        for i in range(len(leaves)):
-            leaves[i] = leaves[i].astype(jnp.bfloat16)
-        params = jax.tree_util.tree_unflatten(treedef, leaves)
-        del leaves
+        # The library's set-up for bf16 params: the fp32 master goes into the store leaf by leaf, straight from
+        # the model's init functions, and the step keeps a bf16 copy; the model is never whole in fp32.
+        parts = LayerwiseInit(cfg, 0)
+        graphdef = parts.graphdef
+        params, state = nsp.optim.init_from(tx, parts.abstract, parts, dtype=jnp.bfloat16)
+        parts.close()
     setup_s = time.perf_counter() - t0
+    n_params = sum(x.size for x in jax.tree_util.tree_leaves(params))
 
     step, _ = make_train_step(graphdef, tx)  # nsp train's step: params and optimizer state donated
     tokens = jax.random.randint(jax.random.key(0), (1, args.seq + 1), 0, 256, jnp.int32)

@@ -3,6 +3,7 @@
 from nsp.optim.accumulate import MultiStepsState, multi_steps
 from nsp.optim.alias import adagrad, adam, adamw, sgd
 from nsp.optim.compress import TOPK_ADAM_BETAS, Compressed, TopK, TopKState, topk_compress
+from nsp.optim.init_from import init_from
 from nsp.optim.plateau import ReduceOnPlateauState, reduce_on_plateau
 from nsp.optim.storage import (
     StorageState,
@@ -25,6 +26,7 @@ __all__ = [
     "adagrad",
     "adam",
     "adamw",
+    "init_from",
     "multi_steps",
     "reduce_on_plateau",
     "resuming",

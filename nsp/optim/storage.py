@@ -51,6 +51,7 @@ from jax.sharding import Mesh
 from nsp.optim import fingerprint as fp
 from nsp.optim._shards import shard_flat
 from nsp.optim.compress import Compressed
+from nsp.optim.init_from import producing
 from nsp.primitives.store_update import store_update, store_update_leaves
 from nsp.storage import OptimizerSpec, StateStore
 
@@ -191,6 +192,12 @@ def scale_by_storage(
         if optimizer is None:
             raise TypeError("the optimizer's hyperparameters must be concrete numbers at init")
         leaves = jax.tree_util.tree_leaves(params)
+        producer = producing()
+        if producer is not None:  # nsp.optim.init_from's abstract pass: the store is written from its producer
+            if leaves:
+                _initialize_from(producer, params, leaves)
+            return StorageState(jnp.zeros((), jnp.int32), jnp.zeros((), jnp.int32),
+                                jnp.zeros((len(leaves), fp.WIDTH), jnp.uint32))
         traced = any(isinstance(x, jax.core.Tracer) for x in leaves)
         if not leaves or not (traced or all(isinstance(x, (jax.Array, np.ndarray, np.generic)) for x in leaves)):
             # A tree with no arrays (every leaf masked out), or placeholders (optax.tree.map_params), or an
@@ -220,6 +227,25 @@ def scale_by_storage(
         if resume:  # nsp.optim.resuming(): the state the store holds, checked against the params' layout
             return store.initialize(params, optimizer, staleness=int(staleness))
         return store.restart(params, optimizer, staleness=int(staleness))
+
+    def _initialize_from(producer, params, leaves) -> None:
+        if staleness is None:
+            raise TypeError("staleness must be a concrete 0 or 1 when init runs")
+        indices = producer.indices_of(leaves)
+        abstract = jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), params)
+
+        def produce(j):
+            return producer(indices[j])
+
+        def write():  # run by init_from once the abstract pass is over: produce() may use JAX itself
+            if store.initialized:  # a fresh state from the producer as the next version (optax's init)
+                store.restart(abstract, optimizer, staleness=int(staleness), produce=produce,
+                              progress=producer.progress)
+            else:
+                store.initialize_from(abstract, produce, optimizer, staleness=int(staleness),
+                                      progress=producer.progress, checkpoint_margin=producer.checkpoint_margin)
+
+        producer.writes.append(write)
 
     def update_fn(updates, state, params=None, **extra_args):
         # The store's update needs no extra args (accepted so that chains passing e.g. value= work), except a

@@ -291,19 +291,27 @@ class StateStore:
         self._engines = []
         self.layout = self.optimizer = None
 
-    def restart(self, params: Any, optimizer: OptimizerSpec, *, staleness: int = 0) -> int:
+    def restart(self, params: Any, optimizer: OptimizerSpec, *, staleness: int = 0,
+                produce: Callable[[int], Any] | None = None,
+                progress: Callable[[int, int], None] | None = None) -> int:
         """Starts the optimizer afresh from ``params`` on a store that holds a state already: what ``tx.init`` does
         on such a store (optax's ``init``: a fresh state from these params). Writes the params, zeroed moments and
         ``initial_nu`` as the next version (into the slot beside the committed one, so a crash keeps the old state
         whole), commits it, and stops the old version from being replayed: an optax state that still names it
         fails its next update with a clear error instead of overwriting the new state.
 
+        With ``produce`` (as for ``initialize_from``), ``params`` may be abstract and the values are asked for one
+        leaf at a time; ``progress`` as there.
+
         Returns the new committed version. Raises ``StoreError`` for another layout or optimizer (a store holds one
         optimizer's state: give each its own), or for a store whose shards live in several processes.
         """
         self._check_open()
+        if produce is None:
+            leaves = jax.tree_util.tree_leaves(params)
+            produce = leaves.__getitem__
         if not self.initialized:
-            return self.initialize(params, optimizer, staleness=staleness)
+            return self.initialize_from(params, produce, optimizer, staleness=staleness, progress=progress)
         if staleness not in (0, 1):
             raise ValueError(f"staleness must be 0 or 1, got {staleness}")
         layout = Layout.from_tree(params, num_shards=self.num_shards, page_bytes=self.page_bytes)
@@ -317,14 +325,13 @@ class StateStore:
                              "needs every process; open a new store for the new run")
         self.barrier()
         version = self.version + 1
-        leaves = jax.tree_util.tree_leaves(params)
         # Recorded before the commit: a crash between the two leaves a restart newer than the committed version,
         # which base_version() ignores.
         self._restarts = sorted(set(self.restarts()) | {version})
         if self.root is not None:
             atomic_write_json(self.root / RESTARTS, {"restarts": self._restarts})
         try:
-            self._write_first_version(lambda i: leaves[i], None, slot=version % 2)
+            self._write_first_version(produce, progress, slot=version % 2)
             for engine in self._engines:
                 engine.commit(version)
                 engine.forget_previous()

@@ -164,26 +164,3 @@ class SetupProgress:
         self.log(f"set-up: {done / 1e6:,.0f} of {total / 1e6:,.0f} MB written ({100 * done / max(total, 1):.0f}%, "
                  f"page {done // self.page_bytes} of {pages}), {rate / 1e6:.0f} MB/s, "
                  f"{'done' if done >= total else f'ETA {eta:.0f} s'} | peak RSS {fmt_gib(peak_rss_bytes())}")
-
-
-class SpecRecorder:
-    """Stands in for a store while an optax chain's ``init`` runs on a tiny tree, to learn which
-    ``OptimizerSpec`` (and staleness) the chain's storage transform will ask the real store for: the spec
-    ``initialize_from`` must write. Everything else is the real store's."""
-
-    def __init__(self, store: Any):
-        self._store = store
-        self.optimizer = None
-        self.staleness = None
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._store, name)
-
-    def initialize(self, params: Any, optimizer: Any, *, staleness: int = 0) -> int:
-        self.optimizer, self.staleness = optimizer, staleness
-        return 0
-
-    restart = initialize  # what a fresh (not resuming) init asks for
-
-    def base_version(self, version: int | None = None) -> int:
-        return 0

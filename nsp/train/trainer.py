@@ -44,7 +44,7 @@ from nsp.storage import checkpoint as ckpt
 from nsp.train import data as data_lib
 from nsp.train import store_resume
 from nsp.train.config import TrainConfig
-from nsp.train.layerwise import LayerwiseInit, SetupProgress, SpecRecorder, fmt_gib, peak_rss_bytes
+from nsp.train.layerwise import LayerwiseInit, SetupProgress, fmt_gib, peak_rss_bytes
 
 
 def lean_malloc() -> None:
@@ -169,34 +169,20 @@ def init_store_layerwise(config: TrainConfig, layerwise: LayerwiseInit, store, t
     Raises:
       TrainError: the store cannot take the state (not enough free space: nothing was written).
     """
-    # The spec the chain's storage transform asks the store for, learnt from the chain itself on a tiny tree.
-    recorder = SpecRecorder(store)
-    make_optimizer(config, recorder, mesh).init({"probe": jnp.zeros((1,), jnp.float32)})
     total = layerwise.num_params
     cast = jnp.bfloat16 if config.bf16_params else jnp.float32
     log(f"set-up: {config.model} ({total / 1e6:,.1f}M params) built part by part: fp32 master and moments into the "
         f"store{'' if store.root is None else ' at ' + str(store.root)}, a {jnp.dtype(cast).name} copy of the "
         "params for the step")
-    leaves: list[Any] = [None] * layerwise.num_leaves
-
-    def produce(i: int) -> np.ndarray:
-        leaf = layerwise(i)
-        leaves[i] = jnp.asarray(leaf).astype(cast)
-        return leaf
-
     try:
         # Without checkpoints no update follows one: the disk needs no room for a snapshot's pages.
-        store.initialize_from(layerwise.abstract, produce, recorder.optimizer, staleness=recorder.staleness,
-                              progress=SetupProgress(log, store.page_bytes),
-                              checkpoint_margin=1 if config.checkpoints else 0)
+        return nsp.optim.init_from(tx, layerwise.abstract, layerwise, dtype=cast,
+                                   progress=SetupProgress(log, store.page_bytes),
+                                   checkpoint_margin=1 if config.checkpoints else 0)
     except nsp.storage.StoreError as e:
         raise TrainError(str(e)) from None
     finally:
         layerwise.close()
-    params = jax.tree_util.tree_unflatten(layerwise.treedef, leaves)
-    del leaves
-    with nsp.optim.resuming():  # the store holds the state just written: init checks it and takes its version
-        return params, tx.init(params)
 
 
 def _beside_earlier_default_runs(config: TrainConfig, log: Callable[[str], None]) -> TrainConfig:
