@@ -31,7 +31,7 @@ import jax
 import numpy as np
 import tensorstore as ts
 
-from nsp import _nsp_ffi
+from nsp import engine as native
 from nsp.storage.format import (MANIFEST, METADATA, RESTARTS, STATES, TIER_BACKENDS, StoreError, array_dir,
                                 atomic_write_json, inside, lock_store, read_json, recorded_path, store_metadata,
                                 zarr_spec)
@@ -455,7 +455,7 @@ class StateStore:
             device = {} if self._built_in else dict(backend_options=self.backend_options, shard=i,
                                                     num_shards=self.num_shards)
             try:
-                engine = _nsp_ffi.ShardEngine(self.backend, str(shard) if shard else "", self.layout.shard_size,
+                engine = native.ShardEngine(self.backend, str(shard) if shard else "", self.layout.shard_size,
                                               self.layout.page_elems, self.pages_in_flight, used, self.checksum,
                                               in_place=self.in_place, **device)
             except RuntimeError as e:  # "backend <name> not available: <why>"
@@ -540,7 +540,7 @@ class StateStore:
         # bit patterns, which all_finite reads as bf16.
         in_pass = (n == 1 and "indices" not in kw_shards[0] and version == self.version
                    and self._engines[0].checks_finite_in_pass)
-        finite = in_pass or all(_nsp_ffi.all_finite(a) for kw in kw_shards for k, a in kw.items() if k != "indices")
+        finite = in_pass or all(native.all_finite(a) for kw in kw_shards for k, a in kw.items() if k != "indices")
         if not finite:  # skip the step on every shard: the store stays at `version`
             if version != self.version:
                 raise StoreError(f"cannot skip from version {version}: the store is at {self.version}")
