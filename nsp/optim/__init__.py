@@ -3,10 +3,10 @@
 from nsp.optim.accumulate import MultiStepsState, multi_steps
 from nsp.optim.alias import adagrad, adam, adamw, sgd
 from nsp.optim.compress import TOPK_ADAM_BETAS, Compressed, TopK, TopKState, topk_compress
+from nsp.optim.compensation import resuming
 from nsp.optim.plateau import ReduceOnPlateauState, reduce_on_plateau
 from nsp.optim.storage import (
     StorageState,
-    resuming,
     scale_by_storage,
     scale_by_storage_adagrad,
     scale_by_storage_adam,
