@@ -40,6 +40,7 @@ from nsp.storage.layout import Layout, Leaf
 from nsp.storage.lifetime import Lifetime
 from nsp.storage.optimizer import OptimizerSpec
 from nsp.storage.space import check_free_space
+from nsp.storage.update import run_update
 
 _INIT_CHUNK_BYTES = 16 << 20  # initialize writes the state this many bytes at a time
 
@@ -512,112 +513,8 @@ class StateStore:
           itself (``engine.checks_finite_in_pass``): a skip found there has overwritten part of the other slot,
           so the version before ``version`` can no longer be replayed (``held_versions()``).
         """
-        self._check_open()
-        if not self.initialized:
-            raise StoreError("the store holds no state yet: call initialize(params, optimizer) first")
-        self._check_whole("update() outside jit")
-        if version not in self.held_versions():
-            raise StoreError(f"the store no longer holds version {version}: it holds {self.held_versions()} "
-                             f"(committed: {self.version})")
-        n, shard_size = self.num_shards, self.layout.shard_size
-        kw_shards = self._split_grads(grad, indices, values)
-        if params_into is not None:
-            if not params_out:
-                raise ValueError("params_into needs params_out=True")
-            if (not isinstance(params_into, np.ndarray) or params_into.dtype != np.float32
-                    or params_into.shape != (n * shard_size,) or not params_into.flags.c_contiguous
-                    or not params_into.flags.writeable):
-                what = (f"{params_into.dtype}{list(params_into.shape)}" if isinstance(params_into, np.ndarray)
-                        else type(params_into).__name__)
-                raise ValueError(f"params_into must be a writeable, C-contiguous float32 array of "
-                                 f"{n * shard_size} elements (layout.padded_total), got {what}")
-        params = params_into if params_into is not None else (
-            np.empty(n * shard_size, np.float32) if params_out else None)
-        # One shard with a dense gradient checks it for NaN/Inf inside its update pass (the engine stops at the
-        # first one and commits nothing), so no pass of its own runs first with the disk idle. Shards that must
-        # skip together, and Top-K values, are checked before the update: one multithreaded C++ pass per array
-        # (numpy's isfinite is one thread plus a temporary as big as the gradient); bf16 arrays travel as uint16
-        # bit patterns, which all_finite reads as bf16.
-        in_pass = (n == 1 and "indices" not in kw_shards[0] and version == self.version
-                   and self._engines[0].checks_finite_in_pass)
-        finite = in_pass or all(native.all_finite(a) for kw in kw_shards for k, a in kw.items() if k != "indices")
-        if not finite:  # skip the step on every shard: the store stays at `version`
-            if version != self.version:
-                raise StoreError(f"cannot skip from version {version}: the store is at {self.version}")
-            list(self._pool.map(lambda i: self._engines[i].skip(
-                version, None if params is None else params[i * shard_size:(i + 1) * shard_size]), range(n)))
-            out = {"skipped": True}
-            if params is not None:
-                out["params"] = params
-            if bf16_out:
-                import ml_dtypes
-
-                out["params_bf16"] = self.read("param").astype(ml_dtypes.bfloat16)
-            return out
-        params16 = np.empty(n * shard_size, np.uint16) if bf16_out else None
-        hyper = self.optimizer.hyper_attrs()
-
-        def run(i) -> bool:
-            # Each shard reads `version`, writes the other slot, syncs and commits version + 1 on its own; True when
-            # its pass found the gradient not finite (then it committed nothing and its outputs hold `version`).
-            sl = slice(i * shard_size, (i + 1) * shard_size)
-            engine = self._engines[i]
-            return (engine.step_if_finite if in_pass else engine.step)(
-                version, float(lr), int(step), hyper, **kw_shards[i],
-                params_out=None if params is None else params[sl],
-                params_bf16_out=None if params16 is None else params16[sl],
-            )
-
-        futures = [self._pool.submit(run, i) for i in range(n)]
-        errors = [f.exception() for f in futures]
-        errors = [e for e in errors if e is not None]
-        if errors:
-            raise StoreError(f"update from version {version} failed; version {self.version} is intact: "
-                             f"{errors[0]}") from errors[0]
-        out = {"skipped": any(f.result() for f in futures)}
-        if params is not None:
-            out["params"] = params
-        if params16 is not None:
-            import ml_dtypes
-
-            out["params_bf16"] = params16.view(ml_dtypes.bfloat16)
-        return out
-
-    def _split_grads(self, grad, indices, values) -> list[dict]:
-        import ml_dtypes
-
-        n, shard_size = self.num_shards, self.layout.shard_size
-
-        def as_kw(arr, name):
-            arr = np.asarray(arr)
-            if arr.dtype == ml_dtypes.bfloat16:
-                return {f"{name}_bf16": np.ascontiguousarray(arr).view(np.uint16)}
-            if arr.dtype != np.float32:
-                raise TypeError(f"{name} must be float32 or bfloat16, got {arr.dtype}")
-            return {name: np.ascontiguousarray(arr)}
-
-        if grad is not None:
-            parts = list(grad) if isinstance(grad, (list, tuple)) else None
-            if parts is None:
-                flat = np.asarray(grad).reshape(-1)
-                if flat.size != n * shard_size:
-                    raise ValueError(f"grad has {flat.size} elements; the store holds {n} shards x {shard_size} "
-                                     f"= {n * shard_size} (layout.flatten pads to that)")
-                parts = [flat[i * shard_size:(i + 1) * shard_size] for i in range(n)]
-            if len(parts) != n:
-                raise ValueError(f"got {len(parts)} gradient shards for {n} store shards")
-            return [as_kw(p, "grad") for p in parts]
-        if indices is None or values is None:
-            raise ValueError("update needs either grad or both indices and values")
-        if len(indices) != n or len(values) != n:
-            raise ValueError(f"compressed gradients need one (indices, values) pair per shard ({n})")
-        out = []
-        for idx, val in zip(indices, values):
-            idx = np.asarray(idx)
-            if idx.dtype != np.int32:
-                raise TypeError(f"indices must be int32, got {idx.dtype}")
-            out.append({"indices": np.ascontiguousarray(idx), **as_kw(val, "values")})
-        return out
+        return run_update(self, grad, version=version, lr=lr, step=step, indices=indices, values=values,
+                          params_out=params_out, bf16_out=bf16_out, params_into=params_into)
 
     # ---- reading -----------------------------------------------------------------------------------------------
 
