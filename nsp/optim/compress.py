@@ -2,9 +2,10 @@
 
 ``topk_compress`` flattens the incoming updates and cuts the flat vector into the store's equal shards, asking
 the store's ``nsp.storage.Layout`` for both (``flat_layout``), and keeps the ``ratio`` largest-magnitude entries
-of each shard. What it emits is a ``Compressed`` update (values and shard-local sorted indices, ``k`` per shard), which the storage
-transforms decompress inside the update kernel. With error feedback the entries it drops are kept in the state
-and added to the next step's gradient; ``residual_decay`` scales that remainder down each step it stays unsent.
+of each shard. What it emits is a ``Compressed`` update (values and shard-local sorted indices, ``k`` per
+shard), which the storage transforms decompress inside the update kernel. With error feedback the entries it
+drops are kept in the state and added to the next step's gradient; ``residual_decay`` scales that remainder down
+each step it stays unsent.
 
 The store runs the dense update on the decompressed gradient by default (Smart-Infinity's updater): every
 moment decays and every param keeps moving on its momentum, sent this step or not. ``TopK(..., lazy=True)``
