@@ -12,6 +12,9 @@ rules hold:
 3. The compiled extension ``nsp._nsp_ffi`` is imported by one unit only, ``FFI_UNIT``; every other unit reaches
    the C++ engine through that unit's public names.
 
+Besides, inside a unit no two modules import each other (imports under ``if TYPE_CHECKING`` aside): a module
+that two others need goes below both (``nsp.distributed.coordination`` under ``runtime`` and ``agree``).
+
 The checker itself is tested on a tiny synthetic package (a cycle, a private import, a stray extension import),
 so a checker that stopped seeing imports would fail here too.
 """
@@ -45,6 +48,7 @@ class Import:
     target: str  # the imported module (``from P import m`` where P.m is a module: P.m)
     names: tuple[str, ...]  # names taken from ``target`` (empty for ``import M`` and for submodules)
     line: int
+    typing_only: bool = False  # under ``if TYPE_CHECKING:``: never executed
 
     def where(self) -> str:
         return f"{self.source}:{self.line}"
@@ -67,9 +71,12 @@ def read_imports(modules: dict[str, Path]) -> list[Import]:
     found = []
     for name, path in modules.items():
         is_package = path.name == "__init__.py"
-        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        tree = ast.parse(path.read_text(), str(path))
+        typing_only = {id(n) for block in ast.walk(tree) if isinstance(block, ast.If)
+                       and "TYPE_CHECKING" in ast.unparse(block.test) for stmt in block.body for n in ast.walk(stmt)}
+        for node in ast.walk(tree):
             if isinstance(node, ast.Import):
-                found += [Import(name, alias.name, (), node.lineno) for alias in node.names]
+                found += [Import(name, alias.name, (), node.lineno, id(node) in typing_only) for alias in node.names]
             elif isinstance(node, ast.ImportFrom):
                 if node.level:  # relative: from the module's own package
                     package = name.split(".") if is_package else name.split(".")[:-1]
@@ -80,11 +87,11 @@ def read_imports(modules: dict[str, Path]) -> list[Import]:
                 for alias in node.names:
                     sub = f"{base}.{alias.name}"
                     if sub in modules or sub == FFI_MODULE:
-                        found.append(Import(name, sub, (), node.lineno))
+                        found.append(Import(name, sub, (), node.lineno, id(node) in typing_only))
                     else:
                         names.append(alias.name)
                 if names:
-                    found.append(Import(name, base, tuple(names), node.lineno))
+                    found.append(Import(name, base, tuple(names), node.lineno, id(node) in typing_only))
     return found
 
 
@@ -201,6 +208,20 @@ def _cycles(edges: dict[str, dict[str, Import]]) -> tuple[list[list[Import]], li
     return cycles, groups
 
 
+def module_cycles(sources: dict[str, Path]) -> list[tuple[str, ...]]:
+    """Groups of modules of one unit that import each other, directly or not (typing-only imports aside)."""
+    modules = module_files(sources)
+    edges: dict[str, dict[str, Import]] = {}
+    for i in read_imports(modules):
+        target = i.target
+        while target and target not in modules:  # ``from P.m import x`` where x is a name: module P.m
+            target = target.rpartition(".")[0]
+        if (target and target != i.source and not i.typing_only and unit_of(target) == unit_of(i.source)
+                and target != unit_of(target)):  # a unit's __init__ gathers its modules' names: not a cycle
+            edges.setdefault(i.source, {}).setdefault(target, i)
+    return [tuple(sorted(group)) for group in _cycles(edges)[1]]
+
+
 # ---- the package ------------------------------------------------------------------------------------------------
 
 
@@ -222,6 +243,10 @@ def test_no_private_name_crosses_a_unit(report):
 def test_only_one_unit_imports_the_extension(report):
     assert not report.ffi, "\n".join(p for p in report.problems if FFI_MODULE in p)
     assert FFI_MODULE in {i.target for i in read_imports(module_files(SOURCES))}, "nothing imports the extension?"
+
+
+def test_no_import_cycle_between_modules_of_a_unit():
+    assert not module_cycles(SOURCES)
 
 
 def test_layers_agree_with_the_imports(report):
@@ -288,3 +313,15 @@ def test_checker_finds_private_names_and_the_extension(tmp_path):
                                                                     ("nsp.lib.pub", ("_hidden",))]
     assert [(i.source, i.line) for i in report.ffi] == [("nsp.user.u", 4)]
     assert check(sources, ffi_unit="nsp.user").ffi[0].source == "nsp.engine"
+
+
+def test_checker_finds_modules_of_a_unit_that_import_each_other(tmp_path):
+    sources = _package(tmp_path, {
+        "__init__.py": "",
+        "pkg/__init__.py": "from nsp.pkg.a import f\n",
+        "pkg/a.py": "def f():\n    from nsp.pkg.b import g\n    return g\n",
+        "pkg/b.py": "from nsp.pkg import a\n\ng = a\n",
+        "pkg/c.py": "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from nsp.pkg.d import D\n",
+        "pkg/d.py": "from nsp.pkg.c import TYPE_CHECKING as D\n",  # c -> d only for typing: no cycle
+    })
+    assert module_cycles(sources) == [("nsp.pkg.a", "nsp.pkg.b")]

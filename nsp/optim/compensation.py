@@ -9,8 +9,8 @@ them together in ``scale_by_storage``):
   from its master. They agree while the params are the ones the previous update led to. When they are not (a
   transform chained after the nsp optimizer changed its updates, ``optax.contrib.reduce_on_plateau`` or
   ``optax.scale``, or code edited the params), the store adopts the given params as its master for that step.
-- **The params fingerprint** (``init_fingerprint``, ``updates_and_expected``; the hashes are
-  ``nsp.optim.fingerprint``). Telling the two cases apart without a host round trip: the state carries a hash
+- **The params fingerprint** (``updates_and_expected``; ``init`` takes ``nsp.optim.fingerprint.init_fingerprint``,
+  where the hashes are). Telling the two cases apart without a host round trip: the state carries a hash
   of the params the update led to, and the next update compares, on the accelerator, before touching the store.
   After ``init`` it also knows the params' roundings to bf16/f16 (casting them after ``init`` is no change).
 - **``float32_updates``** (``updates_and_expected``). optax returns updates in the params' dtype; for bf16 or
@@ -120,9 +120,6 @@ def scaled_lr(lr: Any, extra_args: dict) -> Any:
 
 
 # ---- adopting changed params, the fingerprint, float32 updates -----------------------------------------------
-
-init_fingerprint = fp.init_fingerprint
-
 
 def adopt_operands(fingerprint: jax.Array, params: Any) -> tuple[jax.Array, list[jax.Array]]:
     """``(adopt, params_leaves)`` for the store update: whether the params differ from the ones the previous

@@ -27,6 +27,10 @@ one step old by design, so changed params fail the step with a clear error. Cost
 passes per step -- over the params given, and over the next params (``params + updates``, computed on the fly) --
 and no params-sized memory (``nsp.optim.fingerprint``: C++ on a CPU, one fused reduction per leaf elsewhere).
 
+What makes these transforms behave like optax's own -- adopting changed params, the fingerprint, float32
+updates, the learning-rate scale, resuming, injected hyperparameters -- is ``nsp.optim.compensation``, each part
+with the reason it exists.
+
 With one device and one store shard, and gradient and params leaves of one dtype, the update takes the gradient
 leaves as they are and writes each leaf's new params over its gradient (``store_update_leaves``): the optimizer
 adds no memory to the step. Keep the params in bf16 on the accelerator (cast them after ``init``, which writes
@@ -129,7 +133,7 @@ def scale_by_storage(
             # store is written by the first init on real arrays.
             return StorageState(jnp.zeros((), jnp.int32), jnp.zeros((), jnp.int32),
                                 jnp.zeros((len(leaves), fp.WIDTH), jnp.uint32))
-        fingerprint = comp.init_fingerprint(params)
+        fingerprint = fp.init_fingerprint(params)
         resume = comp.resume_requested()  # taken when init is called (or traced, under jax.jit)
         if traced:
             # Under jax.jit the params reach the store through a host callback (once, at init; never on the
