@@ -30,7 +30,9 @@ from typing import Any
 import numpy as np
 
 from nsp.storage.creation import StoreCreation
-from nsp.storage.format import STATES, TIER_BACKENDS, StoreError, inside, lock_store, recorded_path, store_metadata
+# METADATA stays importable from here: nsp.storage.store.METADATA names a store's metadata file.
+from nsp.storage.format import (METADATA, STATES, TIER_BACKENDS, StoreError, inside, lock_store,  # noqa: F401
+                                recorded_path, store_metadata)
 from nsp.storage.handle import StoreHandle
 from nsp.storage.layout import Layout, Leaf
 from nsp.storage.lifetime import Lifetime
