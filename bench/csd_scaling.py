@@ -33,7 +33,7 @@ Plan against the emulator (``--emulate``, on with ``--calibrate``). For 1, 2, 4 
 run one real update on a ``csd`` store of that many emulated devices (``--emulate-params`` per device, in a
 temporary folder under ``--dir``; each device's model clock schedules its pages on its SSD, host link and updater,
 ``ffi/csd_clock.h``), on the same link figures, and the model's prediction for the same state (nsp's dataflow) is
-printed beside it; the target is agreement within 10% (``nsp.csd.emulate``).
+printed beside it; the target is agreement within 10% (``nsp.emulate``).
 
 Writes ``bench/results/csd_scaling.json`` (or ``--json``) and a PNG beside it (or ``--png``).
 """
@@ -454,7 +454,7 @@ EMULATED_DEVICES = (1, 2, 4, 10)
 
 def emulate(args, figures: LinkFigures) -> dict:
     """The plan-against-emulator comparison of the module docstring; returns its record."""
-    from nsp.csd.emulate import EMULATED, PLAN_TOLERANCE, check_plan
+    from nsp.emulate import EMULATED, PLAN_TOLERANCE, check_plan
 
     rows = []
     for n in EMULATED_DEVICES:

@@ -28,7 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
-from nsp.primitives import _ffi  # noqa: F401  (registers the FFI targets)
+import nsp.primitives  # noqa: F401  (registers the FFI targets)
 from nsp.primitives.store_update import explicit_axes
 
 #: What the params may be rounded to between ``init`` and the first update (besides their own dtype); the

@@ -1,5 +1,9 @@
 """``nsp plan``'s prediction set beside the emulated devices: one real update on N ``csd`` store shards.
 
+It lives beside ``nsp.csd``, not in it: ``nsp.csd`` models the devices and says what options a ``csd`` store
+hands each one (``nsp.storage`` uses that when it opens one), while this module runs a real store on them, so it
+sits above both ``nsp.storage`` and ``nsp.primitives``.
+
 ``nsp.csd.model`` predicts a step from formulas: each resource's bytes over its bandwidth, one phase, a pipeline
 fill and drain of one page. The ``csd`` tier runs the real thing: a store with one shard per emulated device, each
 reading and writing its own pages, running the real kernel and charging every page's operations to its links on
@@ -22,8 +26,10 @@ import tempfile
 
 import numpy as np
 
+import nsp.storage
 from nsp.csd.figures import LinkFigures
 from nsp.csd.model import Setting, step_time
+from nsp.primitives import kept_count
 
 EMULATED = ("smartupdate", "smartcomp")  # the baseline's host updater is not a device: nothing to emulate
 PLAN_TOLERANCE = 0.10  # how far plan and emulator may differ (relative to the emulator)
@@ -36,8 +42,6 @@ def _gradient(scheme: str, store, setting: Setting, rng: np.random.Generator) ->
     dense = (rng.random(n, np.float32) - np.float32(0.5)) * np.float32(1e-2)
     if scheme == "smartupdate":
         return {"grad": dense}
-    from nsp.primitives import kept_count
-
     shard = store.layout.shard_size
     k = kept_count(shard, ratio=setting.density)
     indices, values = [], []
@@ -59,8 +63,6 @@ def emulated_update(scheme: str, setting: Setting, devices: int, figures: LinkFi
     """
     if scheme not in EMULATED:
         raise ValueError(f"scheme {scheme!r} has no device to emulate; valid: {', '.join(EMULATED)}")
-    import nsp.storage
-
     rng = np.random.default_rng(seed)
     with tempfile.TemporaryDirectory(prefix="nsp-emulate-", dir=directory) as tmp:
         kw = {} if pages_in_flight is None else {"pages_in_flight": pages_in_flight}
