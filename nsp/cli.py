@@ -44,7 +44,7 @@ def _train(args: argparse.Namespace) -> int:
 
     values = {f.name: getattr(args, f.name) for f in dataclasses.fields(TrainConfig)}
     if values["bf16_params"]:
-        from nsp.train.trainer import lean_malloc
+        from nsp.train.process import lean_malloc
 
         lean_malloc()
     try:

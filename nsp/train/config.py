@@ -1,4 +1,5 @@
-"""Configuration of a training run: one dataclass, every field overridable from the command line."""
+"""Configuration of a training run: one dataclass, every field overridable from the command line; and
+``TrainError``, what a run raises when it cannot start or continue as configured."""
 
 from __future__ import annotations
 
@@ -11,6 +12,10 @@ from nsp.spec import KINDS
 DEFAULT_SEQ = 128  # tokens per sequence when --seq is not given (and the model allows it)
 DEFAULT_LR = 3e-3  # peak learning rate of a model without a published recipe (the toy sizes, GPT-2)
 DEFAULT_WARMUP_STEPS = 20  # warm-up steps of a model without one
+
+
+class TrainError(RuntimeError):
+    """The run cannot start or continue as configured (the message says why; nothing was overwritten)."""
 
 
 @dataclasses.dataclass
