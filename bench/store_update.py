@@ -111,7 +111,7 @@ TARGET_FILE_PCT = 85.0
 CALIBRATION_CALLS = 3  # calls of every raw probe that pick the perfect serial swap's methods (and warm them up)
 TARGET_MEMORY_PCT = 90.0
 # The file tier's 2nd update measures its read mode's first choice and its 3rd tries the other one
-# (ffi/read_mode.h): run untimed, as warm-up.
+# (ffi/backends/read_mode.h): run untimed, as warm-up.
 READ_MODE_CALIBRATION_UPDATES = 2
 DISK_ORDER_SEED = 0  # the disk group's order is shuffled each round from this seed (recorded as disk_orders)
 
@@ -259,7 +259,7 @@ def run(args, work: Workdir, n: int, page_bytes: int, repeats: int, warmup: int,
     read_bytes = stats1["internal_read_bytes"] - stats0["internal_read_bytes"]
     write_bytes = stats1["internal_write_bytes"] - stats0["internal_write_bytes"]
     # Its second and third updates choose the read mode (the second reads direct, the third buffered, each
-    # timed whole: ffi/read_mode.h), as a run's do once at its start (and 1 update in 32 tries the other way
+    # timed whole: ffi/backends/read_mode.h), as a run's do once at its start (and 1 update in 32 tries the other way
     # again): warm-up here too, so that the timed rounds read the way the file tier settled on.
     for _ in range(READ_MODE_CALIBRATION_UPDATES):
         store.update(grad, version=store.version, lr=LR, step=store.version + 1)
