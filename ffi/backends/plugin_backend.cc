@@ -10,6 +10,8 @@
 #include <cstring>
 #include <stdexcept>
 
+#include "backends/abi_structs.h"
+
 namespace nsp {
 
 namespace {
@@ -345,37 +347,9 @@ bool PluginBackend::ComputeIfFinite(const UpdateHyperParams& hp, const StateSpan
 }
 
 void PluginBackend::Compute(const UpdateHyperParams& hp, const StateSpan& span, const PageGrad& grad) {
-  nsp_hyper_params h{};
-  h.struct_size = sizeof h;
-  h.kind = static_cast<int32_t>(hp.kind);
-  h.lr = hp.lr;
-  h.step = hp.step;
-  h.b1 = hp.b1;
-  h.b2 = hp.b2;
-  h.eps = hp.eps;
-  h.weight_decay = hp.weight_decay;
-  h.momentum = hp.momentum;
-  h.nesterov = hp.nesterov ? 1 : 0;
-  h.lazy = hp.lazy ? 1 : 0;
-  nsp_state_span s{};
-  s.struct_size = sizeof s;
-  s.param_in = span.param_in;
-  s.param_out = span.param_out;
-  s.mu_in = span.mu_in;
-  s.mu_out = span.mu_out;
-  s.nu_in = span.nu_in;
-  s.nu_out = span.nu_out;
-  s.param_bf16_out = span.param_bf16_out;
-  s.param_copy_out = span.param_copy_out;
-  s.size = span.size;
-  nsp_page_grad g{};
-  g.struct_size = sizeof g;
-  g.dense = grad.dense;
-  g.grad_type = static_cast<int32_t>(grad.type);
-  g.indices = grad.indices;
-  g.values = grad.values;
-  g.count = grad.count;
-  g.index_base = grad.index_base;
+  const nsp_hyper_params h = abi::ToAbi(hp);
+  const nsp_state_span s = abi::ToAbi(span);
+  const nsp_page_grad g = abi::ToAbi(grad);
   nsp_page_info info{};
   info.struct_size = sizeof info;
   // The page's buffers were filled by its reads (the params buffer, or, for a step from the caller's params,

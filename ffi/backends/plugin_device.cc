@@ -70,6 +70,19 @@ std::string LoadLibrary(const std::string& library, const std::string& what, con
          "): " + (why ? why : "unknown error");
 }
 
+void* Symbols::Find(const char* name) const { return ::dlsym(handle_, name); }
+
+std::string LoadVendorLibrary(const std::string& library, const std::string& what, const char* env,
+                              const char* fallback, const std::string& hint,
+                              const std::function<void(Symbols&)>& resolve) {
+  void* handle = nullptr;
+  if (std::string e = LoadLibrary(library, what, env, fallback, &handle); !e.empty()) return e;
+  Symbols symbols(handle);
+  resolve(symbols);
+  if (symbols.missing().empty()) return {};
+  return what + " '" + library + "' lacks the symbol " + symbols.missing() + hint;
+}
+
 // ---- Opening ----
 
 namespace {
@@ -110,35 +123,6 @@ std::string OpenPages(const nsp_backend_config* c, PluginDevice* d) {
 }
 
 // ---- Kernel arguments ----
-
-nsp::UpdateHyperParams ToHyper(const nsp_hyper_params& h) {
-  nsp::UpdateHyperParams hp;
-  hp.kind = static_cast<nsp::OptimizerKind>(h.kind);
-  hp.lr = h.lr;
-  hp.step = h.step;
-  hp.b1 = h.b1;
-  hp.b2 = h.b2;
-  hp.eps = h.eps;
-  hp.weight_decay = h.weight_decay;
-  hp.momentum = h.momentum;
-  hp.nesterov = h.nesterov != 0;
-  hp.lazy = h.lazy != 0;
-  return hp;
-}
-
-nsp::StateSpan ToSpan(const nsp_state_span& s) {
-  nsp::StateSpan span;
-  span.param_in = s.param_in;
-  span.param_out = s.param_out;
-  span.mu_in = s.mu_in;
-  span.mu_out = s.mu_out;
-  span.nu_in = s.nu_in;
-  span.nu_out = s.nu_out;
-  span.param_bf16_out = s.param_bf16_out;
-  span.param_copy_out = s.param_copy_out;
-  span.size = s.size;
-  return span;
-}
 
 int64_t PageOf(const nsp_page_info* info) {
   return info != nullptr && info->struct_size >= offsetof(nsp_page_info, page) + sizeof(int64_t) ? info->page : -1;

@@ -4,11 +4,14 @@
 // I/O counter and buffer entries of the ABI table that only go through that storage.
 //
 // A plugin's nsp_backend_device derives from PluginDevice, so the table entries below (templates on the plugin's
-// device type) fit its nsp_backend_v1 table as they are.
+// device type) fit its nsp_backend_v1 table as they are; MakeTable builds that table from the plugin's own calls
+// and these, and NSP_PLUGIN_ENTRY defines the one symbol the plugin exports.
 #pragma once
 
 #include <cstddef>
+#include <atomic>
 #include <cstdint>
+#include <functional>
 #include <initializer_list>
 #include <map>
 #include <memory>
@@ -16,6 +19,7 @@
 #include <utility>
 #include <vector>
 
+#include "backends/abi_structs.h"
 #include "backends/backend.h"
 #include "kernels/update_kernel.h"
 #include "nsp_backend_abi.h"
@@ -47,6 +51,34 @@ std::string LibraryPath(const OptionMap& opts, const char* env, const char* fall
 // path came from. The handle is never closed: a vendor library's threads may outlive a device's close.
 std::string LoadLibrary(const std::string& library, const std::string& what, const char* env, const char* fallback,
                         void** handle);
+
+// A loaded vendor library's calls, looked up by name: Require records the first one missing, Optional leaves a
+// missing one null.
+class Symbols {
+ public:
+  explicit Symbols(void* handle) : handle_(handle) {}
+  template <typename FnPtr>
+  void Require(FnPtr& fn, const char* name) {
+    fn = reinterpret_cast<FnPtr>(Find(name));
+    if (fn == nullptr && missing_.empty()) missing_ = name;
+  }
+  template <typename FnPtr>
+  void Optional(FnPtr& fn, const char* name) {
+    fn = reinterpret_cast<FnPtr>(Find(name));
+  }
+  const std::string& missing() const { return missing_; }
+
+ private:
+  void* Find(const char* name) const;
+  void* handle_;
+  std::string missing_;
+};
+
+// LoadLibrary, then `resolve` looks up the library's calls in it. Returns "" or why not: the loader's error, or
+// "<what> '<library>' lacks the symbol <name>" followed by `hint`.
+std::string LoadVendorLibrary(const std::string& library, const std::string& what, const char* env,
+                              const char* fallback, const std::string& hint,
+                              const std::function<void(Symbols&)>& resolve);
 
 // ---- The device ----
 
@@ -82,9 +114,7 @@ std::string OpenPages(const nsp_backend_config* c, PluginDevice* d);
 
 // ---- Kernel arguments ----
 
-// The ABI's structs as the update kernel's.
-nsp::UpdateHyperParams ToHyper(const nsp_hyper_params& h);
-nsp::StateSpan ToSpan(const nsp_state_span& s);
+// The ABI's structs as the update kernel's: nsp::abi::FromAbi (backends/abi_structs.h).
 // The page an nsp_page_info names, or -1 where the host gave none (or an older struct without it).
 int64_t PageOf(const nsp_page_info* info);
 // compute_launch's pointer arguments are all there: 0, or 1 with the message in `err`.
@@ -100,6 +130,8 @@ int TakeResult(const PluginDevice& d, std::map<uint64_t, std::string>* done, uin
 
 // Writes `counts` into the host's struct, as much as its struct_size has room for.
 void WriteIoCounts(const nsp::IoCounts& counts, nsp_io_counts* out);
+// A counter's value, as a stat.
+inline double Stat(const std::atomic<int64_t>& counter) { return static_cast<double>(counter.load()); }
 // Writes up to `capacity` stats into `out`; returns how many there are.
 int64_t WriteStats(const std::vector<std::pair<std::string, double>>& stats, nsp_backend_stat* out,
                    int64_t capacity);
@@ -145,4 +177,58 @@ int ChecksumsSetOf(Device* d, int32_t slot, int32_t state, const uint32_t* crcs,
   return ChecksumsSet(d, slot, state, crcs, pages, err, err_len);
 }
 
+// ---- The table ----
+
+// The calls a plugin brings to its nsp_backend_v1 table. The optional ones left null are the page files' entries
+// above (AllocHostBuffer, FreeHostBuffer, ChecksumsSet).
+struct PluginCalls {
+  const char* name;
+  decltype(nsp_backend_v1::open) open;
+  decltype(nsp_backend_v1::close) close;
+  decltype(nsp_backend_v1::read_page) read_page;
+  decltype(nsp_backend_v1::write_page) write_page;
+  decltype(nsp_backend_v1::compute_launch) compute_launch;
+  decltype(nsp_backend_v1::compute_wait) compute_wait;
+  decltype(nsp_backend_v1::io_counts) io_counts;
+  decltype(nsp_backend_v1::stats) stats;
+  decltype(nsp_backend_v1::update_begin) update_begin;
+  decltype(nsp_backend_v1::update_end) update_end;
+  decltype(nsp_backend_v1::alloc_buffer) alloc_buffer = nullptr;
+  decltype(nsp_backend_v1::free_buffer) free_buffer = nullptr;
+  decltype(nsp_backend_v1::page_checksums_set) page_checksums_set = nullptr;
+};
+
+// The plugin's table: its calls, and for page buffer sizes, sync and reading checksums (and whatever optional call
+// it leaves null) the page files' entries. `Device` is the plugin's nsp_backend_device.
+template <typename Device>
+constexpr nsp_backend_v1 MakeTable(const PluginCalls& c) {
+  return nsp_backend_v1{
+      NSP_BACKEND_ABI_VERSION,
+      sizeof(nsp_backend_v1),
+      c.name,
+      c.open,
+      c.close,
+      PageBufferBytesOf<Device>,
+      c.alloc_buffer != nullptr ? c.alloc_buffer : AllocHostBufferOf<Device>,
+      c.free_buffer != nullptr ? c.free_buffer : FreeHostBufferOf<Device>,
+      c.read_page,
+      c.write_page,
+      SyncOf<Device>,
+      c.compute_launch,
+      c.compute_wait,
+      ChecksumsGetOf<Device>,
+      c.page_checksums_set != nullptr ? c.page_checksums_set : ChecksumsSetOf<Device>,
+      c.io_counts,
+      c.stats,
+      c.update_begin,
+      c.update_end,
+  };
+}
+
 }  // namespace nsp::plugin
+
+// The plugin's one exported symbol: `table` (its MakeTable) for a host of this ABI version, else NULL.
+#define NSP_PLUGIN_ENTRY(table)                                                                            \
+  extern "C" NSP_BACKEND_EXPORT const nsp_backend_v1* nsp_backend_entry_v1(uint32_t host_abi_version) {  \
+    return host_abi_version == NSP_BACKEND_ABI_VERSION ? &(table) : nullptr;                               \
+  }

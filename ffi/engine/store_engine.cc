@@ -1,6 +1,7 @@
-// The engine's shard across versions: construction, versioned steps (replays and skips included) and their
-// commits (the shard's manifest), and whole-state transfers outside any update. One update's work is
-// store_engine_update.cc's and store_engine_stream.cc's; the background step is store_engine_async.cc's.
+// The engine's shard across versions: construction; versioned steps, with RunStep, the one door every caller's step
+// comes in by (its finiteness check, then a skip, a step or a background step; replays included); their commits
+// (the shard's manifest); and whole-state transfers outside any update. One update's work is store_engine_update.cc's
+// and store_engine_stream.cc's; the background step is store_engine_async.cc's.
 #include "engine/store_engine.h"
 
 #include <fcntl.h>
@@ -154,6 +155,47 @@ UpdateProgress ShardEngine::Progress() const {
     p.elapsed_ns = (p.running ? SteadyNowNs() : progress_end_ns_.load(std::memory_order_relaxed)) - start;
   }
   return p;
+}
+
+namespace {
+
+// Whether the update's gradient (dense, pieces, or compressed values) holds no NaN or Inf: one multithreaded pass.
+bool GradientFinite(const ShardUpdate& u, int64_t size) {
+  if (u.pieces != nullptr) {
+    for (size_t i = 0; i < u.pieces->sizes.size(); ++i) {
+      if (!AllFinite(u.pieces->grad[i], u.pieces->type, u.pieces->sizes[i])) return false;
+    }
+    return true;
+  }
+  if (u.grad != nullptr) return AllFinite(u.grad, u.grad_type, size);
+  return AllFinite(u.values, u.grad_type, u.count);
+}
+
+}  // namespace
+
+std::string ShardEngine::RunStep(ShardUpdate u, const StepCall& call, StepOutcome* outcome) {
+  u.check_finite = false;
+  bool skipped_in_pass = false;
+  bool finite = call.grad_check != GradCheck::kNotFinite;
+  if (call.grad_check == GradCheck::kCheck) {
+    // Inside the update's own pass (no pass over the gradient of its own, with the disk idle) where a half-done
+    // update leaves the committed version whole: a synchronous step from it and from the store's own params, a
+    // dense gradient (or pieces), a store that keeps two slots. Otherwise one pass first.
+    const bool dense = u.grad != nullptr || u.pieces != nullptr;
+    if (call.staleness == 0 && dense && ChecksFiniteInPass() && call.version == version_ && u.params_in == nullptr) {
+      u.check_finite = true;
+      u.skipped = &skipped_in_pass;
+    } else {
+      finite = GradientFinite(u, size_);
+    }
+  }
+  std::string err = !finite              ? Skip(u, call.version)
+                    : call.staleness > 0 ? StepAsync(u, call.version)
+                                         : Step(u, call.version);
+  if (!err.empty()) return err;
+  outcome->skipped = !finite || skipped_in_pass;
+  outcome->version = outcome->skipped ? call.version : call.version + 1;
+  return {};
 }
 
 std::string ShardEngine::Step(ShardUpdate u, int64_t version) {

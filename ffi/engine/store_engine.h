@@ -85,6 +85,29 @@ struct ShardUpdate {
   bool* skipped = nullptr;
 };
 
+// What the caller of a versioned step knows of its gradient's finiteness.
+enum class GradCheck {
+  kFinite,     // it is finite (or not to be checked): step
+  kNotFinite,  // it holds NaN/Inf: skip the step
+  kCheck,      // unknown: the engine checks it (inside the update's own pass where the store allows, else first)
+};
+
+// A versioned step as every caller hands it to the engine (ShardEngine::RunStep): the version it reads, what is
+// known of its gradient, and its staleness (1: it finishes in the background).
+struct StepCall {
+  int64_t version = 0;
+  GradCheck grad_check = GradCheck::kFinite;
+  int staleness = 0;
+};
+
+// What a step left: the version the store holds after it (with staleness 1, the one its background step will
+// commit: what the caller reads next), and whether it was skipped for a gradient that was not finite (the store
+// then stays at the version read and the outputs hold that version's params).
+struct StepOutcome {
+  int64_t version = 0;
+  bool skipped = false;
+};
+
 class ShardEngine {
  public:
   ShardEngine(std::unique_ptr<Backend> backend, int64_t size, int64_t page_elems, int pages_in_flight,
@@ -95,6 +118,14 @@ class ShardEngine {
 
   // Runs one update; returns "" or an error (then slot dst is garbage and must not be committed).
   std::string Update(const ShardUpdate& update);
+
+  // The one door of a versioned step, for the XLA FFI handlers and the module's eager methods alike: decides
+  // between skip, step and background step from what `call` says of the gradient (with GradCheck::kCheck it checks
+  // the gradient itself: inside the update's own pass when the step is synchronous, from the committed version,
+  // from the store's own params, on a store that ChecksFiniteInPass(); otherwise in one multithreaded pass before
+  // the update), then runs it (Skip, Step or StepAsync, which check the version). `update`'s slots, check_finite
+  // and skipped are the engine's to set. Returns "" or an error; *outcome is set on success.
+  std::string RunStep(ShardUpdate update, const StepCall& call, StepOutcome* outcome);
 
   // One versioned step: reads `version` (the committed one, or the one before it: a replay), writes
   // version + 1 into the other slot, syncs it, and commits it. The slots in `update` are ignored. Safe to call

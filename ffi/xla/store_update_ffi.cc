@@ -20,9 +20,13 @@
 // order, then none or all of the params leaves;
 // results version s32[], then the leaves' new params in the same dtypes. Python aliases each result to its
 // gradient operand, so the update neither concatenates the gradient nor allocates the params it returns.
-// Its apply operand may be -1: the handler then checks the leaves for NaN/Inf itself: inside the update's own
+// Its apply operand may be -1: the engine then checks the leaves for NaN/Inf itself: inside the update's own
 // pass on a two-slot memory store (a non-finite gradient leaves the committed slot whole), else in one
 // vectorised pass before it (XLA:CPU's reduction over a standalone gradient ran at a quarter of memory speed).
+//
+// The handlers only decode their operands: which of step, skip or background step runs, and the checks of the
+// version and of the gradient's finiteness, are the engine's one door (ShardEngine::RunStep), which the module's
+// eager ShardEngine.step goes through as well.
 #include <memory>
 #include <string>
 #include <utility>
@@ -44,11 +48,14 @@ struct Call {
   std::shared_ptr<ShardEngine> engine;  // held while the call runs: a store closed meanwhile cannot free it
   ShardUpdate update;
   ParamsIn params_in;  // the caller's params when the step adopts them (RunStep points update.params_in here)
-  int64_t version;
-  bool apply;         // false: the gradient is not finite, skip the step
-  bool check_finite;  // the apply operand was -1: the handler checks the gradient itself
+  StepCall step;       // the version read and what the apply operand says of the gradient
   bool adopts() const { return !params_in.leaves.empty(); }  // the step starts from the caller's params
 };
+
+// The apply operand: 1 the gradient is finite, 0 it is not (skip the step), -1 the engine checks it.
+GradCheck GradCheckOf(int32_t apply) {
+  return apply < 0 ? GradCheck::kCheck : apply == 0 ? GradCheck::kNotFinite : GradCheck::kFinite;
+}
 
 // The scalar operands every target takes first.
 struct Scalars {
@@ -69,7 +76,9 @@ ffi::ErrorOr<Call> StartCall(const Scalars& in, ffi::Span<const int64_t> handles
   if (engine == nullptr) return ffi::Unexpected(Invalid(kOp, why));
   auto hp = ffi_common::HyperParams(kOp, lr, step, hyper);
   if (hp.has_error()) return ffi::Unexpected(hp.error());
-  Call call{std::move(engine), {}, {}, version.typed_data()[0], apply.typed_data()[0] != 0, apply.typed_data()[0] < 0};
+  Call call{std::move(engine), {}, {}, {}};
+  call.step.version = version.typed_data()[0];
+  call.step.grad_check = GradCheckOf(apply.typed_data()[0]);
   call.update.hp = *hp;
   return call;
 }
@@ -97,16 +106,17 @@ ffi::Error TakeParams(Call& call, const Scalars& in, ffi::RemainingArgs args, si
   return ffi::Error::Success();
 }
 
-// Runs the call's step (or skip, or background step) and returns the version it leaves committed. `call` is in
-// its final place here, so the update may point at the params it holds.
+// Runs the call's step through the engine's one door (skip, step or background step, as the engine decides) and
+// returns the version it leaves committed (with staleness, the one its background step will commit: what the
+// caller reads next). `call` is in its final place here, so the update may point at the params it holds.
 ffi::ErrorOr<int32_t> RunStep(Call& call, int32_t staleness) {
   if (call.adopts()) call.update.params_in = &call.params_in;
-  std::string err = !call.apply      ? call.engine->Skip(call.update, call.version)
-                    : staleness > 0 ? call.engine->StepAsync(call.update, call.version)
-                                    : call.engine->Step(call.update, call.version);
-  if (!err.empty()) return ffi::Unexpected(Invalid(kOp, err));
-  // With staleness the step commits in the background; the version it will commit is what the caller reads next.
-  return static_cast<int32_t>(call.version + (call.apply ? 1 : 0));
+  call.step.staleness = staleness;
+  StepOutcome outcome;
+  if (std::string err = call.engine->RunStep(call.update, call.step, &outcome); !err.empty()) {
+    return ffi::Unexpected(Invalid(kOp, err));
+  }
+  return static_cast<int32_t>(outcome.version);
 }
 
 // What the dense and sparse targets start from: the call (StartCall), its params results, the caller's params
@@ -217,24 +227,11 @@ ffi::Error PiecesImpl(ffi::Buffer<ffi::F32> lr, ffi::Buffer<ffi::S32> step, ffi:
     pieces.sizes.push_back(static_cast<int64_t>(g->element_count()));
   }
   if (std::string err = pieces.Finalize(call->engine->size()); !err.empty()) return Invalid(kOp, err);
-  bool skipped_in_pass = false;
-  if (call->check_finite) {
-    if (staleness == 0 && call->engine->ChecksFiniteInPass() && call->version == call->engine->version() &&
-        !call->adopts()) {
-      // Two slots in RAM: check inside the update's own pass (no pass over the gradient of its own).
-      call->update.check_finite = true;
-      call->update.skipped = &skipped_in_pass;
-    } else {
-      for (size_t i = 0; i < pieces.sizes.size() && call->apply; ++i) {
-        call->apply = AllFinite(pieces.grad[i], pieces.type, pieces.sizes[i]);
-      }
-    }
-  }
   call->update.grad_type = pieces.type;
   call->update.pieces = &pieces;
   auto committed = RunStep(*call, staleness);
   if (committed.has_error()) return committed.error();
-  version_out->typed_data()[0] = skipped_in_pass ? static_cast<int32_t>(call->version) : *committed;
+  version_out->typed_data()[0] = *committed;
   return ffi::Error::Success();
 }
 

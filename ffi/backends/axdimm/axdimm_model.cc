@@ -72,11 +72,17 @@ struct Channel {
   std::shared_ptr<KernelResult> result;
 };
 
+// A module, with its knobs read from the environment when it opens: its DRAM split between the channels.
 struct Module {
+  Module() {
+    const int64_t bytes = EnvInt("NSP_AXDIMM_MODEL_BYTES", int64_t{32} << 30);
+    for (Channel& c : channels) c.capacity = static_cast<size_t>(std::max<int64_t>(0, bytes)) / 2;
+  }
   std::mutex mu;  // guards every channel's allocations, modes and kernel handles
   Channel channels[NSP_AXDIMM_NUM_CHANNELS];
-  int ranks = 4;
-  int64_t fail_kernel_at = 0, fail_copy_at = 0;
+  int ranks = static_cast<int>(std::max<int64_t>(1, EnvInt("NSP_AXDIMM_MODEL_RANKS", 4)));
+  int64_t fail_kernel_at = EnvInt("NSP_AXDIMM_MODEL_FAIL_KERNEL_AT", 0);
+  int64_t fail_copy_at = EnvInt("NSP_AXDIMM_MODEL_FAIL_COPY_AT", 0);
   int64_t launches = 0, copies = 0;  // guarded by mu
 };
 
@@ -85,6 +91,17 @@ int CheckChannel(int channel) {
     return Fail(NSP_AXDIMM_EINVAL, "channel " + std::to_string(channel) + " does not exist (the module has 0 and 1)");
   }
   return NSP_AXDIMM_OK;
+}
+
+// The checks a per-channel call starts with: the handle (and, for a call that fills or reads one, its pointer
+// argument `arg`) and the channel. NSP_AXDIMM_OK, or the error (recorded).
+int CheckChannelCall(const Module* mod, int channel, const char* call) {
+  if (mod == nullptr) return Fail(NSP_AXDIMM_EINVAL, std::string(call) + ": null handle");
+  return CheckChannel(channel);
+}
+int CheckChannelCall(const Module* mod, const void* arg, int channel, const char* call) {
+  if (mod == nullptr || arg == nullptr) return Fail(NSP_AXDIMM_EINVAL, std::string(call) + ": null argument");
+  return CheckChannel(channel);
 }
 
 // The host pointer behind [addr, addr + nbytes), or null with the error recorded when no allocation holds it all.
@@ -262,6 +279,16 @@ int PrepareLaunch(Module* mod, const nspAxdimmAdamArgs& a, int channel, Launch& 
   return NSP_AXDIMM_OK;
 }
 
+// A call that reads one value of a channel, under the module's lock, into *out.
+template <typename Read>
+int QueryChannel(nspAxdimmHandle h, int channel, int* out, const char* call, Read read) {
+  auto* mod = static_cast<Module*>(h);
+  if (int err = CheckChannelCall(mod, out, channel, call)) return err;
+  std::lock_guard<std::mutex> lock(mod->mu);
+  *out = read(mod->channels[channel]);
+  return NSP_AXDIMM_OK;
+}
+
 }  // namespace
 
 extern "C" {
@@ -270,13 +297,7 @@ int nspAxdimmOpen(const char* device, nspAxdimmHandle* out) {
   if (device == nullptr || *device == '\0' || out == nullptr) {
     return Fail(NSP_AXDIMM_EINVAL, "nspAxdimmOpen: a device path (e.g. /dev/axdimm0) and an output are needed");
   }
-  auto* mod = new Module;
-  const int64_t bytes = EnvInt("NSP_AXDIMM_MODEL_BYTES", int64_t{32} << 30);
-  for (Channel& c : mod->channels) c.capacity = static_cast<size_t>(std::max<int64_t>(0, bytes)) / 2;
-  mod->ranks = static_cast<int>(std::max<int64_t>(1, EnvInt("NSP_AXDIMM_MODEL_RANKS", 4)));
-  mod->fail_kernel_at = EnvInt("NSP_AXDIMM_MODEL_FAIL_KERNEL_AT", 0);
-  mod->fail_copy_at = EnvInt("NSP_AXDIMM_MODEL_FAIL_COPY_AT", 0);
-  *out = mod;
+  *out = new Module;
   return NSP_AXDIMM_OK;
 }
 
@@ -292,8 +313,7 @@ int nspAxdimmClose(nspAxdimmHandle h) {
 
 int nspAxdimmMallocX(nspAxdimmHandle h, size_t nbytes, int channel, nspAxdimmAddr* out) {
   auto* mod = static_cast<Module*>(h);
-  if (mod == nullptr || out == nullptr) return Fail(NSP_AXDIMM_EINVAL, "nspAxdimmMallocX: null argument");
-  if (int err = CheckChannel(channel)) return err;
+  if (int err = CheckChannelCall(mod, out, channel, "nspAxdimmMallocX")) return err;
   std::lock_guard<std::mutex> lock(mod->mu);
   Channel& c = mod->channels[channel];
   if (nbytes > c.capacity - c.used) {
@@ -333,8 +353,7 @@ int nspAxdimmFreeX(nspAxdimmHandle h, nspAxdimmAddr addr) {
 
 int nspAxdimmMemInfo(nspAxdimmHandle h, int channel, size_t* capacity, size_t* free_bytes) {
   auto* mod = static_cast<Module*>(h);
-  if (mod == nullptr) return Fail(NSP_AXDIMM_EINVAL, "nspAxdimmMemInfo: null handle");
-  if (int err = CheckChannel(channel)) return err;
+  if (int err = CheckChannelCall(mod, channel, "nspAxdimmMemInfo")) return err;
   std::lock_guard<std::mutex> lock(mod->mu);
   const Channel& c = mod->channels[channel];
   if (capacity != nullptr) *capacity = c.capacity;
@@ -354,8 +373,7 @@ int nspAxdimmMemcpyX2H(nspAxdimmHandle h, void* dst, nspAxdimmAddr src, size_t n
 
 int nspAxdimmSetArbiterAcc(nspAxdimmHandle h, int channel) {
   auto* mod = static_cast<Module*>(h);
-  if (mod == nullptr) return Fail(NSP_AXDIMM_EINVAL, "nspAxdimmSetArbiterAcc: null handle");
-  if (int err = CheckChannel(channel)) return err;
+  if (int err = CheckChannelCall(mod, channel, "nspAxdimmSetArbiterAcc")) return err;
   std::lock_guard<std::mutex> lock(mod->mu);
   mod->channels[channel].mode = NSP_AXDIMM_MODE_ACCELERATION;
   return NSP_AXDIMM_OK;
@@ -363,8 +381,7 @@ int nspAxdimmSetArbiterAcc(nspAxdimmHandle h, int channel) {
 
 int nspAxdimmSetArbiterNormal(nspAxdimmHandle h, int channel) {
   auto* mod = static_cast<Module*>(h);
-  if (mod == nullptr) return Fail(NSP_AXDIMM_EINVAL, "nspAxdimmSetArbiterNormal: null handle");
-  if (int err = CheckChannel(channel)) return err;
+  if (int err = CheckChannelCall(mod, channel, "nspAxdimmSetArbiterNormal")) return err;
   std::lock_guard<std::mutex> lock(mod->mu);
   Channel& c = mod->channels[channel];
   if (Running(c)) {
@@ -376,12 +393,7 @@ int nspAxdimmSetArbiterNormal(nspAxdimmHandle h, int channel) {
 }
 
 int nspAxdimmGetArbiterMode(nspAxdimmHandle h, int channel, int* mode) {
-  auto* mod = static_cast<Module*>(h);
-  if (mod == nullptr || mode == nullptr) return Fail(NSP_AXDIMM_EINVAL, "nspAxdimmGetArbiterMode: null argument");
-  if (int err = CheckChannel(channel)) return err;
-  std::lock_guard<std::mutex> lock(mod->mu);
-  *mode = mod->channels[channel].mode;
-  return NSP_AXDIMM_OK;
+  return QueryChannel(h, channel, mode, "nspAxdimmGetArbiterMode", [](const Channel& c) { return c.mode; });
 }
 
 int nspAxdimmRunAdamAsync(nspAxdimmHandle h, const nspAxdimmAdamArgs* args, int channel) {
@@ -413,8 +425,7 @@ int nspAxdimmRunAdamAsync(nspAxdimmHandle h, const nspAxdimmAdamArgs* args, int 
 
 int nspAxdimmWait(nspAxdimmHandle h, int channel) {
   auto* mod = static_cast<Module*>(h);
-  if (mod == nullptr) return Fail(NSP_AXDIMM_EINVAL, "nspAxdimmWait: null handle");
-  if (int err = CheckChannel(channel)) return err;
+  if (int err = CheckChannelCall(mod, channel, "nspAxdimmWait")) return err;
   Channel& c = mod->channels[channel];
   std::thread finished;
   std::shared_ptr<KernelResult> result;
@@ -430,12 +441,7 @@ int nspAxdimmWait(nspAxdimmHandle h, int channel) {
 }
 
 int nspAxdimmPoll(nspAxdimmHandle h, int channel, int* done) {
-  auto* mod = static_cast<Module*>(h);
-  if (mod == nullptr || done == nullptr) return Fail(NSP_AXDIMM_EINVAL, "nspAxdimmPoll: null argument");
-  if (int err = CheckChannel(channel)) return err;
-  std::lock_guard<std::mutex> lock(mod->mu);
-  *done = Running(mod->channels[channel]) ? 0 : 1;
-  return NSP_AXDIMM_OK;
+  return QueryChannel(h, channel, done, "nspAxdimmPoll", [](const Channel& c) { return Running(c) ? 0 : 1; });
 }
 
 const char* nspAxdimmLastError(void) { return g_last_error.c_str(); }

@@ -224,8 +224,8 @@ int ComputeLaunch(nsp_backend_device* d, const nsp_hyper_params* hp, const nsp_s
                   const nsp_page_grad* grad, const nsp_page_info* info, uint64_t* ticket, char* err, size_t err_len) {
   if (nsp::plugin::CheckLaunch(*d, hp, span, grad, ticket, err, err_len) != 0) return 1;
   KernelJob job;
-  job.hp = nsp::plugin::ToHyper(*hp);
-  job.span = nsp::plugin::ToSpan(*span);
+  job.hp = nsp::abi::FromAbi(*hp);
+  job.span = nsp::abi::FromAbi(*span);
   std::memcpy(&job.grad, grad, std::min<size_t>(sizeof job.grad, grad->struct_size));
   job.info.page = -1;
   if (info != nullptr) std::memcpy(&job.info, info, std::min<size_t>(sizeof job.info, info->struct_size));
@@ -254,9 +254,9 @@ void IoCounts(nsp_backend_device* d, nsp_io_counts* out) { nsp::plugin::WriteIoC
 // The model clock's figures (csd_clock.h), and the operations counted so far (what the faults count).
 int64_t Stats(nsp_backend_device* d, nsp_backend_stat* out, int64_t capacity, char*, size_t) {
   std::vector<std::pair<std::string, double>> stats = d->clock->Stats();
-  stats.emplace_back("page_reads", static_cast<double>(d->reads.load()));
-  stats.emplace_back("page_writes", static_cast<double>(d->writes.load()));
-  stats.emplace_back("kernels", static_cast<double>(d->kernels.load()));
+  stats.emplace_back("page_reads", nsp::plugin::Stat(d->reads));
+  stats.emplace_back("page_writes", nsp::plugin::Stat(d->writes));
+  stats.emplace_back("kernels", nsp::plugin::Stat(d->kernels));
   return nsp::plugin::WriteStats(stats, out, capacity);
 }
 
@@ -270,30 +270,10 @@ void UpdateEnd(nsp_backend_device* d, int32_t ok) {
   d->pages->StreamFinished(ok != 0);
 }
 
-const nsp_backend_v1 kTable = {
-    NSP_BACKEND_ABI_VERSION,
-    sizeof(nsp_backend_v1),
-    "csd",
-    Open,
-    Close,
-    nsp::plugin::PageBufferBytesOf<nsp_backend_device>,
-    nsp::plugin::AllocHostBufferOf<nsp_backend_device>,  // 4 KiB aligned: where the file tier's direct I/O goes
-    nsp::plugin::FreeHostBufferOf<nsp_backend_device>,
-    ReadPage,
-    WritePage,
-    nsp::plugin::SyncOf<nsp_backend_device>,
-    ComputeLaunch,
-    ComputeWait,
-    nsp::plugin::ChecksumsGetOf<nsp_backend_device>,
-    nsp::plugin::ChecksumsSetOf<nsp_backend_device>,
-    IoCounts,
-    Stats,
-    UpdateBegin,
-    UpdateEnd,
-};
+// Buffers, sync and checksums are the page files' (the buffers 4 KiB aligned: where the file tier's direct I/O goes).
+constexpr nsp_backend_v1 kTable = nsp::plugin::MakeTable<nsp_backend_device>(
+    {"csd", Open, Close, ReadPage, WritePage, ComputeLaunch, ComputeWait, IoCounts, Stats, UpdateBegin, UpdateEnd});
 
 }  // namespace
 
-extern "C" NSP_BACKEND_EXPORT const nsp_backend_v1* nsp_backend_entry_v1(uint32_t host_abi_version) {
-  return host_abi_version == NSP_BACKEND_ABI_VERSION ? &kTable : nullptr;
-}
+NSP_PLUGIN_ENTRY(kTable)

@@ -58,14 +58,16 @@ using nsp_model::EnvInt;
 
 // ---- Objects ----
 
+// A card, with its knobs read from the environment when it opens.
 struct Device {
   std::mutex mu;
-  size_t capacity = 0;
+  size_t capacity = static_cast<size_t>(EnvInt("NSP_XRT_MODEL_DDR_BYTES", int64_t{4} << 30));
   size_t used = 0;       // device bytes allocated (guarded by mu)
   int live_buffers = 0;  // guarded by mu
   bool programmed = false;
   nsp_xrt_uuid uuid = {};
-  int64_t fail_run_at = 0, fail_dma_at = 0;
+  int64_t fail_run_at = EnvInt("NSP_XRT_MODEL_FAIL_RUN_AT", 0);
+  int64_t fail_dma_at = EnvInt("NSP_XRT_MODEL_FAIL_DMA_AT", 0);
   std::atomic<int64_t> runs{0}, transfers{0};
 };
 
@@ -228,11 +230,7 @@ xrtDeviceHandle xrtDeviceOpen(unsigned int index) {
   if (index != 0) {
     return FailNull<void>(ENODEV, "device " + std::to_string(index) + " does not exist (the model has one)");
   }
-  auto* dev = new Device;
-  dev->capacity = static_cast<size_t>(EnvInt("NSP_XRT_MODEL_DDR_BYTES", int64_t{4} << 30));
-  dev->fail_run_at = EnvInt("NSP_XRT_MODEL_FAIL_RUN_AT", 0);
-  dev->fail_dma_at = EnvInt("NSP_XRT_MODEL_FAIL_DMA_AT", 0);
-  return dev;
+  return new Device;
 }
 
 int xrtDeviceClose(xrtDeviceHandle dhdl) {

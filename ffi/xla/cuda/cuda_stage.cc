@@ -502,21 +502,17 @@ std::vector<std::pair<std::string, int64_t>> Stats() {
 
 using nsp::cuda::Target;
 
-extern "C" XLA_FFI_Error* NspStoreUpdateDenseCuda(XLA_FFI_CallFrame* f) {
-  return nsp::cuda::Staged(f, NspStoreUpdateDense, Target::kDense, true);
-}
-extern "C" XLA_FFI_Error* NspStoreUpdateSparseCuda(XLA_FFI_CallFrame* f) {
-  return nsp::cuda::Staged(f, NspStoreUpdateSparse, Target::kSparse, true);
-}
-extern "C" XLA_FFI_Error* NspStoreUpdatePiecesCuda(XLA_FFI_CallFrame* f) {
-  return nsp::cuda::Staged(f, NspStoreUpdatePieces, Target::kPieces, true);
-}
-extern "C" XLA_FFI_Error* NspStoreUpdateDenseCudaHost(XLA_FFI_CallFrame* f) {
-  return nsp::cuda::Staged(f, NspStoreUpdateDense, Target::kDense, false);
-}
-extern "C" XLA_FFI_Error* NspStoreUpdateSparseCudaHost(XLA_FFI_CallFrame* f) {
-  return nsp::cuda::Staged(f, NspStoreUpdateSparse, Target::kSparse, false);
-}
-extern "C" XLA_FFI_Error* NspStoreUpdatePiecesCudaHost(XLA_FFI_CallFrame* f) {
-  return nsp::cuda::Staged(f, NspStoreUpdatePieces, Target::kPieces, false);
-}
+// Each CPU target's two staged handlers: <target>Cuda on a CUDA stream, <target>CudaHost without one.
+#define NSP_STAGED_TARGET(target, kind)                                                            \
+  extern "C" XLA_FFI_Error* target##Cuda(XLA_FFI_CallFrame* f) {                                   \
+    return nsp::cuda::Staged(f, target, Target::kind, true);                                       \
+  }                                                                                                \
+  extern "C" XLA_FFI_Error* target##CudaHost(XLA_FFI_CallFrame* f) {                               \
+    return nsp::cuda::Staged(f, target, Target::kind, false);                                      \
+  }
+
+NSP_STAGED_TARGET(NspStoreUpdateDense, kDense)
+NSP_STAGED_TARGET(NspStoreUpdateSparse, kSparse)
+NSP_STAGED_TARGET(NspStoreUpdatePieces, kPieces)
+
+#undef NSP_STAGED_TARGET
