@@ -1,3 +1,5 @@
+// What every backend plugin does the same way (plugin_device.h): errors, options, loading its vendor library, the
+// open-time checks, the shard's page files as its storage, and the ABI table's entries that only go through them.
 #include "backends/plugin_device.h"
 
 #include <dlfcn.h>

@@ -1,3 +1,4 @@
+// The registry of engines reachable from XLA FFI calls by handle (engine_registry.h).
 #include "engine/engine_registry.h"
 
 #include <mutex>

@@ -1,3 +1,4 @@
+// NSP_ENGINE_CPUS (engine_cpus.h): parsing the CPU list, checking it against this process's CPUs, and pinning.
 #include "util/engine_cpus.h"
 
 #include <sched.h>

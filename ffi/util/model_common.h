@@ -1,5 +1,5 @@
-// Helpers both vendor models (xrt_model.cc, axdimm_model.cc) use. Header-only, so that each model still builds
-// from its own .cc with the updater's sources and nothing else.
+// Helpers the software models (xrt_model.cc, axdimm_model.cc, cuda_model.cc) use. Header-only, so that each model
+// still builds from its own .cc with the updater's sources and nothing else.
 #pragma once
 
 #include <cstdint>

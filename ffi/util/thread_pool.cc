@@ -1,3 +1,4 @@
+// The kernels' persistent thread pool (thread_pool.h).
 #include "util/thread_pool.h"
 
 #include <pthread.h>

@@ -42,6 +42,26 @@ void WritePages(EngineRef& ref, int slot, int state, int64_t first_page, F32In i
   CheckWithoutGil([&] { return e.WritePages(slot, state, first_page, in.data(), static_cast<int64_t>(in.shape(0))); });
 }
 
+// The engine's figures as Python dicts, one key per field.
+#define NSP_TRAFFIC_FIELDS(X)                                                                                   \
+  X(shared_in_bytes) X(shared_out_bytes) X(internal_read_bytes) X(internal_write_bytes) X(pages_read)          \
+  X(pages_written) X(pages_read_direct) X(updates) X(update_ns) X(sync_ns) X(commit_ns) X(skipped) X(wait_ns) \
+  X(params_adopted)
+#define NSP_PROGRESS_FIELDS(X) X(pages_done) X(pages_total) X(elapsed_ns) X(running) X(updates_begun)
+#define NSP_DICT_FIELD(field) d[#field] = from.field;
+
+nb::dict TrafficDict(const TrafficStats& from) {
+  nb::dict d;
+  NSP_TRAFFIC_FIELDS(NSP_DICT_FIELD)
+  return d;
+}
+
+nb::dict ProgressDict(const UpdateProgress& from) {
+  nb::dict d;
+  NSP_PROGRESS_FIELDS(NSP_DICT_FIELD)
+  return d;
+}
+
 // read_state / write_state: a whole state, moved by `pages` (ReadPages, WritePages) from page 0, the array (named
 // `name` in the error) as long as the shard.
 template <typename Array>
@@ -211,38 +231,8 @@ void DefineShardEngine(nb::module_& m) {
       .def("write_state", WholeState("in", &WritePages))
       .def("write_pages", &WritePages,
            "Writes whole pages of a state starting at `first_page` (initialisation a page at a time).")
-      .def("stats",
-           [](EngineRef& ref) {
-             ShardEngine& e = ref.get();
-             const TrafficStats& s = e.stats();
-             nb::dict d;
-             d["shared_in_bytes"] = s.shared_in_bytes;
-             d["shared_out_bytes"] = s.shared_out_bytes;
-             d["internal_read_bytes"] = s.internal_read_bytes;
-             d["internal_write_bytes"] = s.internal_write_bytes;
-             d["pages_read"] = s.pages_read;
-             d["pages_written"] = s.pages_written;
-             d["pages_read_direct"] = s.pages_read_direct;
-             d["updates"] = s.updates;
-             d["update_ns"] = s.update_ns;
-             d["sync_ns"] = s.sync_ns;
-             d["commit_ns"] = s.commit_ns;
-             d["skipped"] = s.skipped;
-             d["wait_ns"] = s.wait_ns;
-             d["params_adopted"] = s.params_adopted;
-             return d;
-           })
-      .def("progress",
-           [](EngineRef& ref) {
-             const UpdateProgress p = ref.get().Progress();
-             nb::dict d;
-             d["pages_done"] = p.pages_done;
-             d["pages_total"] = p.pages_total;
-             d["elapsed_ns"] = p.elapsed_ns;
-             d["running"] = p.running;
-             d["updates_begun"] = p.updates_begun;
-             return d;
-           },
+      .def("stats", [](EngineRef& ref) { return TrafficDict(ref.get().stats()); })
+      .def("progress", [](EngineRef& ref) { return ProgressDict(ref.get().Progress()); },
            "The current (or last) update's progress: pages done of total, time since it began, whether it "
            "runs. Safe to call from another thread while an update runs.")
       .def("backend_stats",

@@ -11,7 +11,8 @@
 // so the fabric needs neither pow nor double arithmetic. The kernel's choices (optimizer kind, gradient format,
 // lazy, Nesterov, momentum, bf16 copy) are bits of one flags word (nsp_hls_flags), so one bitstream serves them all.
 //
-// Everything here is plain C: the software models of the vendor libraries (ffi/models) and ctypes call it as is.
+// Everything here is plain C: the software models of the vendor libraries (ffi/backends/xrt/xrt_model.cc,
+// ffi/backends/axdimm/axdimm_model.cc) and ctypes call it as is.
 #pragma once
 
 #include <stdint.h>

@@ -1,6 +1,6 @@
 // libxrt_model.so: a software model of the XRT C API calls in ffi/backends/xrt/vendor/xrt_c_api.h, standing in for a
 // SmartSSD's FPGA where there is none. It is a model, not XRT: buffers live in host memory, the "FPGA DDR" is an
-// allocation budget, and a kernel run executes the HLS updater's C++ source (ffi/backends/hls/nsp_update_page) on a
+// allocation budget, and a kernel run executes the HLS updater's C++ source (nsp_update_page, ffi/backends/hls) on a
 // worker thread.
 //
 // What it keeps of the real thing, so a backend written against it behaves on hardware:
