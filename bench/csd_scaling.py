@@ -32,8 +32,8 @@ between runs; the rounds pair each update with probes taken next to it.
 Plan against the emulator (``--emulate``, on with ``--calibrate``). For 1, 2, 4 and 10 devices, SU+O and SU+O+C
 run one real update on a ``csd`` store of that many emulated devices (``--emulate-params`` per device, in a
 temporary folder under ``--dir``; each device's model clock schedules its pages on its SSD, host link and updater,
-``ffi/csd_clock.h``), on the same link figures, and the model's prediction for the same state (nsp's dataflow) is
-printed beside it; the target is agreement within 10% (``nsp.emulate``).
+``ffi/backends/csd/csd_clock.h``), on the same link figures, and the model's prediction for the same state (nsp's
+dataflow) is printed beside it; the target is agreement within 10% (``nsp.emulate``).
 
 Writes ``bench/results/csd_scaling.json`` (or ``--json``) and a PNG beside it (or ``--png``). The calibration's
 rounds are bench/csd_calibration.py's.
@@ -277,7 +277,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--calibrate-mib", type=float, default=576.0,
                         help="MiB of Adam state in the calibration store (default 576: 48M params)")
     parser.add_argument("--repeats", type=int, default=7, help="calibration rounds (>= 5)")
-    # Three: the file tier's third update is its read mode's first trial of buffered reads (ffi/read_mode.h).
+    # Three: the file tier's third update is its read mode's first trial of buffered reads (ffi/backends/read_mode.h).
     parser.add_argument("--warmup", type=int, default=3, help="calibration warm-up rounds")
     parser.add_argument("--emulate", action="store_true",
                         help="also compare the plan with one update on emulated csd devices (on with --calibrate)")

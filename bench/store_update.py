@@ -256,7 +256,7 @@ def run(args, work: Workdir, n: int, page_bytes: int, repeats: int, warmup: int,
     read_bytes = stats1["internal_read_bytes"] - stats0["internal_read_bytes"]
     write_bytes = stats1["internal_write_bytes"] - stats0["internal_write_bytes"]
     # Its second and third updates choose the read mode (the second reads direct, the third buffered, each
-    # timed whole: ffi/read_mode.h), as a run's do once at its start (and 1 update in 32 tries the other way
+    # timed whole: ffi/backends/read_mode.h), as a run's do once at its start (and 1 update in 32 tries the other way
     # again): warm-up here too, so that the timed rounds read the way the file tier settled on.
     for _ in range(READ_MODE_CALIBRATION_UPDATES):
         store.update(grad, version=store.version, lr=LR, step=store.version + 1)

@@ -25,7 +25,7 @@ TARGET_FILE_PCT = 85.0
 CALIBRATION_CALLS = 3  # calls of every raw probe that pick the perfect serial swap's methods (and warm them up)
 TARGET_MEMORY_PCT = 90.0
 # The file tier's 2nd update measures its read mode's first choice and its 3rd tries the other one
-# (ffi/read_mode.h): run untimed, as warm-up.
+# (ffi/backends/read_mode.h): run untimed, as warm-up.
 READ_MODE_CALIBRATION_UPDATES = 2
 DISK_ORDER_SEED = 0  # the disk group's order is shuffled each round from this seed (recorded as disk_orders)
 

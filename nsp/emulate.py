@@ -7,7 +7,7 @@ sits above both ``nsp.storage`` and ``nsp.primitives``.
 ``nsp.csd.model`` predicts a step from formulas: each resource's bytes over its bandwidth, one phase, a pipeline
 fill and drain of one page. The ``csd`` tier runs the real thing: a store with one shard per emulated device, each
 reading and writing its own pages, running the real kernel and charging every page's operations to its links on
-the device's model clock (a page-by-page pipeline, ``ffi/csd_clock.h``). ``check_plan`` runs one update of the
+the device's model clock (a page-by-page pipeline, ``ffi/backends/csd/csd_clock.h``). ``check_plan`` runs one update of the
 same state on that tier and compares the two; they agree when the formulas describe what the engine does.
 
     >>> import tempfile

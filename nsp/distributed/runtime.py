@@ -93,7 +93,7 @@ def initialize(coordinator: str | None = None, num_processes: int | None = None,
 def _guard_against_service_loss() -> None:
     """When process 0 dies, JAX's client aborts this process as soon as it polls the coordination service
     (SIGABRT, "Terminating process because the JAX distributed service detected fatal errors"), often before the
-    watchdog or a failed collective can say so. The guard (C++, ffi/abort_guard.cc) catches that abort and, only
+    watchdog or a failed collective can say so. The guard (C++, ffi/util/abort_guard.cc) catches that abort and, only
     when the service's address no longer accepts connections, prints the watchdog's message and exits with
     ``PEER_LOST_EXIT``; any other abort stays an abort."""
     from jax._src import distributed as _distributed

@@ -1,9 +1,9 @@
 """Registers the C++ extension's XLA FFI targets with JAX (once, at import; ``nsp.engine`` loads the extension).
 
-The store update's targets are registered for the CPU and for CUDA devices (ffi/cuda_stage.cc: the handler
+The store update's targets are registered for the CPU and for CUDA devices (ffi/xla/cuda/cuda_stage.cc: the handler
 stages the gradient into pinned host memory, runs the engine, copies the new params back; it loads the CUDA
 runtime itself at its first call, so nothing here needs CUDA). ``NSP_CUDA_MODEL``, set to the software model of
-the CUDA entry points (ffi/models/cuda_model.cc, built by the tests), registers those CUDA handlers for the CPU
+the CUDA entry points (ffi/xla/cuda/cuda_model.cc, built by the tests), registers those CUDA handlers for the CPU
 instead of the CPU ones: every store update of the process then goes through the CUDA handler, over host memory.
 """
 
