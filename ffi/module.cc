@@ -42,8 +42,14 @@ XLA_FFI_DECLARE_HANDLER_SYMBOL(NspNextParamsUpdateFlat);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(NspSegmentHash);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(NspTopkSelect);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(NspTopkFeedback);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(NspSpillSave);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(NspSpillLoad);
 
 namespace nb = nanobind;
+
+namespace nsp::spill {
+void Bind(nb::module_& m);  // spill_module.cc
+}  // namespace nsp::spill
 
 namespace {
 
@@ -309,6 +315,7 @@ void DefUpdateMethod(nb::class_<EngineRef>& cls, const char* name, Method method
 
 NB_MODULE(_nsp_ffi, m) {
   m.doc() = "nsp C++ kernels (XLA FFI handlers for the CPU platform).";
+  nsp::spill::Bind(m);
   m.def("registrations", []() {
     nb::dict targets;
     targets["nsp_fused_update_dense"] = EncapsulateFfiHandler(NspFusedUpdateDense);
@@ -322,6 +329,8 @@ NB_MODULE(_nsp_ffi, m) {
     targets["nsp_segment_hash"] = EncapsulateFfiHandler(NspSegmentHash);
     targets["nsp_topk_select"] = EncapsulateFfiHandler(NspTopkSelect);
     targets["nsp_topk_feedback"] = EncapsulateFfiHandler(NspTopkFeedback);
+    targets["nsp_spill_save"] = EncapsulateFfiHandler(NspSpillSave);
+    targets["nsp_spill_load"] = EncapsulateFfiHandler(NspSpillLoad);
     return targets;
   });
   m.def("cuda_registrations", []() {
