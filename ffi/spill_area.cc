@@ -12,6 +12,7 @@
 #include <map>
 
 #include "page_file.h"
+#include "spill_codec.h"
 
 namespace nsp::spill {
 
@@ -36,8 +37,24 @@ std::string SpillArea::PathOf(int64_t slot, int32_t depth) const {
   return dir_ + "/site" + std::to_string(slot) + "-" + std::to_string(depth) + ".act";
 }
 
-std::string SpillArea::Save(int64_t slot, const std::vector<std::pair<const void*, size_t>>& arrays,
-                            int32_t* depth) {
+namespace {
+
+// An entry's file: this header, one ArrayHeader per array, then the arrays' stored bytes in order.
+constexpr uint32_t kMagic = 0x4150534e;  // "NSPA"
+struct FileHeader {
+  uint32_t magic;
+  uint32_t count;
+};
+struct ArrayHeader {
+  uint32_t codec;  // Codec
+  uint32_t elem;
+  uint64_t bytes;   // in memory
+  uint64_t stored;  // in the file
+};
+
+}  // namespace
+
+std::string SpillArea::Save(int64_t slot, const std::vector<SpillArray>& arrays, int32_t* depth) {
   int32_t d;
   bool new_file;
   {
@@ -47,18 +64,37 @@ std::string SpillArea::Save(int64_t slot, const std::vector<std::pair<const void
                             [&](const Entry& e) { return e.slot == slot && e.depth == d; });
   }
   const std::string path = PathOf(slot, d);
+  // The sparse form of the arrays that are smaller that way (one encoded buffer each, freed after the write).
+  FileHeader file{kMagic, static_cast<uint32_t>(arrays.size())};
+  std::vector<ArrayHeader> headers(arrays.size());
+  std::vector<std::vector<uint8_t>> encoded(arrays.size());
+  std::vector<iovec> iov{{&file, sizeof(file)}, {headers.data(), headers.size() * sizeof(ArrayHeader)}};
+  size_t bytes = sizeof(file) + headers.size() * sizeof(ArrayHeader), array_bytes = 0, sparse = 0;
+  for (size_t i = 0; i < arrays.size(); ++i) {
+    const SpillArray& a = arrays[i];
+    headers[i] = {static_cast<uint32_t>(Codec::kRaw), static_cast<uint32_t>(a.elem), a.bytes, a.bytes};
+    const void* data = a.data;
+    if (a.sparse && (a.elem == 2 || a.elem == 4) && a.bytes % a.elem == 0) {
+      const size_t n = a.bytes / a.elem;
+      const size_t packed = BitmapBytes(n, CountNonZero(a.data, n, a.elem), a.elem);
+      if (packed < a.bytes) {
+        encoded[i].resize(packed);
+        EncodeBitmap(a.data, n, a.elem, encoded[i].data());
+        headers[i].codec = static_cast<uint32_t>(Codec::kBitmap);
+        headers[i].stored = packed;
+        data = encoded[i].data();
+        ++sparse;
+      }
+    }
+    if (headers[i].stored) iov.push_back({const_cast<void*>(data), headers[i].stored});
+    bytes += headers[i].stored;
+    array_bytes += a.bytes;
+  }
   // Rewritten in place (no O_TRUNC: the file keeps its blocks from the step before, as the file tier rewrites its
   // page files), then cut to this entry's size.
   const int fd = ::open(path.c_str(), O_WRONLY | O_CREAT | O_CLOEXEC, 0600);
   if (fd < 0) return Errno("cannot write spilled activations to", path);
-  std::vector<iovec> iov;
-  size_t bytes = 0;
-  for (const auto& [data, n] : arrays) {
-    if (n == 0) continue;
-    iov.push_back({const_cast<void*>(data), n});
-    bytes += n;
-  }
-  const ssize_t done = iov.empty() ? 0 : page_file::WriteAll(fd, iov.data(), static_cast<int>(iov.size()));
+  const ssize_t done = page_file::WriteAll(fd, iov.data(), static_cast<int>(iov.size()));
   std::string err;
   if (done < 0 || static_cast<size_t>(done) != bytes) {
     err = done < 0 ? Errno("cannot write spilled activations to", path)
@@ -74,6 +110,8 @@ std::string SpillArea::Save(int64_t slot, const std::vector<std::pair<const void
   order_.push_back({slot, d, bytes});
   stats_.saves += 1;
   stats_.bytes_written += static_cast<int64_t>(bytes);
+  stats_.array_bytes += static_cast<int64_t>(array_bytes);
+  stats_.arrays_sparse += static_cast<int64_t>(sparse);
   *depth = d;
   return "";
 }
@@ -89,16 +127,9 @@ void SpillArea::HintReadAhead(size_t position) {
   }
 }
 
-std::string SpillArea::Load(int64_t slot, int32_t depth, const std::vector<std::pair<void*, size_t>>& arrays) {
-  size_t bytes = 0;
-  std::vector<iovec> iov;
-  for (const auto& [data, n] : arrays) {
-    if (n == 0) continue;
-    iov.push_back({data, n});
-    bytes += n;
-  }
+std::string SpillArea::Load(int64_t slot, int32_t depth, const std::vector<SpillOut>& arrays) {
   const std::string path = PathOf(slot, depth);
-  size_t position;
+  size_t position, bytes;
   {
     std::lock_guard<std::mutex> lock(mu_);
     const int32_t top = depth_[slot] - 1;
@@ -110,25 +141,63 @@ std::string SpillArea::Load(int64_t slot, int32_t depth, const std::vector<std::
     auto it = std::find_if(order_.rbegin(), order_.rend(),
                            [&](const Entry& e) { return e.slot == slot && e.depth == depth; });
     position = static_cast<size_t>(order_.rend() - it) - 1;
-    if (order_[position].bytes != bytes) {
-      return "spilled activations " + path + " hold " + std::to_string(order_[position].bytes) +
-             " bytes, the read asks for " + std::to_string(bytes);
-    }
+    bytes = order_[position].bytes;
     HintReadAhead(position);
   }
   const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
   if (fd < 0) return Errno("cannot read spilled activations", path);
-  const ssize_t done = iov.empty() ? 0 : page_file::ReadAll(fd, iov.data(), static_cast<int>(iov.size()));
+  std::string err = ReadEntry(fd, path, arrays);
   // Read once: the page cache need not keep it.
   ::posix_fadvise(fd, 0, static_cast<off_t>(bytes), POSIX_FADV_DONTNEED);
   ::close(fd);
-  if (done < 0) return Errno("cannot read spilled activations", path);
-  if (static_cast<size_t>(done) != bytes) return page_file::TruncatedMessage(path, done, bytes);
+  if (!err.empty()) return err;
   std::lock_guard<std::mutex> lock(mu_);
   order_.erase(order_.begin() + static_cast<std::ptrdiff_t>(position));
   depth_[slot] = depth;
   stats_.loads += 1;
   stats_.bytes_read += static_cast<int64_t>(bytes);
+  return "";
+}
+
+std::string SpillArea::ReadEntry(int fd, const std::string& path, const std::vector<SpillOut>& arrays) {
+  FileHeader file{};
+  std::vector<ArrayHeader> headers(arrays.size());
+  iovec head[2] = {{&file, sizeof(file)}, {headers.data(), headers.size() * sizeof(ArrayHeader)}};
+  const size_t head_bytes = sizeof(file) + headers.size() * sizeof(ArrayHeader);
+  ssize_t got = page_file::ReadAll(fd, head, 2);
+  if (got < 0) return Errno("cannot read spilled activations", path);
+  if (static_cast<size_t>(got) != head_bytes || file.magic != kMagic || file.count != arrays.size()) {
+    return "spilled activations " + path + " are damaged (their header does not match the read)";
+  }
+  std::vector<std::vector<uint8_t>> packed(arrays.size());
+  std::vector<iovec> iov;
+  size_t want = 0;
+  for (size_t i = 0; i < arrays.size(); ++i) {
+    if (headers[i].bytes != arrays[i].bytes || headers[i].elem != arrays[i].elem) {
+      return "spilled activations " + path + " hold another array " + std::to_string(i) + " (" +
+             std::to_string(headers[i].bytes) + " bytes) than the read asks for (" +
+             std::to_string(arrays[i].bytes) + ")";
+    }
+    void* to = arrays[i].data;
+    if (headers[i].codec == static_cast<uint32_t>(Codec::kBitmap)) {
+      packed[i].resize(headers[i].stored);
+      to = packed[i].data();
+    } else if (headers[i].codec != static_cast<uint32_t>(Codec::kRaw) || headers[i].stored != headers[i].bytes) {
+      return "spilled activations " + path + " are damaged (array " + std::to_string(i) + ")";
+    }
+    if (headers[i].stored) iov.push_back({to, headers[i].stored});
+    want += headers[i].stored;
+  }
+  got = iov.empty() ? 0 : page_file::ReadAll(fd, iov.data(), static_cast<int>(iov.size()));
+  if (got < 0) return Errno("cannot read spilled activations", path);
+  if (static_cast<size_t>(got) != want) return page_file::TruncatedMessage(path, got + head_bytes, want + head_bytes);
+  for (size_t i = 0; i < arrays.size(); ++i) {
+    if (headers[i].codec != static_cast<uint32_t>(Codec::kBitmap)) continue;
+    if (!DecodeBitmap(packed[i].data(), packed[i].size(), arrays[i].bytes / arrays[i].elem, arrays[i].elem,
+                      arrays[i].data)) {
+      return "spilled activations " + path + " are damaged (array " + std::to_string(i) + "'s sparse form)";
+    }
+  }
   return "";
 }
 

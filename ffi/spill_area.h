@@ -18,7 +18,6 @@
 #include <map>
 #include <mutex>
 #include <string>
-#include <utility>
 #include <vector>
 
 namespace nsp::spill {
@@ -26,9 +25,25 @@ namespace nsp::spill {
 struct SpillStats {
   int64_t saves = 0;           // entries written
   int64_t loads = 0;           // entries read back
-  int64_t bytes_written = 0;
+  int64_t bytes_written = 0;   // to the files (headers and the sparse format included)
   int64_t bytes_read = 0;
+  int64_t array_bytes = 0;     // of the arrays saved, as they are in memory
+  int64_t arrays_sparse = 0;   // arrays stored in the bit-vector sparse format (spill_codec.h)
   int64_t read_ahead_hints = 0;  // entries handed to the kernel to read ahead
+};
+
+// One array of an entry: its bytes, its element size (for the sparse format: 2 or 4), and whether the sparse
+// format may be tried on it (it is used only where it is smaller).
+struct SpillArray {
+  const void* data;
+  size_t bytes;
+  size_t elem;
+  bool sparse;
+};
+struct SpillOut {
+  void* data;
+  size_t bytes;
+  size_t elem;
 };
 
 class SpillArea {
@@ -37,11 +52,11 @@ class SpillArea {
   static std::pair<std::shared_ptr<SpillArea>, std::string> Open(const std::string& dir, int read_ahead);
   ~SpillArea();
 
-  // Pushes the `arrays` (pointer, bytes), written one after another, onto `slot`'s stack; `*depth` gets the
-  // entry's depth. Returns "" or an error naming the file.
-  std::string Save(int64_t slot, const std::vector<std::pair<const void*, size_t>>& arrays, int32_t* depth);
+  // Pushes the `arrays` onto `slot`'s stack as one file (a header naming each array's format and size, then the
+  // arrays one after another); `*depth` gets the entry's depth. Returns "" or an error naming the file.
+  std::string Save(int64_t slot, const std::vector<SpillArray>& arrays, int32_t* depth);
   // Pops the top of `slot`'s stack, which must be at `depth`, into `arrays` (sizes as saved).
-  std::string Load(int64_t slot, int32_t depth, const std::vector<std::pair<void*, size_t>>& arrays);
+  std::string Load(int64_t slot, int32_t depth, const std::vector<SpillOut>& arrays);
   // Forgets every entry (after a step that failed between its pushes and its pops).
   void Reset();
 
@@ -54,6 +69,7 @@ class SpillArea {
   SpillArea(std::string dir, int read_ahead) : dir_(std::move(dir)), read_ahead_(read_ahead) {}
   std::string PathOf(int64_t slot, int32_t depth) const;
   void HintReadAhead(size_t position);  // holds mu_
+  std::string ReadEntry(int fd, const std::string& path, const std::vector<SpillOut>& arrays);
 
   struct Entry {
     int64_t slot;

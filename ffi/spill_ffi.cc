@@ -25,16 +25,20 @@ ffi::ErrorOr<std::shared_ptr<SpillArea>> AreaOf(const char* op, int64_t id) {
   return area;
 }
 
+size_t ElemBytes(const ffi::AnyBuffer& a) {
+  return a.element_count() ? a.size_bytes() / a.element_count() : 0;
+}
+
 ffi::Error SaveImpl(ffi::RemainingArgs arrays, ffi::Result<ffi::Buffer<ffi::S32>> token, int64_t area_id,
-                    int64_t slot) {
+                    int64_t slot, bool sparse) {
   constexpr const char* kOp = "nsp_spill_save";
   auto area = AreaOf(kOp, area_id);
   if (area.has_error()) return area.error();
-  std::vector<std::pair<const void*, size_t>> parts;
+  std::vector<SpillArray> parts;
   for (size_t i = 0; i < arrays.size(); ++i) {
     auto a = arrays.get<ffi::AnyBuffer>(i);
     if (a.has_error()) return a.error();
-    parts.emplace_back(a->untyped_data(), a->size_bytes());
+    parts.push_back({a->untyped_data(), a->size_bytes(), ElemBytes(*a), sparse});
   }
   if (std::string err = (*area)->Save(slot, parts, token->typed_data()); !err.empty()) {
     return ffi::Error::Internal(std::string(kOp) + ": " + err);
@@ -48,11 +52,11 @@ ffi::Error LoadImpl(ffi::Buffer<ffi::S32> token, ffi::AnyBuffer /*after*/, ffi::
   auto area = AreaOf(kOp, area_id);
   if (area.has_error()) return area.error();
   if (token.element_count() != 1) return Invalid(kOp, "the token must be a scalar");
-  std::vector<std::pair<void*, size_t>> parts;
+  std::vector<SpillOut> parts;
   for (size_t i = 0; i < arrays.size(); ++i) {
     auto a = arrays.get<ffi::AnyBuffer>(i);
     if (a.has_error()) return a.error();
-    parts.emplace_back((*a)->untyped_data(), (*a)->size_bytes());
+    parts.push_back({(*a)->untyped_data(), (*a)->size_bytes(), ElemBytes(**a)});
   }
   if (std::string err = (*area)->Load(slot, token.typed_data()[0], parts); !err.empty()) {
     return ffi::Error::Internal(std::string(kOp) + ": " + err);
@@ -68,7 +72,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(NspSpillSave, nsp::spill::SaveImpl,
                                   .RemainingArgs()
                                   .Ret<ffi::Buffer<ffi::S32>>()
                                   .Attr<int64_t>("area")
-                                  .Attr<int64_t>("slot"));
+                                  .Attr<int64_t>("slot")
+                                  .Attr<bool>("sparse"));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(NspSpillLoad, nsp::spill::LoadImpl,
                               ffi::Ffi::Bind()

@@ -39,10 +39,12 @@ void Bind(nb::module_& m) {
         d["loads"] = s.loads;
         d["bytes_written"] = s.bytes_written;
         d["bytes_read"] = s.bytes_read;
+        d["array_bytes"] = s.array_bytes;
+        d["arrays_sparse"] = s.arrays_sparse;
         d["read_ahead_hints"] = s.read_ahead_hints;
         return d;
       },
-      nb::arg("area"), "Counters of a spill area: saves, loads, bytes_written, bytes_read, read_ahead_hints.");
+      nb::arg("area"), "Counters of a spill area: saves, loads, bytes_written, bytes_read, array_bytes, arrays_sparse, read_ahead_hints.");
 }
 
 }  // namespace nsp::spill

@@ -80,9 +80,11 @@ def test_gpt_blocks_offloaded_train_with_the_same_gradients(tmp_path, activation
 
     want = jax.jit(jax.value_and_grad(loss))(params)
     with nsp.offload.SpillArea(tmp_path) as area:
-        got = jax.jit(jax.value_and_grad(functools.partial(loss, block_call=nsp.offload.offload_blocks(area))))(
-            params)
-        assert area.stats()["saves"] == config.n_layer
+        block_call = nsp.offload.offload_blocks(area, sparse=activation == "relu")
+        got = jax.jit(jax.value_and_grad(functools.partial(loss, block_call=block_call)))(params)
+        stats = area.stats()
+        assert stats["saves"] == config.n_layer
+        assert (stats["arrays_sparse"] > 0) == (activation == "relu")  # the ReLU's output, about half zeros
     for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
@@ -109,11 +111,37 @@ def test_bf16_compression_halves_the_bytes_and_stays_close(tmp_path):
     for compress in (None, jnp.bfloat16):
         with nsp.offload.SpillArea(tmp_path) as area:
             got = jax.grad(functools.partial(_loss, nsp.offload.offload(_mlp, area, compress=compress)))(layers, x)
-            written[compress] = area.stats()["bytes_written"]
+            written[compress] = area.stats()["array_bytes"]
     assert written[jnp.bfloat16] * 2 == written[None]
     for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
         err = np.max(np.abs(np.asarray(a) - np.asarray(b))) / np.max(np.abs(np.asarray(b)))
         assert 0 < err < 2e-2  # lossy (bf16 has 8 bits of mantissa), but close
+
+
+def _relu_mlp(params, x):
+    h = jax.nn.relu(x @ params["w1"] + params["b1"])
+    return (h @ params["w2"]) * jnp.where(x > 0.5, -0.0, 1.0)  # some residual entries are -0.0: kept as they are
+
+
+def test_the_sparse_format_is_lossless_and_used_where_it_shrinks(tmp_path):
+    layers = [_mlp_params(jax.random.key(i)) for i in range(3)]
+    x = jax.random.normal(jax.random.key(9), (64, 64))
+    want = jax.jit(jax.grad(functools.partial(_loss, _relu_mlp)))(layers, x)
+    with nsp.offload.SpillArea(tmp_path) as area:
+        got = jax.jit(jax.grad(functools.partial(_loss, nsp.offload.offload(_relu_mlp, area, sparse=True))))(
+            layers, x)
+        stats = area.stats()
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    assert stats["arrays_sparse"] >= 3  # the ReLU outputs (about half zeros), one a layer
+    assert stats["bytes_written"] < 0.9 * stats["array_bytes"]
+    assert stats["bytes_read"] == stats["bytes_written"]
+
+    # Dense residuals (tanh: no zeros) stay as they are: the sparse form would be larger.
+    with nsp.offload.SpillArea(tmp_path) as area:
+        jax.block_until_ready(jax.grad(functools.partial(_loss, nsp.offload.offload(_mlp, area, sparse=True)))(
+            layers, x))
+        assert area.stats()["arrays_sparse"] == 0
 
 
 def test_offload_says_what_is_wrong(tmp_path):

@@ -11,9 +11,11 @@ from nsp.offload.area import SpillArea
 from nsp.offload.wrap import offload
 
 
-def offload_blocks(area: SpillArea, *, compress: Any = None) -> Callable[[nnx.Module, jax.Array], jax.Array]:
+def offload_blocks(area: SpillArea, *, compress: Any = None,
+                   sparse: bool = False) -> Callable[[nnx.Module, jax.Array], jax.Array]:
     """``block_call(block, x)``: applies an ``nnx`` block (deterministic: no dropout) to ``x`` with its residuals
-    spilled to ``area`` (``nsp.offload.offload``). Pass it as ``GPT(...)(tokens, block_call=...)``.
+    spilled to ``area`` (``nsp.offload.offload``, with ``compress`` and ``sparse`` as there). Pass it as
+    ``GPT(...)(tokens, block_call=...)``.
 
     The block runs as a pure function of its state and input (``nnx.split``/``nnx.merge``); a block that
     changes its own state while it runs (dropout's RNG counters, batch statistics) is refused.
@@ -32,6 +34,6 @@ def offload_blocks(area: SpillArea, *, compress: Any = None) -> Callable[[nnx.Mo
                                  "batch statistics); offload needs a block that is a pure function of its input")
             return y
 
-        return offload(apply, area, compress=compress)(state, x)
+        return offload(apply, area, compress=compress, sparse=sparse)(state, x)
 
     return call

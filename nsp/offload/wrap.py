@@ -13,8 +13,10 @@ any JAX function:
   entries ahead meanwhile (``SpillArea(read_ahead=...)``). The VJP function is rebuilt from the residuals and
   applied: the gradients are those of ``fn`` without offload, bit for bit (nothing is recomputed).
 
-Lossless by default. ``compress=jnp.bfloat16`` stores float32 residuals as bf16 (half the bytes; lossy: the
-gradients then differ from the exact ones, by what ``tests/test_offload.py`` measures). Call sites are told
+Lossless by default. ``sparse=True`` stores each residual in FlashNeuron's bit-vector sparse format where that
+is smaller (lossless: post-ReLU activations, about half zeros). ``compress=jnp.bfloat16`` stores float32
+residuals as bf16 (half the bytes; lossy: the gradients then differ from the exact ones, by what
+``tests/test_offload.py`` measures). Call sites are told
 apart at trace time, and each keeps a stack, so a function offloaded inside ``jax.lax.scan``/``nnx.scan`` over
 layers needs nothing more: the backward scan pops in the reverse order of the forward's pushes.
 """
@@ -37,7 +39,7 @@ _CALL_SITES = itertools.count()
 MIN_SPILL_BYTES = 4096
 
 
-def offload(fn: Callable[..., Any], area: SpillArea, *, compress: Any = None,
+def offload(fn: Callable[..., Any], area: SpillArea, *, compress: Any = None, sparse: bool = False,
             min_bytes: int = MIN_SPILL_BYTES) -> Callable[..., Any]:
     """``fn`` with its backward-pass residuals spilled to ``area`` in the forward pass and read back in the
     backward pass.
@@ -48,6 +50,8 @@ def offload(fn: Callable[..., Any], area: SpillArea, *, compress: Any = None,
       area: where the residuals go (``nsp.offload.SpillArea``).
       compress: None (lossless), or ``jnp.bfloat16``/``jnp.float16``: float32 residuals are stored in that dtype
         (lossy).
+      sparse: store each residual in FlashNeuron's bit-vector sparse format where that is smaller (lossless; a
+        pass over it to count its zeros): for models with ReLU, whose activations are about half zeros.
       min_bytes: residuals smaller than this stay in memory.
 
     Returns:
@@ -79,7 +83,7 @@ def offload(fn: Callable[..., Any], area: SpillArea, *, compress: Any = None,
             plan.update(treedef=treedef, spill=spill, like=[jax.ShapeDtypeStruct(leaves[i].shape, leaves[i].dtype)
                                                             for i in spill])
             stored = [_encode(leaves[i], compress) for i in spill]
-            token = spill_save(area.id, slot, stored) if spill else jnp.zeros((), jnp.int32)
+            token = spill_save(area.id, slot, stored, sparse=sparse) if spill else jnp.zeros((), jnp.int32)
             kept = [None if i in spill else x for i, x in enumerate(leaves)]
             return out, (token, kept)
 

@@ -33,14 +33,17 @@ def spill_reset(area: int) -> None:
 
 
 def spill_stats(area: int) -> dict[str, int]:
-    """``saves``, ``loads``, ``bytes_written``, ``bytes_read`` and ``read_ahead_hints`` of area ``area``."""
+    """``saves``, ``loads``, ``bytes_written``, ``bytes_read`` (of the files), ``array_bytes`` (of the arrays
+    saved, in memory), ``arrays_sparse`` and ``read_ahead_hints`` of area ``area``."""
     return dict(_nsp_ffi.spill_stats(int(area)))
 
 
-def spill_save(area: int, slot: int, arrays: Sequence[jax.Array]) -> jax.Array:
-    """Pushes ``arrays`` onto call site ``slot``'s stack in area ``area``; returns the entry's token (int32)."""
+def spill_save(area: int, slot: int, arrays: Sequence[jax.Array], *, sparse: bool = False) -> jax.Array:
+    """Pushes ``arrays`` onto call site ``slot``'s stack in area ``area``; returns the entry's token (int32).
+    ``sparse``: store each 2- or 4-byte array in the bit-vector sparse format where that is smaller (lossless;
+    ``ffi/spill_codec.h``)."""
     call = jax.ffi.ffi_call("nsp_spill_save", jax.ShapeDtypeStruct((), jnp.int32), has_side_effect=True)
-    return call(*arrays, area=int(area), slot=int(slot))
+    return call(*arrays, area=int(area), slot=int(slot), sparse=bool(sparse))
 
 
 def spill_load(area: int, slot: int, token: jax.Array, after: jax.Array,
