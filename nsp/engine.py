@@ -1,8 +1,8 @@
 """The C++ engine's Python names: the one module of nsp that imports the compiled extension ``nsp._nsp_ffi``.
 
 Every other part of nsp reaches the C++ side through the names below (``tests/test_package_structure.py`` checks
-it): ``nsp.storage`` its shard engines, ``nsp.primitives`` the XLA FFI targets it registers with JAX and the
-kernels' settings, ``nsp.distributed`` the abort guard. The module sits below every other one: it imports
+it): ``nsp.storage`` its shard engines, ``nsp.primitives`` the XLA FFI targets it registers with JAX, the
+kernels' settings and the spill areas of activation offload, ``nsp.distributed`` the abort guard. The module sits below every other one: it imports
 nothing of nsp but the extension, so any layer may use it. Importing it registers nothing with JAX
 (``nsp.primitives`` does that).
 """
@@ -46,3 +46,10 @@ stream_roofline = _nsp_ffi.stream_roofline
 
 install_abort_guard = _nsp_ffi.install_abort_guard
 remove_abort_guard = _nsp_ffi.remove_abort_guard
+
+# ---- activation offload's spill areas (nsp.primitives.spill) --------------------------------------------------
+
+spill_open = _nsp_ffi.spill_open
+spill_close = _nsp_ffi.spill_close
+spill_reset = _nsp_ffi.spill_reset
+spill_stats = _nsp_ffi.spill_stats

@@ -35,6 +35,12 @@ XLA_FFI_DECLARE_HANDLER_SYMBOL(NspNextParamsUpdateFlat);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(NspSegmentHash);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(NspTopkSelect);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(NspTopkFeedback);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(NspSpillSave);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(NspSpillLoad);
+
+namespace nsp::spill {
+void Bind(nanobind::module_& m);  // module_spill.cc
+}  // namespace nsp::spill
 
 namespace {
 
@@ -73,6 +79,7 @@ constexpr StoreTarget kStoreTargets[] = {
 
 NB_MODULE(_nsp_ffi, m) {
   m.doc() = "nsp C++ kernels (XLA FFI handlers for the CPU platform).";
+  nsp::spill::Bind(m);
   m.def("registrations", []() {
     nb::dict targets = Capsules({{"nsp_fused_update_dense", NspFusedUpdateDense},
                                  {"nsp_fused_update_sparse", NspFusedUpdateSparse},
@@ -81,7 +88,9 @@ NB_MODULE(_nsp_ffi, m) {
                                  {"nsp_next_params_update_flat", NspNextParamsUpdateFlat},
                                  {"nsp_segment_hash", NspSegmentHash},
                                  {"nsp_topk_select", NspTopkSelect},
-                                 {"nsp_topk_feedback", NspTopkFeedback}});
+                                 {"nsp_topk_feedback", NspTopkFeedback},
+                                 {"nsp_spill_save", NspSpillSave},
+                                 {"nsp_spill_load", NspSpillLoad}});
     for (const StoreTarget& t : kStoreTargets) targets[t.name] = Capsule(t.cpu);
     return targets;
   });
