@@ -2,9 +2,9 @@
 
 Every other part of nsp reaches the C++ side through the names below (``tests/test_package_structure.py`` checks
 it): ``nsp.storage`` its shard engines, ``nsp.primitives`` the XLA FFI targets it registers with JAX, the
-kernels' settings and the spill areas of activation offload, ``nsp.distributed`` the abort guard. The module sits below every other one: it imports
-nothing of nsp but the extension, so any layer may use it. Importing it registers nothing with JAX
-(``nsp.primitives`` does that).
+kernels' settings and the spill areas of activation offload, ``nsp.distributed`` the abort guard. The module sits
+below every other one: it imports nothing of nsp but the extension, so any layer may use it. Importing it
+registers nothing with JAX (``nsp.primitives`` does that).
 """
 
 from __future__ import annotations
