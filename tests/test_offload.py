@@ -172,3 +172,46 @@ def test_a_spill_directory_removed_mid_run_fails_the_step_clearly(tmp_path):
     area.path.mkdir()
     grad(layers, x)  # back once the directory is
     area.close()
+
+
+def test_offload_and_the_nsp_optimizer_in_one_jitted_step(tmp_path):
+    import optax
+
+    import nsp.optim
+    import nsp.storage
+
+    config = get_config("tiny", activation="relu")
+    graphdef, params = nnx.split(GPT(config, rngs=nnx.Rngs(0)), nnx.Param)
+    batches = jax.random.randint(jax.random.key(2), (3, 2, 33), 0, config.vocab_size)
+
+    def run(block_call, store_dir):
+        store = nsp.storage.open(store_dir, tier="file")
+        tx = nsp.optim.adamw(1e-3, store=store)
+        p = jax.tree.map(jnp.copy, params)  # the step donates them
+        state = tx.init(p)
+
+        @functools.partial(jax.jit, donate_argnums=(0, 1))
+        def step(p, state, tokens):
+            def loss(p):
+                logits = nnx.merge(graphdef, p)(tokens[:, :-1], block_call=block_call)
+                return cross_entropy_loss(logits, tokens[:, 1:])
+
+            value, grads = jax.value_and_grad(loss)(p)
+            updates, state = tx.update(grads, state, p)
+            return optax.apply_updates(p, updates), state, value
+
+        losses = []
+        for tokens in batches:
+            p, state, value = step(p, state, tokens)
+            losses.append(float(value))
+        store.close()
+        return p, losses
+
+    want, want_losses = run(None, tmp_path / "plain")
+    (tmp_path / "spill").mkdir()
+    with nsp.offload.SpillArea(tmp_path / "spill") as area:
+        got, losses = run(nsp.offload.offload_blocks(area, sparse=True), tmp_path / "offloaded")
+        assert area.stats()["loads"] == 3 * config.n_layer
+    assert losses == want_losses
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
