@@ -215,3 +215,33 @@ def test_offload_and_the_nsp_optimizer_in_one_jitted_step(tmp_path):
     assert losses == want_losses
     for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_nsp_train_offloads_activations_with_the_same_losses(tmp_path, capsys):
+    from nsp.cli import main
+
+    common = ["train", "--model", "tiny", "--steps", "4", "--seq", "32", "--batch", "4", "--activation", "relu",
+              "--log-every", "1", "--eval-every", "0", "--tier", "memory", "--no-checkpoints"]
+    assert main(common + ["--run-dir", str(tmp_path / "keep")]) == 0
+    keep = capsys.readouterr().out
+    assert main(common + ["--run-dir", str(tmp_path / "spill"), "--offload-activations", "all",
+                          "--spill-dir", str(tmp_path / "scratch")]) == 0
+    spill = capsys.readouterr().out
+    assert "backward-pass activations" in spill and "sparse format" in spill
+    losses = [[line.split("loss ")[1].split()[0] for line in out.splitlines() if line.startswith("step ")]
+              for out in (keep, spill)]
+    assert len(losses[0]) == 4 and losses[0] == losses[1]
+    assert not list((tmp_path / "scratch").iterdir())  # scratch only: removed at the end
+
+
+def test_nsp_train_says_when_the_spill_directory_is_too_small(tmp_path, capsys, monkeypatch):
+    import shutil as shutil_
+
+    from nsp.cli import main
+
+    real = shutil_.disk_usage
+    monkeypatch.setattr(shutil_, "disk_usage", lambda p: real(p)._replace(free=1000))
+    assert main(["train", "--model", "tiny", "--steps", "1", "--seq", "32", "--tier", "memory", "--no-checkpoints",
+                 "--run-dir", str(tmp_path / "r"), "--offload-activations", "all"]) == 2
+    err = capsys.readouterr().err
+    assert "has 0.00 GB free; a step spills up to" in err

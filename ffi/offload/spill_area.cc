@@ -152,7 +152,10 @@ std::string SpillArea::Load(int64_t slot, int32_t depth, const std::vector<Spill
   ::close(fd);
   if (!err.empty()) return err;
   std::lock_guard<std::mutex> lock(mu_);
-  order_.erase(order_.begin() + static_cast<std::ptrdiff_t>(position));
+  // Found again: other stacks (another device's replica) may have pushed or popped meanwhile.
+  auto it = std::find_if(order_.begin(), order_.end(),
+                         [&](const Entry& e) { return e.slot == slot && e.depth == depth; });
+  if (it != order_.end()) order_.erase(it);
   depth_[slot] = depth;
   stats_.loads += 1;
   stats_.bytes_read += static_cast<int64_t>(bytes);

@@ -1,5 +1,5 @@
 // A spill area: a directory where the forward pass leaves the activations the backward pass will need again
-// (nsp.offload). Each call site (`slot`: one wrapped layer function) has a stack of entries, one file each: the
+// (nsp.offload). Each stack (`slot`: one wrapped layer function on one device) has entries, one file each: the
 // forward pushes, the backward pops, so a layer function called N times inside a scan needs no key (the scan's
 // backward runs its iterations in the reverse order of the forward's). A pop names the depth its push returned,
 // and a mismatch is an error, never a wrong tensor. Files are scratch, never state: rewritten every step, removed

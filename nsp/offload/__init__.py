@@ -2,6 +2,6 @@
 
 from nsp.offload.area import SpillArea
 from nsp.offload.blocks import offload_blocks
-from nsp.offload.wrap import MIN_SPILL_BYTES, offload
+from nsp.offload.wrap import MIN_SPILL_BYTES, offload, spilled_bytes
 
-__all__ = ["MIN_SPILL_BYTES", "SpillArea", "offload", "offload_blocks"]
+__all__ = ["MIN_SPILL_BYTES", "SpillArea", "offload", "offload_blocks", "spilled_bytes"]

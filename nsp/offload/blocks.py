@@ -22,18 +22,24 @@ def offload_blocks(area: SpillArea, *, compress: Any = None,
     """
 
     def call(block: nnx.Module, x: jax.Array) -> jax.Array:
-        graphdef, state = nnx.split(block)
-
-        def apply(state, x):
-            module = nnx.merge(graphdef, state)
-            y = module(x, deterministic=True)
-            _, after = nnx.split(module)
-            if jax.tree_util.tree_structure(after) != jax.tree_util.tree_structure(state) or any(
-                    a is not b for a, b in zip(jax.tree_util.tree_leaves(after), jax.tree_util.tree_leaves(state))):
-                raise ValueError("offload_blocks: the block changed its own state while it ran (dropout RNGs, "
-                                 "batch statistics); offload needs a block that is a pure function of its input")
-            return y
-
+        apply, state = block_function(block)
         return offload(apply, area, compress=compress, sparse=sparse)(state, x)
 
     return call
+
+
+def block_function(block: nnx.Module) -> tuple[Callable[[Any, jax.Array], jax.Array], Any]:
+    """``(apply, state)``: the deterministic ``block`` as a pure function ``apply(state, x)`` of its state."""
+    graphdef, state = nnx.split(block)
+
+    def apply(state, x):
+        module = nnx.merge(graphdef, state)
+        y = module(x, deterministic=True)
+        _, after = nnx.split(module)
+        if jax.tree_util.tree_structure(after) != jax.tree_util.tree_structure(state) or any(
+                a is not b for a, b in zip(jax.tree_util.tree_leaves(after), jax.tree_util.tree_leaves(state))):
+            raise ValueError("offload_blocks: the block changed its own state while it ran (dropout RNGs, "
+                             "batch statistics); offload needs a block that is a pure function of its input")
+        return y
+
+    return apply, state

@@ -105,6 +105,26 @@ def offload(fn: Callable[..., Any], area: SpillArea, *, compress: Any = None, sp
     return wrapped
 
 
+def spilled_bytes(fn: Callable[..., Any], *args: Any, compress: Any = None,
+                  min_bytes: int = MIN_SPILL_BYTES) -> int:
+    """The bytes ``offload(fn, ...)`` spills per call on ``args`` (arrays or ``jax.ShapeDtypeStruct``), before the
+    sparse format: what its forward pass keeps for the backward pass besides ``fn``'s inputs. Traced abstractly
+    (``jax.eval_shape``): nothing runs. For sizing a spill directory before the first step."""
+    total = 0
+
+    def residuals(*args):
+        nonlocal total
+        _, vjp_fn = jax.vjp(fn, *args)
+        inputs = {id(x) for x in jax.tree_util.tree_leaves(args)}
+        total = sum(_nbytes(x) * jnp.dtype(_stored_dtype(x.dtype, compress)).itemsize // jnp.dtype(x.dtype).itemsize
+                    for x in jax.tree_util.tree_leaves(vjp_fn)
+                    if isinstance(x, jax.Array) and id(x) not in inputs and _nbytes(x) >= min_bytes)
+        return 0
+
+    jax.eval_shape(residuals, *args)
+    return int(total)
+
+
 def _nbytes(x: jax.Array) -> int:
     return int(np.prod(x.shape, dtype=np.int64)) * jnp.dtype(x.dtype).itemsize
 

@@ -93,9 +93,9 @@ def load_data(config: TrainConfig) -> TrainData:
 
 def model_config(config: TrainConfig, vocab_size: int):
     """The ``GPTConfig`` of a run: ``config.model`` with ``vocab_size`` tokens, bfloat16 compute with
-    ``config.bf16``, bf16 x bf16 -> fp32 dots with ``config.f32_accum``."""
+    ``config.bf16``, bf16 x bf16 -> fp32 dots with ``config.f32_accum``, the MLP's ``config.activation``."""
     return get_config(config.model, vocab_size=vocab_size, dtype=jnp.bfloat16 if config.bf16 else jnp.float32,
-                      f32_accum=config.f32_accum)
+                      f32_accum=config.f32_accum, activation=config.activation)
 
 
 def init_model(config: TrainConfig, vocab_size: int) -> tuple[Any, Any]:

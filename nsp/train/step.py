@@ -19,30 +19,33 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from nsp.models import cross_entropy_loss
 
 
-def loss_fn(graphdef, params, tokens):
+def loss_fn(graphdef, params, tokens, block_call=None):
     """Mean next-token cross-entropy of the GPT ``(graphdef, params)`` on ``tokens`` ``[batch, seq + 1]``: it reads
-    ``tokens[:, :-1]`` and predicts ``tokens[:, 1:]``."""
-    logits = nnx.merge(graphdef, params)(tokens[:, :-1])
+    ``tokens[:, :-1]`` and predicts ``tokens[:, 1:]``. ``block_call``: how each block is applied (``GPT.__call__``;
+    ``nsp.offload.offload_blocks`` spills their activations)."""
+    logits = nnx.merge(graphdef, params)(tokens[:, :-1], block_call=block_call)
     return cross_entropy_loss(logits, tokens[:, 1:])
 
 
-def make_train_step(graphdef, tx: optax.GradientTransformation, mesh=None):
+def make_train_step(graphdef, tx: optax.GradientTransformation, mesh=None, block_call=None):
     """``(train_step, eval_step)``, both jitted.
 
     ``train_step(params, opt_state, tokens) -> (params, opt_state, loss)``: forward/backward of ``loss_fn``, then
     ``tx``; it donates ``params`` and ``opt_state`` (do not use them after the call). ``eval_step(params, tokens)
     -> loss``. With a ``mesh`` (axis ``"data"``), params and optax state are replicated and the batch is split
-    over the devices (``put_batch`` places it so).
+    over the devices (``put_batch`` places it so). ``block_call`` as for ``loss_fn`` (the train step's only: the
+    eval step has no backward pass whose activations to keep).
     """
-    loss = functools.partial(loss_fn, graphdef)
+    loss = functools.partial(loss_fn, graphdef, block_call=block_call)
 
     def train_step(params, opt_state, tokens):
         value, grads = jax.value_and_grad(loss)(params, tokens)
         updates, opt_state = tx.update(grads, opt_state, params)
         return optax.apply_updates(params, updates), opt_state, value
 
+    evaluate = functools.partial(loss_fn, graphdef)
     if mesh is None:
-        return jax.jit(train_step, donate_argnums=(0, 1)), jax.jit(loss)
+        return jax.jit(train_step, donate_argnums=(0, 1)), jax.jit(evaluate)
 
     def data_parallel_step(params, opt_state, tokens):
         value, grads = _mean_over_devices(jax.value_and_grad(loss), mesh)(params, tokens)
@@ -55,7 +58,7 @@ def make_train_step(graphdef, tx: optax.GradientTransformation, mesh=None):
     replicated, batch = NamedSharding(mesh, P()), NamedSharding(mesh, P("data"))
     step = jax.jit(data_parallel_step, donate_argnums=(0, 1), in_shardings=(replicated, replicated, batch),
                    out_shardings=(replicated, replicated, replicated))
-    return step, jax.jit(loss, in_shardings=(replicated, batch))
+    return step, jax.jit(evaluate, in_shardings=(replicated, batch))
 
 
 def _mean_over_devices(value_and_grad, mesh):

@@ -40,7 +40,7 @@ import numpy as np
 
 import nsp.distributed
 from nsp.storage import checkpoint as ckpt
-from nsp.train import process, store_resume
+from nsp.train import activations, process, store_resume
 from nsp.train.config import TrainConfig, TrainError
 from nsp.train.layerwise import fmt_gib, peak_rss_bytes
 from nsp.train.metrics import MetricsWriter, StepMeter, StepWatch, step_line
@@ -64,7 +64,12 @@ def train_and_evaluate(config: TrainConfig, *, log: Callable[[str], None] = prin
     process.join(config)
     config = beside_earlier_default_runs(config.resolved(), log)
     run = build(config, log)
-    train_step, eval_step = make_train_step(run.graphdef, run.tx, run.mesh)
+    try:
+        block_call, spill = activations.spill_setup(config, run.graphdef, run.params, log)
+    except BaseException:
+        run.store.close()
+        raise
+    train_step, eval_step = make_train_step(run.graphdef, run.tx, run.mesh, block_call)
     manager = ckpt.make_checkpoint_manager(Path(config.run_dir) / "ckpt", max_to_keep=config.keep_checkpoints)
     metrics = MetricsWriter(Path(config.run_dir), jax.process_index())
     schedule = learning_rate_schedule(config)
@@ -160,6 +165,7 @@ def train_and_evaluate(config: TrainConfig, *, log: Callable[[str], None] = prin
         manager.close()
         metrics.close()
         run.store.close()
+        activations.close(spill)
         if finished:  # a process that failed leaves without waiting: its peers' watchdogs end them
             nsp.distributed.finish()
 
