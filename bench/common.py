@@ -212,7 +212,7 @@ def build_info() -> dict[str, Any]:
         built = os.stat(importlib.util.find_spec("nsp._nsp_ffi").origin).st_mtime
     except Exception as e:  # noqa: BLE001  (not installed, not built: the record says so)
         return {"extension": None, "error": f"{type(e).__name__}: {e}"}
-    sources = [REPO / "CMakeLists.txt"] + sorted((REPO / "ffi").glob("*"))
+    sources = [REPO / "CMakeLists.txt"] + sorted((REPO / "ffi").rglob("*"))
     newer = [str(p.relative_to(REPO)) for p in sources if p.is_file() and p.stat().st_mtime > built]
     return {"extension_built": time.strftime("%Y-%m-%dT%H:%M:%S", time.localtime(built)),
             "sources_newer_than_build": newer}
@@ -335,8 +335,8 @@ def write_json(name: str, payload: dict[str, Any], path: str | os.PathLike | Non
 
 def io_buffer(nbytes: int) -> mmap.mmap:
     """Page-aligned memory for direct I/O, in huge pages where the kernel allows (``MADV_HUGEPAGE``, as nsp's own
-    page buffers, ffi/backend.cc): physically contiguous memory lets a 4 MiB request reach the device whole instead
-    of cut into several, so no contender loses to another only by how its buffers were allocated. Private, not
+    page buffers, ffi/backends/backend.cc): physically contiguous memory lets a 4 MiB request reach the device whole
+    instead of cut into several, so no contender loses to another only by how its buffers were allocated. Private, not
     ``mmap``'s default shared mapping: shared anonymous memory is shmem, which takes huge pages only where
     /sys/kernel/mm/transparent_hugepage/shmem_enabled allows (``never`` by default)."""
     buf = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE)

@@ -7,7 +7,7 @@ Each trial runs `nsp train` (tiny GPT, file tier; Top-K on in odd trials) as a s
 SIGKILL: after a random delay, or at a targeted point its variable names — inside an update (after N page
 writes: NSP_DEBUG_KILL_AFTER_WRITES), just before a commit renames a shard's manifest (NSP_DEBUG_KILL_AT_COMMIT),
 or just before a checkpoint's snapshot becomes valid (NSP_DEBUG_KILL_AT_SNAPSHOT). The first two are read once,
-as each shard's engine is made, and wrap its file backend in a fault-injecting one (ffi/fault_backend.cc); a
+as each shard's engine is made, and wrap its file backend in a fault-injecting one (ffi/backends/fault_backend.cc); a
 normal run has none. Then it checks every page of the store's committed version (`nsp store verify`),
 resumes with `--resume`, and compares the final params with an uninterrupted run of the same seed, bit for bit.
 Lost steps = steps the killed run had finished minus the step it resumed from. The last line reads

@@ -103,12 +103,13 @@ MEASURES = {
     "update_kernel": BUILD + SPEC + ("nsp/primitives/", "bench/update_kernel.py", "bench/adam_steps.py",
                                      "bench/wait_policy.py", "bench/page_backing.py") + PROTOCOL,
     "store_update": BUILD + SPEC + ("nsp/primitives/", "nsp/storage/", "bench/store_update.py",
-                                    "bench/store_contenders.py", "bench/adam_steps.py", "bench/deepspeed_swap.py",
-                                    "bench/wait_policy.py", "bench/page_backing.py") + PROTOCOL,
+                                    "bench/store_update_record.py", "bench/store_contenders.py",
+                                    "bench/adam_steps.py", "bench/deepspeed_swap.py", "bench/wait_policy.py",
+                                    "bench/page_backing.py") + PROTOCOL,
     "store_update_slow_disk": BUILD + SPEC + ("nsp/primitives/", "nsp/storage/", "bench/store_update.py",
-                                              "bench/store_contenders.py", "bench/adam_steps.py",
-                                              "bench/deepspeed_swap.py", "bench/wait_policy.py", "bench/slow_disk.py",
-                                              "bench/page_backing.py",
+                                              "bench/store_update_record.py", "bench/store_contenders.py",
+                                              "bench/adam_steps.py", "bench/deepspeed_swap.py",
+                                              "bench/wait_policy.py", "bench/slow_disk.py", "bench/page_backing.py",
                                               "bench/slow_disk/") + PROTOCOL,
     "topk": ("nsp/primitives/topk.py", "bench/topk.py") + PROTOCOL,
     "topk_gpu_67108864": ("nsp/primitives/topk.py", "bench/topk.py") + PROTOCOL,  # on a GPU machine
@@ -119,8 +120,8 @@ MEASURES = {
     "max_model": BUILD + ("nsp/", "models/", "bench/max_model.py") + PROTOCOL,
     "fault_campaign": BUILD + ("nsp/", "models/", "bench/fault_campaign.py") + PROTOCOL,
     "csd_scaling": BUILD + SPEC + ("nsp/csd/", "nsp/primitives/", "nsp/storage/", "bench/csd_scaling.py",
-                                   "bench/store_contenders.py", "bench/adam_steps.py", "bench/deepspeed_swap.py")
-    + PROTOCOL,
+                                   "bench/csd_calibration.py", "bench/store_contenders.py", "bench/adam_steps.py",
+                                   "bench/deepspeed_swap.py") + PROTOCOL,
 }
 
 

@@ -19,7 +19,7 @@ checked against numpy: k distinct ascending indices, values equal to ``x`` at th
 the k-th largest and every larger one kept ("correct"); "fallback" says whether the threshold method's candidate
 count missed (its ``ok`` flag, computed apart from the timed call), i.e. whether the exact path ran.
 
-"nsp auto" is what a user gets by default: on CPU the C++ selection (``ffi/topk_select.cc``: a sampled cut, one
+"nsp auto" is what a user gets by default: on CPU the C++ selection (``ffi/xla/topk_select.cc``: a sampled cut, one
 pass collecting the candidates, an exact select among them; a full radix select where the cut falls on many equal
 values); on a GPU or TPU the threshold path from
 ``ACCELERATOR_THRESHOLD_MIN_SIZE`` (64M) entries on and the exact one below, where the threshold path measured

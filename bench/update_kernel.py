@@ -63,7 +63,7 @@ NSP_PROBE = "roofline probe: nsp stream (28 B/param)"
 NUMPY_PROBE = "roofline probe: numpy in place (28 B/param)"
 EAGER = "nsp dense fp32, eager (no jit)"
 ROOFLINE_PROBES = (NSP_PROBE, NUMPY_PROBE, "torch fused Adam", "DeepSpeedCPUAdam")
-CRC_ISAS = ("portable", "sse4.2", "pclmul", "vpclmul-avx2", "vpclmul-avx512")  # ffi/crc32c.cc, slowest first
+CRC_ISAS = ("portable", "sse4.2", "pclmul", "vpclmul-avx2", "vpclmul-avx512")  # ffi/util/crc32c.cc, slowest first
 CRC_PAGE_BYTES = 4 << 20
 
 # One CRC-32C implementation's time per 4 MiB page: the median of 7 batches of calls, after a warm-up call.

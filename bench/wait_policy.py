@@ -6,7 +6,7 @@ machine with as many cores as threads, whatever runs next shares its cores with 
 interleaved benchmarks therefore set OMP_WAIT_POLICY=PASSIVE (threads sleep as soon as they are idle) before
 any OpenMP runtime is loaded, sleep a short pause after each contender's call, and record both.
 
-nsp's own kernel pool (ffi/thread_pool.cc) does not spin: its workers block on a condition variable between
+nsp's own kernel pool (ffi/util/thread_pool.cc) does not spin: its workers block on a condition variable between
 tasks, and the caller blocks on another until the last task is done.
 """
 
@@ -18,8 +18,9 @@ import statistics
 POLICIES = ("PASSIVE", "ACTIVE", "unset")
 DEFAULT_POLICY = "PASSIVE"
 DEFAULT_PAUSE_S = 0.2
-NSP_POOL_SPINS = False  # ffi/thread_pool.cc: condition-variable waits only
-NSP_POOL_NOTE = "nsp's kernel pool blocks on condition variables between tasks (ffi/thread_pool.cc): it does not spin"
+NSP_POOL_SPINS = False  # ffi/util/thread_pool.cc: condition-variable waits only
+NSP_POOL_NOTE = ("nsp's kernel pool blocks on condition variables between tasks (ffi/util/thread_pool.cc): it does "
+                 "not spin")
 
 
 def openmp_loaded() -> list[str]:

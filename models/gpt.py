@@ -47,7 +47,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-from typing import Any
+from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
@@ -97,6 +97,9 @@ class GPTConfig:
     # that it keeps alive until the backward pass: a training step's temporaries drop from ~4.5 to ~2.0 bytes
     # per parameter with bf16 params, to ~2.5 with fp32 params (width 1024). See _f32_accum_dot_general.
     f32_accum: bool = False
+    # The MLP's nonlinearity: "gelu" (GPT-2's tanh approximation) or "relu" (OPT's). After a ReLU about half of
+    # the MLP's hidden activations are exact zeros, which activation offload's sparse format stores compactly.
+    activation: str = "gelu"
 
     def __post_init__(self):
         for name in ("vocab_size", "block_size", "n_layer", "n_head", "n_embd"):
@@ -111,6 +114,8 @@ class GPTConfig:
         if not isinstance(self.f32_accum, (bool, np.bool_)):
             raise ValueError(f"GPTConfig.f32_accum must be a bool, got {self.f32_accum!r}")
         object.__setattr__(self, "f32_accum", bool(self.f32_accum))
+        if self.activation not in ("gelu", "relu"):
+            raise ValueError(f"GPTConfig.activation must be 'gelu' or 'relu', got {self.activation!r}")
         if not 0.0 <= float(self.dropout) < 1.0:
             raise ValueError(f"GPTConfig.dropout must be in [0, 1), got {self.dropout!r}")
         # Normalise dtypes (accepts jnp.bfloat16, np.float32, "bfloat16", ...) to numpy dtype objects.
@@ -293,16 +298,18 @@ class CausalSelfAttention(nnx.Module):
 
 
 class MLP(nnx.Module):
-    """Position-wise feed-forward: Linear(C, 4C) -> GELU (tanh approximation, as GPT-2) -> Linear(4C, C)."""
+    """Position-wise feed-forward: Linear(C, 4C) -> GELU (tanh approximation, as GPT-2; or ReLU, as OPT, with
+    ``activation="relu"``) -> Linear(4C, C)."""
 
     def __init__(self, config: GPTConfig, *, rngs: nnx.Rngs):
         C = config.n_embd
         self.c_fc = _linear(config, C, 4 * C, 0.02, rngs)
         self.c_proj = _linear(config, 4 * C, C, 0.02 / math.sqrt(2 * config.n_layer), rngs)  # writes the residual
         self.dropout = nnx.Dropout(config.dropout, rngs=_dropout_rngs(config, rngs))
+        self.relu = config.activation == "relu"
 
     def __call__(self, x: jax.Array, *, deterministic: bool, rngs: nnx.Rngs | None = None) -> jax.Array:
-        x = jax.nn.gelu(self.c_fc(x), approximate=True)
+        x = jax.nn.relu(self.c_fc(x)) if self.relu else jax.nn.gelu(self.c_fc(x), approximate=True)
         return self.dropout(self.c_proj(x), deterministic=deterministic, rngs=rngs)
 
 
@@ -349,12 +356,15 @@ class GPT(nnx.Module):
         *,
         deterministic: bool = True,
         rngs: nnx.Rngs | jax.Array | None = None,
+        block_call: Callable[[nnx.Module, jax.Array], jax.Array] | None = None,
     ) -> jax.Array:
         """Logits (float32, ``[B, T, vocab_size]``) for int tokens ``[B, T]`` with ``T <= block_size``.
 
         ``deterministic=False`` turns dropout on (a no-op when ``config.dropout == 0``). Dropout keys come from
         ``rngs`` when given (an ``nnx.Rngs`` or a PRNG key, split across the layers), else from the streams the
-        model was built with."""
+        model was built with. ``block_call(block, x)``, when given, applies each block instead of
+        ``block(x, ...)``: e.g. ``nsp.offload.offload_blocks(area)``, which spills the blocks' residuals to disk
+        (deterministic blocks only)."""
         cfg = self.config
         tokens = jnp.asarray(tokens)
         if tokens.ndim != 2:
@@ -373,7 +383,10 @@ class GPT(nnx.Module):
         x = self.wte(tokens) + self.wpe(jnp.arange(T))[None]  # [B, T, C] in param dtype
         x = self.drop(x, deterministic=deterministic, rngs=rngs)
         for block in self.h:
-            x = block(x, deterministic=deterministic, rngs=rngs)
+            if block_call is None:
+                x = block(x, deterministic=deterministic, rngs=rngs)
+            else:
+                x = block_call(block, x)
         x = self.ln_f(x)  # compute dtype
         wte = self.wte.embedding[...].astype(cfg.dtype)
         return jnp.einsum("btc,vc->btv", x, wte, preferred_element_type=jnp.float32)  # tied output projection

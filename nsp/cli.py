@@ -44,7 +44,7 @@ def _train(args: argparse.Namespace) -> int:
 
     values = {f.name: getattr(args, f.name) for f in dataclasses.fields(TrainConfig)}
     if values["bf16_params"]:
-        from nsp.train.trainer import lean_malloc
+        from nsp.train.process import lean_malloc
 
         lean_malloc()
     try:
@@ -220,11 +220,11 @@ def _plan(args: argparse.Namespace) -> int:
 
 def _plan_check(args: argparse.Namespace, setting, figures) -> int:
     """``nsp plan --check DIR``: the prediction for a smaller state beside one real update of it on emulated
-    devices (nsp.csd.emulate). Times scale with the bytes, so a few pages per device tell whether the formulas
+    devices (nsp.emulate). Times scale with the bytes, so a few pages per device tell whether the formulas
     describe the engine; exit status 1 when a scheme differs by more than the tolerance."""
     import dataclasses
 
-    from nsp.csd.emulate import EMULATED, PLAN_TOLERANCE, check_plan
+    from nsp.emulate import EMULATED, PLAN_TOLERANCE, check_plan
     from nsp.csd.model import LABELS
 
     small = dataclasses.replace(setting, params=args.check_params_per_device * args.devices)

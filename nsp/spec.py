@@ -3,8 +3,8 @@ handed to the C++ kernels.
 
 Everything else reads these from here: the kernels' Python wrappers (``nsp.primitives``), the stores
 (``nsp.storage``, which record the spec in ``nsp_store.json``), the optax transforms (``nsp.optim``) and the
-trainer's config. The C++ side has the same kinds in ``ffi/update_kernel.h`` (``OptimizerKind``) and the same
-hyperparameter names in ``ffi/hyper_params.h``.
+trainer's config. The C++ side has the same kinds in ``ffi/kernels/update_kernel.h`` (``OptimizerKind``) and the same
+hyperparameter names in ``ffi/kernels/hyper_params.h``.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import dataclasses
 
 import numpy as np
 
-#: The update kinds and their codes in the C++ kernels (ffi/update_kernel.h: OptimizerKind).
+#: The update kinds and their codes in the C++ kernels (ffi/kernels/update_kernel.h: OptimizerKind).
 KINDS: dict[str, int] = {"adam": 0, "adamw": 1, "sgd": 2, "adagrad": 3}
 
 #: The kinds' default eps, as optax's: 1e-8 for Adam/AdamW, 1e-7 for AdaGrad (SGD has none).
@@ -42,7 +42,7 @@ def uses_nu(kind: str) -> bool:
 def hyper_attrs(kind: str, b1: float, b2: float, eps: float, weight_decay: float, momentum: float,
                 nesterov: bool, lazy: bool) -> dict:
     """The hyperparameters of an update other than lr and step, as the one dictionary the C++ side decodes
-    (ffi/hyper_params.h names the keys): the ``hyper`` attribute of the FFI update calls, and the ``hyper``
+    (ffi/kernels/hyper_params.h names the keys): the ``hyper`` attribute of the FFI update calls, and the ``hyper``
     argument of the storage engine's ``step``. ``kind`` is one of ``KINDS``' names."""
     return dict(kind=np.int32(KINDS[kind]), b1=np.float64(b1), b2=np.float64(b2), eps=np.float64(eps),
                 weight_decay=np.float64(weight_decay), momentum=np.float64(momentum), nesterov=bool(nesterov),

@@ -106,12 +106,15 @@ def compile_shared(sources: list[Path], out: Path, *extra: str, what: str = "the
     if cxx is None:
         pytest.skip(f"no C++ compiler: {what} is built from source")
     cmd = [cxx, "-O2", "-std=c++17", "-ffp-contract=off", "-Wno-unknown-pragmas", "-shared", "-fPIC",
-           *map(str, sources), *extra, "-o", str(out), "-lpthread"]
+           f"-I{ROOT / 'ffi'}", *map(str, sources), *extra, "-o", str(out), "-lpthread"]
     done = subprocess.run(cmd, capture_output=True, text=True)
     assert done.returncode == 0, f"{' '.join(cmd)}\n{done.stderr}"
     return out
 
 
 def model_sources(model: str) -> list[Path]:
-    """A vendor model's sources: the model and the HLS updater it runs (ffi/models/<model>.cc)."""
-    return [ROOT / f"ffi/models/{model}.cc", ROOT / "ffi/hls/nsp_updater_hls.cc", ROOT / "ffi/hls/nsp_updater_host.cc"]
+    """A vendor model's sources: the model beside its backend (ffi/backends/<vendor>/<vendor>_model.cc, `model` being
+    xrt_model or axdimm_model) and the HLS updater it runs (ffi/backends/hls)."""
+    vendor = model.removesuffix("_model")
+    return [ROOT / f"ffi/backends/{vendor}/{model}.cc", ROOT / "ffi/backends/hls/nsp_updater_hls.cc",
+            ROOT / "ffi/backends/hls/nsp_updater_host.cc"]

@@ -1,8 +1,8 @@
 """The axdimm backend (libnsp_backend_axdimm.so): an AXDIMM module per shard (a DIMM with an FPGA and two DRAM
 channels) in front of the shard's NVMe page files, run here against the software model of the AXDIMM runtime
-(ffi/models/axdimm_model.cc, built into a temporary directory with the system C++ compiler and given to the backend
-with its library= option). Its results are the memory tier's for every kind, both channels compute, a module smaller
-than the state evicts pages already updated in the step first and still updates correctly, each way it can be
+(ffi/backends/axdimm/axdimm_model.cc, built into a temporary directory with the system C++ compiler and given to the
+backend with its library= option). Its results are the memory tier's for every kind, both channels compute, a module
+smaller than the state evicts pages already updated in the step first and still updates correctly, each way it can be
 unavailable says why, and each injected fault fails one update cleanly."""
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ import pytest
 
 from nsp import cli
 from nsp.csd import LinkFigures, Setting
-from nsp.csd.emulate import PLAN_TOLERANCE, check_plan, emulated_update
+from nsp.emulate import PLAN_TOLERANCE, check_plan, emulated_update
 
 PAGE = 1 << 20  # 1 MiB pages: 4 per state and device below, so fill and drain weigh as much as they ever do
 

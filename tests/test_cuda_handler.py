@@ -1,5 +1,5 @@
-"""The store update's CUDA handler (ffi/cuda_stage.cc), run on the CPU against the software model of the CUDA
-entry points it uses (ffi/models/cuda_model.cc, built into a temporary directory with the system C++ compiler).
+"""The store update's CUDA handler (ffi/xla/cuda/cuda_stage.cc), run on the CPU against the software model of the CUDA
+entry points it uses (ffi/xla/cuda/cuda_model.cc, built into a temporary directory with the system C++ compiler).
 
 tests/cuda_handler_cases.py runs every kind of update (adam/adamw/sgd/adagrad, gradient leaves, bf16 params,
 bf16 gradients, Top-K, lazy Top-K, staleness 0 and 1, adopted params, a NaN skip, two devices in shard_map, and
@@ -32,7 +32,7 @@ SHARDS = {"mesh_adam": 2, "mesh_sgd_stale1": 2, "mesh_adamw_topk": 2}
 @pytest.fixture(scope="module")
 def model(tmp_path_factory):
     where = tmp_path_factory.mktemp("cuda_model")
-    return _compile_shared([ROOT / "ffi/models/cuda_model.cc"], where / "libnsp_cuda_model.so",
+    return _compile_shared([ROOT / "ffi/xla/cuda/cuda_model.cc"], where / "libnsp_cuda_model.so",
                            what="the CUDA model")
 
 

@@ -1,8 +1,8 @@
-"""The HLS-style updater kernel (ffi/hls) in C simulation, and against nsp's own CPU kernel.
+"""The HLS-style updater kernel (ffi/backends/hls) in C simulation, and against nsp's own CPU kernel.
 
 Two checks, both built here with the system C++ compiler (no Xilinx tools):
-- the C simulation testbench (ffi/hls/csim_main.cc), which holds every kind x gradient format x lazy against its
-  own fp32 and double oracles and exits non-zero above 1e-6;
+- the C simulation testbench (ffi/backends/hls/csim_main.cc), which holds every kind x gradient format x lazy against
+  its own fp32 and double oracles and exits non-zero above 1e-6;
 - the kernel compiled into a shared library and called through ctypes on numpy arrays, page by page with the
   Top-K run split per page (as a device backend would run it), against ``nsp.primitives.fused_update`` on the same
   inputs: within 1e-6 relative under whatever instruction set nsp's kernels use here (its AVX2/AVX-512 kernels
@@ -27,7 +27,8 @@ import numpy as np
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-HLS = ROOT / "ffi" / "hls"
+FFI = ROOT / "ffi"  # the include root of the C++ sources
+HLS = FFI / "backends" / "hls"
 CXXFLAGS = ["-O2", "-std=c++17", "-Wno-unknown-pragmas", "-ffp-contract=off"]
 KERNEL_SOURCES = [HLS / "nsp_updater_hls.cc", HLS / "nsp_updater_host.cc"]
 TOLERANCE = 1e-6
@@ -57,7 +58,7 @@ def find_cxx() -> str | None:
 
 def compile_cxx(cxx: str, sources: list[Path], out: Path, *extra: str) -> Path:
     """Compiles ``sources`` into ``out``; fails the test with the compiler's message."""
-    cmd = [cxx, *CXXFLAGS, *extra, f"-I{HLS}", *map(str, sources), "-o", str(out), "-lpthread"]
+    cmd = [cxx, *CXXFLAGS, *extra, f"-I{FFI}", *map(str, sources), "-o", str(out), "-lpthread"]
     proc = subprocess.run(cmd, capture_output=True, text=True)
     assert proc.returncode == 0, f"compiling {out.name} failed:\n{' '.join(cmd)}\n{proc.stderr}"
     return out

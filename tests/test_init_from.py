@@ -78,7 +78,7 @@ def test_init_from_equals_init_on_the_whole_model_then_cast(tier, tmp_path):
 
 def test_init_from_lets_go_of_each_fp32_leaf_once_its_pages_are_written(tmp_path, monkeypatch):
     # Pages are gathered a chunk at a time; a chunk of one page makes "the model" many chunks long.
-    monkeypatch.setattr(nsp.storage.store, "_INIT_CHUNK_BYTES", 4096)
+    monkeypatch.setattr(nsp.storage.creation, "_INIT_CHUNK_BYTES", 4096)
     values = _values()
     order = sorted(values)
     alive: list[weakref.ref] = []

@@ -155,7 +155,7 @@ def test_bf16_gradients_and_bf16_params_out(tmp_path):
 
 
 def test_pages_larger_than_one_disk_request_round_trip(tmp_path):
-    """A 4 MiB page moves as several requests (ffi/page_file.h: kMaxRequestBytes): every piece lands where it
+    """A 4 MiB page moves as several requests (ffi/backends/page_file.h: kMaxRequestBytes): every piece lands where it
     belongs, read and written, the partial last page included. The file tier matches the memory tier bit for bit
     over steps that read back what the previous one wrote, and tensorstore reads the committed pages with their
     checksums intact."""
@@ -290,7 +290,8 @@ def _thp_mode() -> str:
 
 @pytest.mark.skipif(_thp_mode() not in ("madvise", "always"), reason="the kernel grants no transparent huge pages")
 def test_memory_tier_state_lies_on_huge_pages():
-    """The update streams the memory tier's state: it is allocated on transparent huge pages (ffi/backend.cc)."""
+    """The update streams the memory tier's state: it is allocated on transparent huge pages
+    (ffi/backends/backend.cc)."""
     code = textwrap.dedent("""
         import numpy as np, nsp.storage as storage
 

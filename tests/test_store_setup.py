@@ -18,7 +18,7 @@ import pytest
 
 import nsp.storage as storage
 from nsp.storage import space
-from nsp.storage import store as store_module
+from nsp.storage import creation
 from nsp.storage.format import METADATA
 from nsp.storage.snapshot import snapshot_store
 
@@ -70,7 +70,7 @@ def states_of(store):
 @pytest.fixture
 def small_chunks(monkeypatch):
     """initialize writes one page at a time: every leaf spans several writes, every write several leaves."""
-    monkeypatch.setattr(store_module, "_INIT_CHUNK_BYTES", PAGE)
+    monkeypatch.setattr(creation, "_INIT_CHUNK_BYTES", PAGE)
 
 
 # ---- initialize_from -------------------------------------------------------------------------------------------
@@ -82,7 +82,7 @@ def test_initialize_from_writes_what_initialize_writes(tmp_path, monkeypatch, ti
     with open_store(tmp_path / "whole", tier) as whole:
         assert whole.initialize(make_params(), spec) == 0
         expected = states_of(whole)
-    monkeypatch.setattr(store_module, "_INIT_CHUNK_BYTES", 2 * PAGE)  # other write boundaries, same bytes
+    monkeypatch.setattr(creation, "_INIT_CHUNK_BYTES", 2 * PAGE)  # other write boundaries, same bytes
     with open_store(tmp_path / "lazy", tier) as lazy:
         assert lazy.initialize_from(abstract_params(), leaf_values, spec) == 0
         assert lazy.layout == whole.layout

@@ -1,6 +1,6 @@
-"""The software models of the vendor libraries (ffi/models), driven through ctypes exactly as a backend would call
-the real ones: XRT's C API (libxrt_model.so, a SmartSSD's FPGA) and the AXDIMM runtime API as nsp reads it from the
-paper (libaxdimm_model.so).
+"""The software models of the vendor libraries (ffi/backends/xrt/xrt_model.cc, ffi/backends/axdimm/axdimm_model.cc),
+driven through ctypes exactly as a backend would call the real ones: XRT's C API (libxrt_model.so, a SmartSSD's FPGA)
+and the AXDIMM runtime API as nsp reads it from the paper (libaxdimm_model.so).
 
 Each test builds the model library with the system C++ compiler, moves a page in, runs the update, moves it back
 and holds the result against nsp's CPU kernel (``fused_update``): within 1e-6 relative, bit for bit when nsp's
@@ -23,7 +23,7 @@ _spec = importlib.util.spec_from_file_location("hls_kernel_helpers", Path(__file
 hk = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(hk)
 
-MODELS = hk.ROOT / "ffi" / "models"
+MODELS = {name: hk.ROOT / "ffi" / "backends" / name.removesuffix("_model") for name in ("xrt_model", "axdimm_model")}
 P = ctypes.c_void_p
 N = 5000          # elements per tensor
 PAGE = 3000       # XRT runs: two pages (sub-buffers), the second with index_base = PAGE
@@ -31,17 +31,17 @@ ADAM = hk.CONFIGS["adam"]
 ADAMW = hk.CONFIGS["adamw_wd"]
 STEP, LR = 7, 3e-3
 
-# XRT's values (ffi/vendor/xrt_c_api.h)
+# XRT's values (ffi/backends/xrt/vendor/xrt_c_api.h)
 BO_P2P = 1 << 30
 SYNC_TO_DEVICE, SYNC_FROM_DEVICE = 0, 1
 ERT_COMPLETED, ERT_ERROR = 4, 5
-# AXDIMM status codes (ffi/vendor/axdimm_api.h)
+# AXDIMM status codes (ffi/backends/axdimm/vendor/axdimm_api.h)
 AX_OK, AX_EINVAL, AX_ENOMEM, AX_EACCES, AX_EMODE, AX_EBUSY, AX_EIO, AX_EKERNEL = range(8)
 MODE_NORMAL, MODE_ACC = 0, 1
 
 
 def build_model(cxx: str, out_dir: Path, name: str) -> Path:
-    sources = [MODELS / f"{name}.cc", *hk.KERNEL_SOURCES]
+    sources = [MODELS[name] / f"{name}.cc", *hk.KERNEL_SOURCES]
     return hk.compile_cxx(cxx, sources, out_dir / f"lib{name}.so", "-shared", "-fPIC")
 
 
@@ -90,7 +90,7 @@ def coefficients(lib, cfg: dict) -> np.ndarray:
 
 
 class Xrt:
-    """libxrt_model.so with the signatures of ffi/vendor/xrt_c_api.h declared."""
+    """libxrt_model.so with the signatures of ffi/backends/xrt/vendor/xrt_c_api.h declared."""
 
     def __init__(self, path: Path):
         lib = self.lib = ctypes.CDLL(str(path), use_errno=True)
@@ -318,7 +318,7 @@ def test_xrt_model_refuses_bad_topk_run(xrt, tmp_path):
 
 
 class AdamArgs(ctypes.Structure):
-    """nspAxdimmAdamArgs (ffi/vendor/axdimm_api.h)."""
+    """nspAxdimmAdamArgs (ffi/backends/axdimm/vendor/axdimm_api.h)."""
 
     _fields_ = [("struct_size", ctypes.c_uint32), ("kind", ctypes.c_int32), ("grad_format", ctypes.c_int32),
                 ("lazy", ctypes.c_int32), ("p", ctypes.c_uint64), ("m", ctypes.c_uint64), ("v", ctypes.c_uint64),
@@ -330,7 +330,7 @@ class AdamArgs(ctypes.Structure):
 
 
 class Axdimm:
-    """libaxdimm_model.so with the signatures of ffi/vendor/axdimm_api.h declared."""
+    """libaxdimm_model.so with the signatures of ffi/backends/axdimm/vendor/axdimm_api.h declared."""
 
     def __init__(self, path: Path):
         lib = self.lib = ctypes.CDLL(str(path))

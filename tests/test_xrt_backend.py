@@ -1,5 +1,5 @@
 """The xrt backend (libnsp_backend_xrt.so): a SmartSSD per shard through XRT's C API, run here against the software
-model of XRT (ffi/models/xrt_model.cc, built into a temporary directory with the system C++ compiler and given to
+model of XRT (ffi/backends/xrt/xrt_model.cc, built into a temporary directory with the system C++ compiler and given to
 the backend with its library= option). Its results are the memory tier's for every kind, its pages move through
 P2P buffers, each way it can be unavailable says why, and each injected fault fails one update cleanly."""
 
@@ -80,8 +80,8 @@ def test_without_the_p2p_call_pages_are_read_into_the_buffers_mapping(tmp_path, 
     transfer on a SmartSSD). The model built with that call hidden stands for it."""
     script = tmp_path / "hide_p2p.map"
     script.write_text("{ local: nspXrtP2PRead; nspXrtP2PWrite; };\n")
-    lib = compile_shared([ROOT / "ffi/models/xrt_model.cc", ROOT / "ffi/hls/nsp_updater_hls.cc",
-                          ROOT / "ffi/hls/nsp_updater_host.cc"], tmp_path / "libxrt_plain.so",
+    lib = compile_shared([ROOT / "ffi/backends/xrt/xrt_model.cc", ROOT / "ffi/backends/hls/nsp_updater_hls.cc",
+                          ROOT / "ffi/backends/hls/nsp_updater_host.cc"], tmp_path / "libxrt_plain.so",
                          f"-Wl,--version-script={script}")
     spec, how = KINDS["adamw_bf16"]
     with memory_store(2) as mem, \

@@ -157,6 +157,23 @@ static int sd_create(const char* path, mode_t mode, struct fuse_file_info* fi) {
   return 0;
 }
 
+// Moves all `size` bytes at `off` between `fd` and `buf` (written when `write`, else read), again after a signal;
+// a read ends early at the end of the file. Returns the bytes moved, or -errno.
+static ssize_t transfer(int fd, char* buf, size_t size, off_t off, int write) {
+  size_t moved = 0;
+  while (moved < size) {
+    ssize_t n = write ? pwrite(fd, buf + moved, size - moved, off + (off_t)moved)
+                      : pread(fd, buf + moved, size - moved, off + (off_t)moved);
+    if (n == -1) {
+      if (errno == EINTR) continue;
+      return -errno;
+    }
+    if (n == 0) break;
+    moved += (size_t)n;
+  }
+  return (ssize_t)moved;
+}
+
 static int sd_read(const char* path, char* buf, size_t size, off_t off, struct fuse_file_info* fi) {
   (void)path;
   if (fi->fh == STAT_FH) {  // served from the counters, not booked on the timeline
@@ -168,16 +185,8 @@ static int sd_read(const char* path, char* buf, size_t size, off_t off, struct f
     return (int)len;
   }
   uint64_t done = book(size, 0);
-  size_t got = 0;
-  while (got < size) {
-    ssize_t n = pread((int)fi->fh, buf + got, size - got, off + (off_t)got);
-    if (n == -1) {
-      if (errno == EINTR) continue;
-      return -errno;
-    }
-    if (n == 0) break;
-    got += (size_t)n;
-  }
+  ssize_t got = transfer((int)fi->fh, buf, size, off, 0);
+  if (got < 0) return (int)got;
   wait_until(done);
   return (int)got;
 }
@@ -185,15 +194,8 @@ static int sd_read(const char* path, char* buf, size_t size, off_t off, struct f
 static int sd_write(const char* path, const char* buf, size_t size, off_t off, struct fuse_file_info* fi) {
   (void)path;
   uint64_t done = book(size, 1);
-  size_t put = 0;
-  while (put < size) {
-    ssize_t n = pwrite((int)fi->fh, buf + put, size - put, off + (off_t)put);
-    if (n == -1) {
-      if (errno == EINTR) continue;
-      return -errno;
-    }
-    put += (size_t)n;
-  }
+  ssize_t put = transfer((int)fi->fh, (char*)buf, size, off, 1);
+  if (put < 0) return (int)put;
   wait_until(done);
   return (int)put;
 }

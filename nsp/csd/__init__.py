@@ -5,7 +5,8 @@ One module per job: ``figures`` (the links' bandwidths, cited defaults), ``clock
 it moves on each resource), ``model`` (baseline, SmartUpdate and SmartComp steps, Table I traffic), ``measured``
 (a store's counted traffic on the model clock), ``paper`` (the paper's settings and published numbers), ``device``
 (the options of the emulated device a ``tier="csd"`` store runs each shard on: its figures and faults),
-``emulate`` (one real update on N emulated devices, beside the plan), ``plan`` (``nsp plan``'s prediction).
+``plan`` (``nsp plan``'s prediction; ``nsp.emulate`` runs one real update on N emulated devices beside it).
+The package imports nothing of nsp outside itself: ``nsp.storage`` opens ``csd`` stores with ``device``'s options.
 
     >>> from nsp.csd import LinkFigures, Setting, step_time
     >>> round(step_time("smartupdate", Setting(params=1_000_000_000), 4, LinkFigures()).seconds, 1) > 0

@@ -3,7 +3,7 @@ computational-storage device with the given link figures.
 
 The data path is real (any store on disk, one shard per device directory); only time is modelled, here in one
 phase from the store's counters. The ``csd`` tier's devices keep their own clock page by page instead
-(``shard_stats()[i]["backend"]``; ``nsp.csd.emulate`` sets it beside the plan). Between two reads
+(``shard_stats()[i]["backend"]``; ``nsp.emulate`` sets it beside the plan). Between two reads
 of ``store.shard_stats()`` each shard counted what it moved: gradient bytes in and param bytes out (its host
 traffic), and the pages of state it read and wrote (its internal traffic). On the model clock:
 

@@ -1,9 +1,10 @@
 """Multi-process runs on JAX's own distributed runtime: one process per host, one store shard per device.
 
-``runtime`` joins the run (``jax.distributed.initialize``) and lays every process's devices out in one mesh;
-``watchdog`` ends a process whose peer died; ``agree`` makes the processes agree on the committed version and on
-failures; ``local_restore`` rebuilds a process's own shards from its part of a checkpoint; ``launch`` starts N
-local processes (``nsp launch``).
+``coordination`` holds the coordination service's client, its barriers and ``DistributedError``; on it,
+``runtime`` joins the run (``jax.distributed.initialize``) and lays every process's devices out in one mesh, and
+``agree`` makes the processes agree on the committed version and on failures; ``watchdog`` ends a process whose
+peer died; ``local_restore`` rebuilds a process's own shards from its part of a checkpoint (``nsp.storage``'s
+restore); ``launch`` starts N local processes (``nsp launch``).
 """
 
 from nsp.distributed.agree import agree_committed, agree_version, all_succeed, barrier

@@ -7,23 +7,14 @@ waiting through its barriers. With one process each function answers at once fro
 
 from __future__ import annotations
 
-import itertools
 import time
 
 import jax
 import numpy as np
 
-from nsp.distributed.runtime import DistributedError, client
+from nsp.distributed.coordination import AGREE_TIMEOUT_S, DistributedError, barrier, client, sequence_number
 
-_COUNTER = itertools.count()
-AGREE_TIMEOUT_S = 300  # how long a process waits for the others to report (a dead one ends it sooner: watchdog)
-
-
-def barrier(name: str, timeout_s: float = AGREE_TIMEOUT_S) -> None:
-    """Waits until every process gets here (a no-op alone)."""
-    c = client()
-    if c is not None:
-        c.wait_at_barrier(f"{name}-{next(_COUNTER)}", int(timeout_s * 1000))
+__all__ = ["AGREE_TIMEOUT_S", "agree_committed", "agree_version", "all_succeed", "barrier"]
 
 
 def agree_version(local_version: int) -> tuple[int, int, float]:
@@ -59,7 +50,7 @@ def all_succeed(what: str, error: BaseException | None) -> None:
         if error is not None:
             raise error
         return
-    tag = f"nsp/{what.replace(' ', '-')}/{next(_COUNTER)}"
+    tag = f"nsp/{what.replace(' ', '-')}/{sequence_number()}"
     me, n = jax.process_index(), jax.process_count()
     c.key_value_set(f"{tag}/{me}", "" if error is None else (str(error) or type(error).__name__))
     failures = []

@@ -18,17 +18,17 @@ import time
 
 import jax
 
+from nsp.distributed.coordination import DistributedError, barrier, client, service_client
 from nsp.distributed.watchdog import PEER_LOST_EXIT, PeerWatchdog, peer_lost_message
+
+__all__ = ["DistributedError", "client", "finish", "global_devices", "initialize", "is_multiprocess",
+           "local_shards"]
 
 HEARTBEAT_TIMEOUT_S = 10  # a peer silent this long is dead (JAX's own default is 100 s)
 INIT_TIMEOUT_S = 120  # every process must have joined within this long
 GUARD_PROBE_MS = 2000  # how long the abort guard waits for the coordination service to accept a connection
 
 _WATCHDOG: PeerWatchdog | None = None
-
-
-class DistributedError(RuntimeError):
-    """The processes of a run cannot start, agree or go on together (the message says which and why)."""
 
 
 def _cluster_detected() -> bool:
@@ -83,7 +83,7 @@ def initialize(coordinator: str | None = None, num_processes: int | None = None,
             f"process {process_id if process_id is not None else '?'} could not join the run at "
             f"{coordinator or '(detected coordinator)'} within {init_timeout_s} s (a process never started, "
             f"crashed before joining, or the address is wrong): {first}") from None
-    _WATCHDOG = PeerWatchdog(_client(), jax.process_index(), jax.process_count(), heartbeat_timeout_s)
+    _WATCHDOG = PeerWatchdog(service_client(), jax.process_index(), jax.process_count(), heartbeat_timeout_s)
     _WATCHDOG.start()
     if jax.process_index() != 0:
         _guard_against_service_loss()
@@ -93,12 +93,12 @@ def initialize(coordinator: str | None = None, num_processes: int | None = None,
 def _guard_against_service_loss() -> None:
     """When process 0 dies, JAX's client aborts this process as soon as it polls the coordination service
     (SIGABRT, "Terminating process because the JAX distributed service detected fatal errors"), often before the
-    watchdog or a failed collective can say so. The guard (C++, ffi/abort_guard.cc) catches that abort and, only
+    watchdog or a failed collective can say so. The guard (C++, ffi/util/abort_guard.cc) catches that abort and, only
     when the service's address no longer accepts connections, prints the watchdog's message and exits with
     ``PEER_LOST_EXIT``; any other abort stays an abort."""
     from jax._src import distributed as _distributed
 
-    from nsp import _nsp_ffi
+    from nsp import engine
 
     address = _distributed.global_state.coordinator_address or ""
     host, _, port = address.rpartition(":")
@@ -109,20 +109,8 @@ def _guard_against_service_loss() -> None:
               "abort this process without nsp's message", file=sys.stderr)
         return
     why = f"lost the coordination service at {address} (process 0 died, or the network broke)"
-    _nsp_ffi.install_abort_guard(numeric, int(port), GUARD_PROBE_MS, peer_lost_message(jax.process_index(), why)
+    engine.install_abort_guard(numeric, int(port), GUARD_PROBE_MS, peer_lost_message(jax.process_index(), why)
                                  + "\n", PEER_LOST_EXIT)
-
-
-def _client():
-    """JAX's distributed-runtime client (its key-value store, barriers and liveness queries)."""
-    from jax._src import distributed as _distributed
-
-    return _distributed.global_state.client
-
-
-def client():
-    """The distributed-runtime client of this process (``None`` when it runs alone)."""
-    return _client() if jax.distributed.is_initialized() else None
 
 
 def finish(barrier_timeout_s: int = 600) -> None:
@@ -131,15 +119,13 @@ def finish(barrier_timeout_s: int = 600) -> None:
     global _WATCHDOG
     if not jax.distributed.is_initialized():
         return
-    from nsp.distributed.agree import barrier
-
     barrier("nsp-finish", barrier_timeout_s)
     if _WATCHDOG is not None:
         _WATCHDOG.stop()
         _WATCHDOG = None
-    from nsp import _nsp_ffi
+    from nsp import engine
 
-    _nsp_ffi.remove_abort_guard()  # the service going away from now on is the run ending, not a loss
+    engine.remove_abort_guard()  # the service going away from now on is the run ending, not a loss
     # Process 0 hosts the coordination service: it leaves last, once the others have disconnected (a service
     # that goes away under a disconnecting client aborts that client).
     if jax.process_index() == 0:
@@ -147,7 +133,7 @@ def finish(barrier_timeout_s: int = 600) -> None:
         others = list(range(1, jax.process_count()))
         while time.monotonic() < deadline:
             try:
-                if not set(_client().get_live_nodes(others)):
+                if not set(service_client().get_live_nodes(others)):
                     break
             except Exception:  # noqa: BLE001
                 break

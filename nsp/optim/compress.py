@@ -1,10 +1,11 @@
 """Top-K gradient compression as an optax transform, with error feedback.
 
-``topk_compress`` flattens the incoming updates (the layout order of ``nsp.storage.Layout``), cuts the flat
-vector into the store's equal shards, and keeps the ``ratio`` largest-magnitude entries of each shard. What it
-emits is a ``Compressed`` update (values and shard-local sorted indices, ``k`` per shard), which the storage
-transforms decompress inside the update kernel. With error feedback the entries it drops are kept in the state
-and added to the next step's gradient; ``residual_decay`` scales that remainder down each step it stays unsent.
+``topk_compress`` flattens the incoming updates and cuts the flat vector into the store's equal shards, asking
+the store's ``nsp.storage.Layout`` for both (``flat_layout``), and keeps the ``ratio`` largest-magnitude entries
+of each shard. What it emits is a ``Compressed`` update (values and shard-local sorted indices, ``k`` per
+shard), which the storage transforms decompress inside the update kernel. With error feedback the entries it
+drops are kept in the state and added to the next step's gradient; ``residual_decay`` scales that remainder down
+each step it stays unsent.
 
 The store runs the dense update on the decompressed gradient by default (Smart-Infinity's updater): every
 moment decays and every param keeps moving on its momentum, sent this step or not. ``TopK(..., lazy=True)``
@@ -55,6 +56,7 @@ from jax.sharding import Mesh
 
 from nsp.optim._shards import map_shards, shard_flat
 from nsp.primitives.topk import METHODS, kept_count, resolve_method, topk_feedback, topk_compress as _topk
+from nsp.storage.layout import Layout
 
 #: Default factor applied to the unsent remainder each step (see the module docstring for the measurements).
 DEFAULT_RESIDUAL_DECAY = 1.0
@@ -117,33 +119,31 @@ class TopKState(NamedTuple):
     residual: jax.Array
 
 
+def flat_layout(tree: Any, num_shards: int) -> Layout:
+    """The store layout of ``tree`` over ``num_shards`` shards: Top-K cuts its flat vector exactly as the store
+    that consumes the result does, by asking the layout (``Layout.flatten``, ``Layout.padded_total``)."""
+    return Layout.from_tree(tree, num_shards=num_shards)
+
+
 def flat_size(tree: Any, num_shards: int) -> tuple[int, int]:
     """(real, padded) length of the flattened tree cut into ``num_shards`` equal shards."""
-    total = sum(int(x.size) for x in jax.tree_util.tree_leaves(tree))
-    shard = max(1, -(-total // num_shards))
-    return total, shard * num_shards
+    layout = flat_layout(tree, num_shards)
+    return layout.total, layout.padded_total
 
 
 def flatten_padded(tree: Any, num_shards: int, dtype=jnp.float32) -> jax.Array:
-    """The tree's leaves raveled in pytree order, concatenated and zero-padded to equal shards."""
-    total, padded = flat_size(tree, num_shards)
-    parts = [jnp.ravel(x).astype(dtype) for x in jax.tree_util.tree_leaves(tree)]
-    if padded > total:
-        parts.append(jnp.zeros((padded - total,), dtype))
-    return jnp.concatenate(parts)
+    """The tree's leaves raveled in pytree order, concatenated and zero-padded to equal shards (the layout's flat
+    vector)."""
+    return flat_layout(tree, num_shards).flatten(tree, dtype)
 
 
-def _add_into(residual: jax.Array, leaves: list[jax.Array]) -> jax.Array:
-    """``residual + flatten_padded(leaves)``, leaf by leaf into the residual's own buffer: a donated residual is
+def _add_into(residual: jax.Array, layout: Layout, leaves: list[jax.Array]) -> jax.Array:
+    """``residual + layout.flatten(leaves)``, leaf by leaf into the residual's own buffer: a donated residual is
     updated in place, and no flat copy of the gradient is made (each leaf is read once, converted on the fly)."""
-    offsets = [0]
-    for leaf in leaves:
-        offsets.append(offsets[-1] + int(leaf.size))
-    for leaf, offset in zip(leaves, offsets):
-        n = int(leaf.size)
-        if n:
-            part = jax.lax.dynamic_slice(residual, (offset,), (n,)) + jnp.ravel(leaf).astype(jnp.float32)
-            residual = jax.lax.dynamic_update_slice(residual, part, (offset,))
+    for leaf, spec in zip(leaves, layout.leaves):
+        if spec.size:
+            part = jax.lax.dynamic_slice(residual, (spec.offset,), (spec.size,)) + jnp.ravel(leaf).astype(jnp.float32)
+            residual = jax.lax.dynamic_update_slice(residual, part, (spec.offset,))
     return residual
 
 
@@ -202,7 +202,7 @@ def topk_compress(
         raise ValueError(f"num_shards must be >= 1, got {num_shards}")
 
     def init_fn(params):
-        _, padded = flat_size(params, num_shards)
+        padded = flat_layout(params, num_shards).padded_total
         return TopKState(jnp.zeros((padded,) if error_feedback else (0,), jnp.float32))
 
     def update_fn(updates, state, params=None, **extra_args):
@@ -211,7 +211,8 @@ def topk_compress(
         if isinstance(updates, Compressed):
             raise ValueError("the updates are compressed already (topk_compress appears twice in the chain)")
         leaves = jax.tree_util.tree_leaves(updates)
-        _, padded = flat_size(updates, num_shards)
+        layout = flat_layout(updates, num_shards)
+        padded = layout.padded_total
         if error_feedback and state.residual.shape != (padded,):
             raise ValueError(f"the updates flatten to {padded} entries; this state was made for "
                              f"{state.residual.shape[0]}")
@@ -225,7 +226,7 @@ def topk_compress(
             # jnp path below, which XLA fuses on an accelerator.
             values, indices, residual = jax.lax.platform_dependent(
                 cpu=lambda: topk_feedback(state.residual, leaves, k=k, shards=num_shards, decay=decay),
-                default=lambda: _compress_flat(_add_into(state.residual, leaves), k))
+                default=lambda: _compress_flat(_add_into(state.residual, layout, leaves), k))
             return Compressed(values, indices), TopKState(residual)
         # Without a residual to add into, the flat vector keeps the gradient's own dtype when the leaves share one
         # (bf16 gradients: half the bytes); the selection reads magnitudes in float32 either way.
@@ -233,7 +234,7 @@ def topk_compress(
         dtype = dtypes.pop() if len(dtypes) == 1 and not error_feedback else jnp.float32
         if not jnp.issubdtype(dtype, jnp.floating) or jnp.dtype(dtype).itemsize > 4:
             dtype = jnp.float32
-        flat = shard_flat(flatten_padded(updates, num_shards, dtype), mesh, axis_name)
+        flat = shard_flat(layout.flatten(updates, dtype), mesh, axis_name)
         if error_feedback:
             flat = flat + state.residual
         values, indices, residual = _compress_flat(flat, k)

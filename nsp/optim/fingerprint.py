@@ -9,7 +9,7 @@ same bits: any single changed element always changes the hash, several cancel ou
 It must cost no params-sized memory (the storage transform's step holds the gradient and little else), so it is
 computed where each platform does that well:
 
-- **CPU**: in C++ (``ffi/params_hash.cc``: ``nsp_params_hash``, ``nsp_next_params_update[_flat]``,
+- **CPU**: in C++ (``ffi/xla/params_hash.cc``: ``nsp_params_hash``, ``nsp_next_params_update[_flat]``,
   ``nsp_segment_hash``), reading each leaf where it lies on the kernels' thread pool. XLA:CPU fuses no integer elementwise work into a reduction, so
   a jnp hash of a leaf writes a uint32 per element; cut into chunks in a loop, XLA hoists whole-leaf conversions
   out of the loop (bf16 ops are computed in float32 there), which cost 4-8 bytes per parameter.
@@ -28,7 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
-from nsp.primitives import _ffi  # noqa: F401  (registers the FFI targets)
+import nsp.primitives  # noqa: F401  (registers the FFI targets)
 from nsp.primitives.store_update import explicit_axes
 
 #: What the params may be rounded to between ``init`` and the first update (besides their own dtype); the

@@ -26,6 +26,8 @@ import jax
 import numpy as np
 import optax
 
+from nsp.optim.compensation import resume_requested, resuming
+
 _PRODUCING = threading.local()
 
 
@@ -133,9 +135,7 @@ def init_from(
     For the GPTs of ``nsp.models``, ``nsp.train.layerwise.LayerwiseInit(config, seed)`` is such a ``produce``
     (``.abstract`` its tree): each leaf bit for bit the one ``GPT(config, rngs=nnx.Rngs(seed))`` holds.
     """
-    from nsp.optim.storage import _RESUMING, resuming  # the storage transforms import this module
-
-    if getattr(_RESUMING, "depth", 0):
+    if resume_requested():
         raise ValueError("init_from starts a fresh state from the producer; to continue a store's state, call "
                          "tx.init(params) inside nsp.optim.resuming() with the params read back")
     producer = _Producer(abstract_params, produce, dtype, progress, checkpoint_margin)

@@ -17,7 +17,7 @@ from typing import Any, NamedTuple
 import jax
 import optax
 
-from nsp.optim.storage import LR_SCALE_ARG, _mark_lr_scaled, lr_scale_consumers
+from nsp.optim.compensation import LR_SCALE_ARG, lr_scale_consumers, mark_lr_scaled
 
 
 class ReduceOnPlateauState(NamedTuple):
@@ -92,7 +92,7 @@ def reduce_on_plateau(
         if not scaled:  # no storage transform took the scale: apply it to the updates, as the optax chain does
             new_updates = jax.tree_util.tree_map(lambda u: total * u, new_updates)
             if outer is not None:
-                _mark_lr_scaled()  # the outer scale is applied too
+                mark_lr_scaled()  # the outer scale is applied too
         return new_updates, ReduceOnPlateauState(inner, plateau_state)
 
     return optax.GradientTransformationExtraArgs(init_fn, update_fn)

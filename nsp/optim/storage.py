@@ -27,6 +27,10 @@ one step old by design, so changed params fail the step with a clear error. Cost
 passes per step -- over the params given, and over the next params (``params + updates``, computed on the fly) --
 and no params-sized memory (``nsp.optim.fingerprint``: C++ on a CPU, one fused reduction per leaf elsewhere).
 
+What makes these transforms behave like optax's own -- adopting changed params, the fingerprint, float32
+updates, the learning-rate scale, resuming, injected hyperparameters -- is ``nsp.optim.compensation``, each part
+with the reason it exists.
+
 With one device and one store shard, and gradient and params leaves of one dtype, the update takes the gradient
 leaves as they are and writes each leaf's new params over its gradient (``store_update_leaves``): the optimizer
 adds no memory to the step. Keep the params in bf16 on the accelerator (cast them after ``init``, which writes
@@ -35,10 +39,7 @@ the fp32 master into the store) and the step holds 2 bytes of params and 2 of gr
 
 from __future__ import annotations
 
-import contextlib
-import functools
 import numbers
-import threading
 from typing import Any, NamedTuple
 
 import jax
@@ -48,8 +49,10 @@ import numpy as np
 import optax
 from jax.sharding import Mesh
 
+from nsp.optim import compensation as comp
 from nsp.optim import fingerprint as fp
 from nsp.optim._shards import shard_flat
+from nsp.optim.compensation import LR_SCALE_ARG, lr_scale_consumers, resuming  # noqa: F401  (their old home)
 from nsp.optim.compress import Compressed
 from nsp.optim.init_from import producing
 from nsp.primitives.store_update import store_update, store_update_leaves
@@ -71,74 +74,6 @@ class StorageState(NamedTuple):
     count: jax.Array
     version: jax.Array
     params_fingerprint: jax.Array
-
-
-_RESUMING = threading.local()
-_RESUMING.depth = 0
-
-
-@contextlib.contextmanager
-def resuming():
-    """Inside it, ``tx.init(params)`` of a storage transform resumes: on a store that holds a state it checks
-    that state against the params' layout and the optimizer and returns an optax state naming the store's
-    committed version (its moments, master and version carry on), writing nothing.
-
-    Outside it ``init`` means what it means in optax: a fresh state from the params given, also on a store that
-    holds one (``StateStore.restart``: the next version holds the params and zeroed moments; an optax state made
-    before it fails its next update with a clear error).
-
-    Example::
-
-      store = nsp.storage.open("/nvme/run/store", tier="file")   # a store a previous run left
-      tx = nsp.optim.adamw(1e-3, store=store)
-      with nsp.optim.resuming():
-          state = tx.init(params)                                 # continues the previous run's state
-    """
-    if not hasattr(_RESUMING, "depth"):
-        _RESUMING.depth = 0
-    _RESUMING.depth += 1
-    try:
-        yield
-    finally:
-        _RESUMING.depth -= 1
-
-
-#: The extra argument through which ``nsp.optim.reduce_on_plateau`` (or any caller) scales the learning rate of
-#: the storage transforms inside an ``update`` call: the store then applies the scaled step itself.
-LR_SCALE_ARG = "nsp_learning_rate_scale"
-
-_LR_SCALE_USERS = threading.local()
-
-
-@contextlib.contextmanager
-def lr_scale_consumers():
-    """Counts the storage transforms that apply ``LR_SCALE_ARG`` while tracing the ``update`` calls inside.
-
-    Yields a list that gets one entry per storage transform that scaled its learning rate.
-    """
-    stack = getattr(_LR_SCALE_USERS, "stack", None)
-    if stack is None:
-        stack = _LR_SCALE_USERS.stack = []
-    seen: list[bool] = []
-    stack.append(seen)
-    try:
-        yield seen
-    finally:
-        stack.pop()
-
-
-def _mark_lr_scaled() -> None:
-    for seen in getattr(_LR_SCALE_USERS, "stack", ()):
-        seen.append(True)
-
-
-def _static(name: str, value: Any) -> float | None:
-    """Hyperparameters other than the learning rate are compile-time constants of the update kernel, fixed when
-    the store is initialized. Under ``optax.inject_hyperparams`` they arrive traced inside ``update``: then
-    None, and the update uses the values the store was initialized with."""
-    if isinstance(value, jax.core.Tracer):
-        return None
-    return float(np.asarray(value))
 
 
 def scale_by_storage(
@@ -206,7 +141,7 @@ def scale_by_storage(
             return StorageState(jnp.zeros((), jnp.int32), jnp.zeros((), jnp.int32),
                                 jnp.zeros((len(leaves), fp.WIDTH), jnp.uint32))
         fingerprint = fp.init_fingerprint(params)
-        resume = bool(getattr(_RESUMING, "depth", 0))  # taken when init is called (or traced, under jax.jit)
+        resume = comp.resume_requested()  # taken when init is called (or traced, under jax.jit)
         if traced:
             # Under jax.jit the params reach the store through a host callback (once, at init; never on the
             # step's path); under jax.eval_shape nothing runs and nothing is written.
@@ -250,22 +185,17 @@ def scale_by_storage(
     def update_fn(updates, state, params=None, **extra_args):
         # The store's update needs no extra args (accepted so that chains passing e.g. value= work), except a
         # learning-rate scale from nsp.optim.reduce_on_plateau.
-        lr_scale = extra_args.get(LR_SCALE_ARG)
         if params is None:
             raise ValueError("nsp storage transforms need params: call tx.update(grads, state, params). The update "
                              "returns new params - params in the params' dtype (the store keeps only their fp32 "
                              "master), and checks that the params are the ones the last update led to")
         handle = store.handle()
         layout = handle.layout
-        lr = learning_rate(state.count) if callable(learning_rate) else learning_rate
-        if lr_scale is not None:
-            lr = jnp.asarray(lr, jnp.float32) * jnp.asarray(lr_scale).astype(jnp.float32)
-            _mark_lr_scaled()
+        lr = comp.scaled_lr(learning_rate(state.count) if callable(learning_rate) else learning_rate, extra_args)
         # Params changed since the update that led to them (a transform after this one scaled its updates, code
         # edited them): the store steps from the params given, as optax would, instead of from its master.
-        adopt = fp.params_changed(state.params_fingerprint, params)
-        params_leaves = jax.tree_util.tree_leaves(params)
-        new_flat = None  # the new params as the store's flat vector (the paths but the leaves path)
+        adopt, params_leaves = comp.adopt_operands(state.params_fingerprint, params)
+        new_flat = new_params = None  # the new params as the store's flat vector, or (the leaves path) a tree
         if isinstance(updates, Compressed):
             if updates.values.shape[0] % layout.num_shards:
                 raise ValueError(f"{updates.values.shape[0]} compressed entries do not split over the store's "
@@ -292,11 +222,8 @@ def scale_by_storage(
             new_flat, version = out.params, out.version
         # The updates come with the fingerprint of where they lead (on the CPU from one C++ pass that reads the
         # params before anything can write over them: nsp.optim.fingerprint).
-        if new_flat is None:
-            new_updates, expected = fp.updates_and_expected(params, new_params, float32_updates)
-        else:
-            new_updates, expected = fp.updates_and_expected_flat(
-                params, new_flat, [spec.offset for spec in layout.leaves], float32_updates)
+        new_updates, expected = comp.updates_and_expected(params, new_params=new_params, new_flat=new_flat,
+                                                          layout=layout, float32_updates=float32_updates)
         # A skipped step (non-finite gradient) leaves the version, and so the step count, where they were.
         applied = (version - state.version).astype(state.count.dtype)
         return new_updates, StorageState(state.count + applied, version, expected)
@@ -335,7 +262,7 @@ def _by_kind(kind: str, store: StateStore, learning_rate, hyper: dict, *, nester
     """The one body of the factories below: ``kind`` with its static hyperparameters (``hyper``: OptimizerSpec
     field -> the value given) as the store's spec, then ``scale_by_storage``."""
     _check_lr(learning_rate)
-    static = {name: _static(name, value) for name, value in hyper.items()}
+    static = {name: comp.static_hyper(value) for name, value in hyper.items()}
     spec = (None if any(v is None for v in static.values())
             else OptimizerSpec(kind, nesterov=bool(nesterov), lazy=bool(lazy), **static))
     return scale_by_storage(store, spec, learning_rate, mesh=mesh, axis_name=axis_name, staleness=staleness,

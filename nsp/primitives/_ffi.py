@@ -1,9 +1,9 @@
-"""Loads the C++ extension and registers its XLA FFI targets with JAX (once, at import).
+"""Registers the C++ extension's XLA FFI targets with JAX (once, at import; ``nsp.engine`` loads the extension).
 
-The store update's targets are registered for the CPU and for CUDA devices (ffi/cuda_stage.cc: the handler
+The store update's targets are registered for the CPU and for CUDA devices (ffi/xla/cuda/cuda_stage.cc: the handler
 stages the gradient into pinned host memory, runs the engine, copies the new params back; it loads the CUDA
 runtime itself at its first call, so nothing here needs CUDA). ``NSP_CUDA_MODEL``, set to the software model of
-the CUDA entry points (ffi/models/cuda_model.cc, built by the tests), registers those CUDA handlers for the CPU
+the CUDA entry points (ffi/xla/cuda/cuda_model.cc, built by the tests), registers those CUDA handlers for the CPU
 instead of the CPU ones: every store update of the process then goes through the CUDA handler, over host memory.
 """
 
@@ -14,14 +14,14 @@ import os
 
 import jax
 
-from nsp import _nsp_ffi
+from nsp import engine as native
 
 CUDA_MODEL = os.environ.get("NSP_CUDA_MODEL") or None
 
-_targets = dict(_nsp_ffi.registrations())
-_cuda = _nsp_ffi.cuda_registrations()
+_targets = dict(native.registrations())
+_cuda = native.cuda_registrations()
 if CUDA_MODEL is not None:
-    _nsp_ffi.cuda_use_library(CUDA_MODEL)  # a bad path fails here, at import, naming it
+    native.cuda_use_library(CUDA_MODEL)  # a bad path fails here, at import, naming it
     _targets.update(_cuda["host"])
 for _name, _capsule in _targets.items():
     jax.ffi.register_ffi_target(_name, _capsule, platform="cpu")
@@ -41,7 +41,7 @@ def _cuda_runtime_dirs() -> str:
 if CUDA_MODEL is None:
     # Registering for CUDA initialises nothing: JAX keeps the targets until a CUDA backend starts (and never
     # uses them where none does).
-    _nsp_ffi.cuda_search_dirs(_cuda_runtime_dirs())
+    native.cuda_search_dirs(_cuda_runtime_dirs())
     for _name, _capsule in _cuda["device"].items():
         try:
             jax.ffi.register_ffi_target(_name, _capsule, platform="CUDA")
@@ -54,10 +54,10 @@ def cuda_stats() -> dict[str, int]:
     ``pinned_bytes`` (pinned host buffers, reused across steps), ``copies_down``/``bytes_down`` and
     ``copies_up``/``bytes_up`` (``params_bytes_up``: of those, the new params), ``syncs``, ``buffer_waits``
     (calls that waited for an earlier step's copies up) and ``failed_copies``."""
-    return dict(_nsp_ffi.cuda_stats())
+    return dict(native.cuda_stats())
 
-_nsp_ffi.engine_cpus()  # a bad NSP_ENGINE_CPUS fails here, at import, with a message naming it
-_nsp_ffi.kernel_isa()  # and so does a bad NSP_KERNEL_ISA (or one naming an ISA this CPU lacks), or NSP_CRC32C_ISA
+native.engine_cpus()  # a bad NSP_ENGINE_CPUS fails here, at import, with a message naming it
+native.kernel_isa()  # and so does a bad NSP_KERNEL_ISA (or one naming an ISA this CPU lacks), or NSP_CRC32C_ISA
 
 
 def kernel_isa() -> str:
@@ -66,18 +66,18 @@ def kernel_isa() -> str:
 
     Set ``NSP_KERNEL_ISA`` to one of those before import to force it; one this CPU lacks fails the import.
     """
-    return _nsp_ffi.kernel_isa()
+    return native.kernel_isa()
 
 
 def get_num_threads() -> int:
     """Threads the update kernels use (``NSP_NUM_THREADS``, else one per CPU of ``NSP_ENGINE_CPUS``, else every
     core)."""
-    return _nsp_ffi.get_num_threads()
+    return native.get_num_threads()
 
 
 def set_num_threads(n: int) -> None:
     """Sets the threads the update kernels use (``n >= 1``)."""
-    _nsp_ffi.set_num_threads(int(n))
+    native.set_num_threads(int(n))
 
 
 def engine_cpus() -> list[int]:
@@ -88,4 +88,4 @@ def engine_cpus() -> list[int]:
     to those CPUs, apart from the cores the training step's own compute uses: what a host whose forward/backward
     runs on an accelerator has anyway. Unset, the update runs wherever its caller runs.
     """
-    return list(_nsp_ffi.engine_cpus())
+    return list(native.engine_cpus())

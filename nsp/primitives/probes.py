@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from nsp import _nsp_ffi
+from nsp import engine
 
 
 def stream_roofline(p: np.ndarray, g: np.ndarray, m: np.ndarray, v: np.ndarray) -> None:
@@ -20,4 +20,4 @@ def stream_roofline(p: np.ndarray, g: np.ndarray, m: np.ndarray, v: np.ndarray) 
     All four are 1-D, C-contiguous float32 numpy arrays of one length; ``p, m, v`` are written in place (``g`` is
     only read). Releases the GIL while it runs.
     """
-    _nsp_ffi.stream_roofline(p, g, m, v)
+    engine.stream_roofline(p, g, m, v)

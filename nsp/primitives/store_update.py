@@ -4,7 +4,8 @@
 calls with only its local gradient shard and ``jax.lax.axis_index`` selects store shard ``d``: nothing is
 gathered to one device. The call reads the store's committed ``version``, streams that shard's pages through the
 update kernel, makes the new version durable, commits it, and returns the new params shard (what comes back up
-the shared link) and the new version.
+the shared link) and the new version. What is checked before the call (the gradient's dtype and size, the
+NaN/Inf skip, the adopt operands) is ``nsp.storage.update``'s, shared with the eager ``StateStore.update``.
 """
 
 from __future__ import annotations
@@ -19,6 +20,8 @@ from jax.sharding import AxisType, Mesh, PartitionSpec as P
 
 from nsp.primitives import _ffi  # noqa: F401  (registers the FFI targets)
 from nsp.storage.handle import StoreHandle
+from nsp.storage.update import (CHECK_IN_HANDLER, check_dense_size, check_gradient_dtype, check_indices_dtype,
+                                gradient_finite, params_operands)
 
 
 class StoreUpdateResult(NamedTuple):
@@ -33,17 +36,6 @@ class StoreUpdateResult(NamedTuple):
     params: jax.Array
     version: jax.Array
     params_bf16: jax.Array | None
-
-
-def _params_operands(params: list[jax.Array] | None, adopt) -> tuple[jax.Array, list[jax.Array]]:
-    """The ``adopt`` flag and the params leaves the FFI call takes (float32 or bfloat16, one dtype; others cast)."""
-    if params is None:
-        return jnp.int32(0), []
-    leaves = list(params)
-    dtype = leaves[0].dtype if leaves and all(x.dtype == leaves[0].dtype for x in leaves) else None
-    if dtype not in (jnp.float32, jnp.bfloat16):
-        leaves = [jnp.asarray(x, jnp.float32) for x in leaves]
-    return jnp.asarray(adopt).astype(jnp.int32), leaves
 
 
 def _handle(store) -> StoreHandle:
@@ -181,21 +173,16 @@ def store_update(
     if dense == (values is not None or indices is not None):
         raise ValueError("pass either grad, or values and indices")
     if dense:
-        if grad.shape != (layout.padded_total,):
-            raise ValueError(f"grad must be the padded flat vector of {layout.padded_total} elements, got "
-                             f"{grad.shape} (use store.layout.flatten)")
+        check_dense_size(layout, grad.shape, flat=True)
         operands = [grad]
     else:
         if values is None or indices is None or values.shape != indices.shape or values.ndim != 1:
             raise ValueError("compressed gradients need 1-D values and indices of equal length")
         if values.shape[0] % shards:
             raise ValueError(f"{values.shape[0]} compressed entries do not split evenly over {shards} shards")
-        if indices.dtype != jnp.int32:
-            raise TypeError(f"indices must be int32, got {indices.dtype}")
+        check_indices_dtype(indices.dtype)
         operands = [values, indices]
-    for x in operands[:1]:
-        if x.dtype not in (jnp.float32, jnp.bfloat16):
-            raise TypeError(f"gradients must be float32 or bfloat16, got {x.dtype}")
+    check_gradient_dtype(operands[0].dtype)
 
     _check_platform(mesh)
     params_dtype = jnp.dtype(params_dtype)
@@ -210,12 +197,12 @@ def store_update(
         "nsp_store_update_dense" if dense else "nsp_store_update_sparse", out_types, has_side_effect=True
     )
     attrs = _attrs(handle)
-    adopt, params_in = _params_operands(params, adopt)
+    adopt, params_in = params_operands(params, adopt)
     scalars = [jnp.asarray(lr, jnp.float32), jnp.asarray(step, jnp.int32), jnp.asarray(version, jnp.int32)]
 
     # A step whose gradient holds NaN or Inf (an overflowed loss scale, a diverged batch) is skipped by every
     # shard alike: the store stays as it is and the params come back unchanged.
-    scalars.append(jnp.all(jnp.isfinite(operands[0])).astype(jnp.int32))
+    scalars.append(jnp.asarray(gradient_finite(operands[:1]), jnp.int32))
     scalars.append(adopt)
 
     def local(lr_, step_, version_, apply_, adopt_, *ops):
@@ -306,9 +293,9 @@ def store_update_leaves(
     _check_platform(None)
     # apply = -1: the handler checks the leaves for NaN/Inf itself (inside the update pass on a two-slot memory
     # store, else a vectorised C++ pass first: both faster than XLA's reduction), and skips the step if any is found.
-    adopt, params_in = _params_operands(params, adopt)
+    adopt, params_in = params_operands(params, adopt)
     scalars = [jnp.asarray(lr, jnp.float32), jnp.asarray(step, jnp.int32), jnp.asarray(version, jnp.int32),
-               jnp.int32(0), jnp.int32(-1), adopt]
+               jnp.int32(0), jnp.int32(CHECK_IN_HANDLER), adopt]
     out_types = [jax.ShapeDtypeStruct((), jnp.int32)] + [jax.ShapeDtypeStruct(g.shape, g.dtype) for g in grads]
     first = len(scalars)
     call = jax.ffi.ffi_call("nsp_store_update_pieces", out_types, has_side_effect=True,

@@ -5,7 +5,7 @@ A compressed gradient is ``values`` (x's dtype, shape ``(k,)``) and ``indices`` 
 kernel streams pages in order and walks the indices with them. Decompression is a scatter-ADD, so an index may
 repeat only with a value that is harmless to add.
 
-Everything here is plain JAX but ``"auto"`` on a CPU, which runs an exact selection in C++ (``ffi/topk_select.cc``,
+Everything here is plain JAX but ``"auto"`` on a CPU, which runs an exact selection in C++ (``ffi/xla/topk_select.cc``,
 a radix select on the magnitudes' bits: nothing input-sized allocated, where the jnp paths materialise masks and
 conversions on XLA:CPU, about 4 bytes per entry); it runs under ``jax.jit`` on CPU and GPU; ``k`` and ``method``
 are static Python values.
@@ -267,7 +267,7 @@ def resolve_method(method: str, size: int, k: int, dtype) -> str:
 
 def topk_feedback(residual: jax.Array, grads: Sequence[jax.Array], *, k: int, shards: int = 1,
                   decay: float = 1.0) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """Top-K with error feedback, in place, on a CPU (``ffi/topk_select.cc``, target ``nsp_topk_feedback``).
+    """Top-K with error feedback, in place, on a CPU (``ffi/xla/topk_select.cc``, target ``nsp_topk_feedback``).
 
     ``residual`` (float32, ``shards`` equal shards) plus the gradient leaves (float32 or bfloat16, concatenated in
     order over the residual's first elements): each shard's ``k`` largest magnitudes are returned (``values``
@@ -299,7 +299,7 @@ def topk_feedback(residual: jax.Array, grads: Sequence[jax.Array], *, k: int, sh
 
 
 def _select_cpu(flat: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
-    """The exact top-k in C++ (``ffi/topk_select.cc``): a radix select on the magnitudes' bits, nothing
+    """The exact top-k in C++ (``ffi/xla/topk_select.cc``): a radix select on the magnitudes' bits, nothing
     input-sized allocated (the jnp paths materialise masks and conversions on XLA:CPU, 4 bytes per entry)."""
     if flat.dtype not in (jnp.float32, jnp.bfloat16):
         return _threshold_or_exact(flat, k)

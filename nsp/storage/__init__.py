@@ -2,11 +2,14 @@
 
 One module per concern: ``format`` (the on-disk format: file names, JSON files, zarr arrays, the writer lock),
 ``metadata`` (checks of what is read from disk), ``layout`` (pytree to shards and pages), ``store`` (the
-``StateStore``), ``space`` (the disk a store needs, checked before it writes), ``progress`` (watching long
-updates), ``handle`` (what the update
-primitives get of a store), ``opening`` (``open``: create, check and recover store directories), ``identity`` (copy and
-re-identify stores), and checkpoints: ``snapshot``, ``restore``, ``placement`` (links/copies of page files),
-``orbax_handler`` and ``export`` (``checkpoint`` gathers their public names).
+``StateStore``: lifecycle, reading, statistics), ``creation`` (its first version: initialize, restart, attach),
+``update`` (the update path: the checks every update passes, eager or jitted, and the eager update), ``space``
+(the disk a store needs, checked before it writes), ``progress`` (watching long updates), ``handle`` (what the
+update primitives get of a store), ``opening`` (``open``: create, check and recover store directories),
+``identity`` (copy and re-identify stores), and checkpoints: ``snapshot``, ``restore`` (whole stores, or one
+process's shards), ``placement`` (links/copies of page files), ``orbax_handler`` and ``export`` (``checkpoint``
+gathers their public names). The package sits on ``nsp.engine`` (the compiled engine), ``nsp.spec`` and
+``nsp.csd`` (the emulated device's options), and below the rest of nsp.
 """
 
 from nsp.storage.format import StoreError

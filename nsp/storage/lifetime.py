@@ -9,7 +9,7 @@ from typing import Any
 
 import jax
 
-from nsp import _nsp_ffi
+from nsp import engine as native
 from nsp.storage.format import release_locks
 
 
@@ -30,7 +30,7 @@ class Lifetime:
     """
 
     def __init__(self, num_shards: int):
-        self.engines: list[Any] = []  # _nsp_ffi.ShardEngine, one per shard
+        self.engines: list[Any] = []  # nsp.engine.ShardEngine, one per shard
         self.handles: list[int] = []  # their registry handles, once a jitted step asked for them
         self.lock_fds: list[int] = []
         self.pool = concurrent.futures.ThreadPoolExecutor(max_workers=num_shards, thread_name_prefix="nsp-shard")
@@ -47,7 +47,7 @@ class Lifetime:
         self.pool.shutdown(wait=not from_finalizer)
         errors = self.wait()
         for handle in self.handles:
-            _nsp_ffi.unregister_engine(handle)
+            native.unregister_engine(handle)
         for engine in self.engines:
             engine.release()
         self.handles, self.engines = [], []

@@ -14,7 +14,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from nsp import _nsp_ffi
+from nsp import engine as native
 from nsp.storage.format import (LOCK, MANIFEST, METADATA, SHARD_ID, STATES, TIER_BACKENDS, TIERS, StoreError,
                                 array_dir, backend_options_string, inside, read_json, shard_dir, store_backend,
                                 write_manifest, write_shard_id)
@@ -180,7 +180,7 @@ def _find_backend(backend: str) -> None:
     if backend in ("memory", "file"):
         return
     try:
-        _nsp_ffi.find_backend(backend)
+        native.find_backend(backend)
     except RuntimeError as e:
         raise StoreError(str(e)) from None
 

@@ -52,16 +52,13 @@ class StoreCheckpointHandler(ocp.CheckpointHandler):
         if args is None:
             raise StoreError("restoring a store item needs StoreRestore(store_path=...): where to rebuild it")
         snap = process_part(Path(str(directory)))
-        if args.shards is not None:
-            from nsp.distributed.local_restore import restore_local
-
-            if not snap.exists():
-                raise StoreError(f"{directory} holds no part for this process ({snap.name}): the checkpoint was "
-                                 "written by a run with another process count")
-            return restore_local(snap, args.store_path, args.shards, tier=args.tier, overwrite=args.overwrite,
-                                 mode=args.mode, pages_in_flight=args.pages_in_flight)
+        if args.shards is not None and not snap.exists():
+            raise StoreError(f"{directory} holds no part for this process ({snap.name}): the checkpoint was "
+                             "written by a run with another process count")
+        # One process of several restores its own shards; on the memory tier store_path is then ignored.
         return restore_store(snap, args.store_path, tier=args.tier, shard_paths=args.shard_paths,
-                             overwrite=args.overwrite, mode=args.mode, pages_in_flight=args.pages_in_flight)
+                             overwrite=args.overwrite, mode=args.mode, pages_in_flight=args.pages_in_flight,
+                             shards=args.shards)
 
     def metadata(self, directory) -> dict | None:
         try:

@@ -1,4 +1,5 @@
-"""Rebuilding a store from a snapshot (``snapshot.py``), into either tier, bit-identically.
+"""Rebuilding a store from a snapshot (``snapshot.py``), into either tier, bit-identically: the whole store, or
+the shards of one process of several (from that process's part of a checkpoint).
 
 A ``file``/``csd`` restore lays the snapshot's pages into a new store directory in the store's own format
 (``format.py``: the snapshot's version in its slot, an empty other slot, shard identities and manifests naming a
@@ -13,6 +14,7 @@ import json
 import os
 import shutil
 import uuid
+from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
@@ -29,6 +31,11 @@ from nsp.storage.store import OptimizerSpec, StateStore
 RESTORING = "RESTORING"  # marker in a store directory while restore_store builds it
 
 
+def snapshot_shards(info: dict) -> list[int]:
+    """The shards a snapshot holds (all of them unless it is one process's part)."""
+    return list(info.get("local_shards", range(info["layout"]["num_shards"])))
+
+
 def restore_store(
     snapshot_dir: str | os.PathLike,
     store_path: str | os.PathLike | None = None,
@@ -38,6 +45,7 @@ def restore_store(
     overwrite: bool = False,
     mode: str = "auto",
     pages_in_flight: int = PAGES_IN_FLIGHT_DEFAULT,
+    shards: Sequence[int] | None = None,
 ) -> StateStore:
     """Rebuilds a store from a snapshot and opens it (``nsp.storage.open``); it reads bit-identically.
 
@@ -51,6 +59,9 @@ def restore_store(
       mode: how pages get into the new store: ``"auto"`` (hard links, else copies), ``"link"``, ``"copy"``.
         Links are safe both ways: the store replaces pages by rename and never writes into a linked file.
       pages_in_flight: passed to ``nsp.storage.open``.
+      shards: restore only these shards, from one process's part of a multi-process checkpoint (each process
+        snapshots only its own shards), which must hold exactly these; the store is opened with
+        ``nsp.storage.open(..., shards=shards)``. The memory tier ignores ``store_path`` then.
 
     Returns:
       The open ``StateStore`` at the snapshot's version, its ``restore_info`` saying where it came from and how
@@ -61,12 +72,21 @@ def restore_store(
     if tier not in TIERS:
         raise ValueError(f"unknown tier {tier!r}; expected one of {TIERS}")
     info = load_snapshot_info(snapshot_dir)
+    if shards is not None:
+        held = snapshot_shards(info)
+        if sorted(shards) != held:
+            raise StoreError(f"snapshot {info['path']} holds shards {held} of {info['layout']['num_shards']}, this "
+                             f"process needs shards {sorted(shards)}: the checkpoint was written by a run with "
+                             "another process or device count (resume with the same number of processes and "
+                             "devices per process)")
     snap = Path(info["path"])
     meta = read_json(snap / METADATA, "snapshot store metadata")
+    n = info["layout"]["num_shards"]
+    local = list(range(n)) if shards is None else list(shards)
     if tier == "memory":
-        if store_path is not None or shard_paths:
+        if shards is None and (store_path is not None or shard_paths):
             raise ValueError("the memory tier keeps its state in RAM: pass no store_path or shard_paths")
-        return _restore_memory(snap, info, meta, pages_in_flight)
+        return _restore_memory(snap, info, meta, pages_in_flight, shards)
     if store_path is None:
         raise ValueError(f"the {tier} tier needs a store_path")
     root = Path(store_path).absolute()
@@ -74,30 +94,29 @@ def restore_store(
         raise StoreError(f"cannot create store {root}: directory {root.parent} does not exist")
     if _resolves_inside(root, snap):
         raise StoreError(f"cannot restore into {root}: it lies inside the snapshot {snap}")
-    n = info["layout"]["num_shards"]
     remove_existing_store(root, snap, overwrite)
     if shard_paths is not None:
         if len(shard_paths) != n:
             raise ValueError(f"got {len(shard_paths)} shard_paths for a snapshot of {n} shards")
-        shards = [Path(p).absolute() for p in shard_paths]
+        paths = [Path(p).absolute() for p in shard_paths]
     else:
-        shards = [shard_dir(root, i) for i in range(n)]
+        paths = [shard_dir(root, i) for i in range(n)]
     root_existed = root.exists()
     root.mkdir(exist_ok=True)
     # While this marker exists the directory is an unfinished restore (nsp.storage.open would see no store:
     # the metadata is written last) and restore_store(..., overwrite=True) may clear it.
-    atomic_write_json(root / RESTORING, {"snapshot": str(snap), "shard_paths": [str(s) for s in shards]})
+    atomic_write_json(root / RESTORING, {"snapshot": str(snap), "shard_paths": [str(paths[i]) for i in local]})
     made_shards: list[tuple[Path, bool]] = []
     try:
-        for shard in shards:
-            made_shards.append((shard, prepare_empty_dir(shard, "shard directory")))
+        for i in local:
+            made_shards.append((paths[i], prepare_empty_dir(paths[i], "shard directory")))
         version = int(info["version"])
         store_id = uuid.uuid4().hex
         placer = Placer(mode)
-        for i, shard in enumerate(shards):
-            place_shard(placer, snap, info, meta, i, shard, store_id, root)
+        for i in local:
+            place_shard(placer, snap, info, meta, i, paths[i], store_id, root)
         # A restored store is a new store: its own identity, its shards recorded relative to it where they can be.
-        meta = dict(meta, tier=tier, store_id=store_id, shard_paths=[recorded_path(s, root) for s in shards])
+        meta = dict(meta, tier=tier, store_id=store_id, shard_paths=[recorded_path(s, root) for s in paths])
         atomic_write_json(root / METADATA, meta)  # last: from here on it is a store
         (root / RESTORING).unlink()
         fsync_dir(root)
@@ -107,7 +126,7 @@ def restore_store(
         clear_dir(root, root_existed)
         raise
     store = open_store(root, tier=tier, num_shards=n, page_bytes=int(meta["page_bytes"]),
-                       pages_in_flight=pages_in_flight)
+                       pages_in_flight=pages_in_flight, shards=shards)
     if store.version != version:
         store.close()
         raise StoreError(f"restored store {root} opened at version {store.version}, expected {version}")
@@ -162,14 +181,15 @@ def _other_slot_metadata(zarr_json: dict, slot: int) -> dict:
     return meta
 
 
-def _restore_memory(snap: Path, info: dict, meta: dict, pages_in_flight: int) -> StateStore:
+def _restore_memory(snap: Path, info: dict, meta: dict, pages_in_flight: int,
+                    shards: Sequence[int] | None) -> StateStore:
     version = int(info["version"])
     n = info["layout"]["num_shards"]
     store = open_store(None, tier="memory", num_shards=n, page_bytes=int(meta["page_bytes"]),
-                       pages_in_flight=pages_in_flight, checksum=bool(meta["checksum"]))
+                       pages_in_flight=pages_in_flight, checksum=bool(meta["checksum"]), shards=shards)
     try:
         store.attach(Layout.from_json(meta["layout"]), OptimizerSpec(**meta["optimizer"]), version)
-        for i in range(n):
+        for i in range(n) if shards is None else shards:
             for state in info["states"]:
                 arr = np.ascontiguousarray(open_snapshot_array(snap, i, state).read().result(), np.float32)
                 store.load_state(state, i, arr)

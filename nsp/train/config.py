@@ -1,4 +1,5 @@
-"""Configuration of a training run: one dataclass, every field overridable from the command line."""
+"""Configuration of a training run: one dataclass, every field overridable from the command line; and
+``TrainError``, what a run raises when it cannot start or continue as configured."""
 
 from __future__ import annotations
 
@@ -11,6 +12,10 @@ from nsp.spec import KINDS
 DEFAULT_SEQ = 128  # tokens per sequence when --seq is not given (and the model allows it)
 DEFAULT_LR = 3e-3  # peak learning rate of a model without a published recipe (the toy sizes, GPT-2)
 DEFAULT_WARMUP_STEPS = 20  # warm-up steps of a model without one
+
+
+class TrainError(RuntimeError):
+    """The run cannot start or continue as configured (the message says why; nothing was overwritten)."""
 
 
 @dataclasses.dataclass
@@ -72,6 +77,15 @@ class TrainConfig:
     # With --bf16: the step holds the params in bfloat16 (the store keeps the fp32 master), and set-up builds the
     # model part by part straight into the store, never whole in fp32. For models near the machine's memory.
     bf16_params: bool = False
+    # The MLP's nonlinearity: gelu (GPT-2) or relu (OPT; about half of its activations are zeros, which
+    # --offload-activations stores in FlashNeuron's sparse format).
+    activation: str = "gelu"
+    # The blocks' backward-pass activations (nsp.offload): "none" keeps them in memory; "all" sends every block's
+    # to --spill-dir in the forward pass and reads them back in the backward pass (lossless; in the sparse format
+    # where it shrinks them with --activation relu).
+    offload_activations: str = "none"
+    # Where offloaded activations go (scratch, removed at the end); empty = RUN_DIR/spill.
+    spill_dir: str = ""
     # Print and log metrics every this many steps.
     log_every: int = 10
     # Print where a step in flight is (its forward/backward, or the update's pages done of total) every this many
@@ -120,6 +134,9 @@ class TrainConfig:
             (self.staleness in (0, 1), "staleness must be 0 or 1"),
             (self.optimizer in KINDS, f"unknown optimizer {self.optimizer!r} ({', '.join(sorted(KINDS))})"),
             (self.tier in ("file", "memory", "csd"), f"unknown tier {self.tier!r} (file, memory, csd)"),
+            (self.activation in ("gelu", "relu"), f"unknown activation {self.activation!r} (gelu, relu)"),
+            (self.offload_activations in ("none", "all"),
+             f"unknown offload_activations {self.offload_activations!r} (none, all)"),
             (self.bf16 or not (self.bf16_params or self.f32_accum),
              "bf16_params and f32_accum need bf16 compute (--bf16)"),
         ]

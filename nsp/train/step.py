@@ -1,0 +1,122 @@
+"""The jitted step of ``nsp train``: ``loss_fn`` (next-token cross-entropy of the GPT), ``make_train_step`` (the
+jitted train and eval steps: forward/backward, then the optax chain, data parallel over a mesh with gradients
+averaged in an order that does not depend on the process layout), and placing data on the devices:
+``put_batch`` (a host batch), ``local_rows`` (the rows of a global batch this process feeds) and ``replicate``
+(params and optax state on every device of the mesh)."""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.flatten_util
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from nsp.models import cross_entropy_loss
+
+
+def loss_fn(graphdef, params, tokens, block_call=None):
+    """Mean next-token cross-entropy of the GPT ``(graphdef, params)`` on ``tokens`` ``[batch, seq + 1]``: it reads
+    ``tokens[:, :-1]`` and predicts ``tokens[:, 1:]``. ``block_call``: how each block is applied (``GPT.__call__``;
+    ``nsp.offload.offload_blocks`` spills their activations)."""
+    logits = nnx.merge(graphdef, params)(tokens[:, :-1], block_call=block_call)
+    return cross_entropy_loss(logits, tokens[:, 1:])
+
+
+def make_train_step(graphdef, tx: optax.GradientTransformation, mesh=None, block_call=None):
+    """``(train_step, eval_step)``, both jitted.
+
+    ``train_step(params, opt_state, tokens) -> (params, opt_state, loss)``: forward/backward of ``loss_fn``, then
+    ``tx``; it donates ``params`` and ``opt_state`` (do not use them after the call). ``eval_step(params, tokens)
+    -> loss``. With a ``mesh`` (axis ``"data"``), params and optax state are replicated and the batch is split
+    over the devices (``put_batch`` places it so). ``block_call`` as for ``loss_fn`` (the train step's only: the
+    eval step has no backward pass whose activations to keep).
+    """
+    loss = functools.partial(loss_fn, graphdef, block_call=block_call)
+
+    def train_step(params, opt_state, tokens):
+        value, grads = jax.value_and_grad(loss)(params, tokens)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, value
+
+    evaluate = functools.partial(loss_fn, graphdef)
+    if mesh is None:
+        return jax.jit(train_step, donate_argnums=(0, 1)), jax.jit(evaluate)
+
+    def data_parallel_step(params, opt_state, tokens):
+        value, grads = _mean_over_devices(jax.value_and_grad(loss), mesh)(params, tokens)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, value
+
+    # Data parallel: params and the small optax state replicated, the batch split over the devices. Fixing the
+    # shardings (rather than letting XLA pick them) keeps the compiled step, and so its float rounding, the same
+    # in a fresh and in a resumed run: resume stays bit-exact.
+    replicated, batch = NamedSharding(mesh, P()), NamedSharding(mesh, P("data"))
+    step = jax.jit(data_parallel_step, donate_argnums=(0, 1), in_shardings=(replicated, replicated, batch),
+                   out_shardings=(replicated, replicated, replicated))
+    return step, jax.jit(evaluate, in_shardings=(replicated, batch))
+
+
+def _mean_over_devices(value_and_grad, mesh):
+    """``value_and_grad(params, tokens)`` on each device's rows of ``tokens``, averaged over the ``"data"`` axis in
+    an order that does not depend on where the devices are.
+
+    An all-reduce adds the devices' gradients in whatever order its implementation picks, and the one between
+    processes picks another than the one inside a process: 2 processes x 2 devices would then round differently
+    from 1 x 4. Here every device sends each other device that one's slice of its gradient (all_to_all: bytes
+    moved, nothing added), adds the slices it receives in device order, and the sums are gathered back (again
+    nothing added): the same bits whatever the process layout, for the same traffic as a ring all-reduce.
+    """
+    n = mesh.shape["data"]
+
+    def local(params, tokens):
+        value, grads = value_and_grad(params, tokens)
+        flat, unravel = jax.flatten_util.ravel_pytree(grads)
+        size = flat.size
+        pieces = jnp.pad(flat, (0, -size % n)).reshape(n, -1)  # piece j: the slice device j sums
+        received = jax.lax.all_to_all(pieces, "data", split_axis=0, concat_axis=0)  # [n, size / n], by sender
+        mine = functools.reduce(jnp.add, [received[i] for i in range(n)]) / n  # in device order
+        total = jax.lax.all_gather(mine, "data", tiled=True)[:size]
+        values = jax.lax.all_gather(value, "data")
+        return functools.reduce(jnp.add, [values[i] for i in range(n)]) / n, unravel(total)
+
+    return jax.shard_map(local, mesh=mesh, in_specs=(P(), P("data")), out_specs=(P(), P()), check_vma=False)
+
+
+def replicate(tree, mesh):
+    """``tree`` (the same values on every process) replicated over every device of ``mesh``."""
+    sharding = NamedSharding(mesh, P())
+    if jax.process_count() == 1:
+        return jax.device_put(tree, sharding)
+    return jax.tree_util.tree_map(
+        lambda x: jax.make_array_from_callback(np.shape(x), sharding, lambda idx, x=np.asarray(x): x[idx]), tree)
+
+
+def local_rows(batch_size: int, mesh=None) -> slice:
+    """The rows of a global batch this process feeds: those of its devices' positions on ``mesh`` (all rows for a
+    lone process)."""
+    if mesh is None or jax.process_count() == 1:
+        return slice(0, batch_size)
+    devices = list(mesh.devices.flat)
+    mine = [i for i, d in enumerate(devices) if d.process_index == jax.process_index()]
+    per = batch_size // len(devices)
+    return slice(mine[0] * per, (mine[-1] + 1) * per)
+
+
+def put_batch(batch: np.ndarray, mesh=None, *, global_rows: int | None = None) -> jax.Array:
+    """A host batch on the device(s) as ``make_train_step``'s steps take it: split over ``mesh``'s ``"data"`` axis
+    when there is a mesh. One process of several passes either the whole global batch (its rows are taken) or
+    only its rows (``local_rows``) with ``global_rows``, the global batch's row count."""
+    if mesh is None:
+        return jnp.asarray(batch)
+    sharding = NamedSharding(mesh, P("data"))
+    if jax.process_count() == 1:
+        return jax.device_put(batch, sharding)
+    if global_rows is None:
+        global_rows = batch.shape[0]
+        batch = batch[local_rows(global_rows, mesh)]
+    return jax.make_array_from_process_local_data(sharding, batch, (global_rows,) + batch.shape[1:])
