@@ -31,17 +31,15 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
 import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import peak_rss_bytes, print_table, write_json  # noqa: E402
+from common import peak_rss_bytes, print_table, run_capped, write_json  # noqa: E402
 
 CONTENDERS = ("keep", "remat", "offload", "offload-sparse", "offload-bf16")
 
@@ -113,15 +111,9 @@ def attempt(contender: str, batch: int, args, *, steps: int, cap: int | None) ->
            "--layers", str(args.layers), "--width", str(args.width), "--steps", str(steps),
            "--spill-dir", str(spill)]
 
-    def limit():
-        if cap:
-            resource.setrlimit(resource.RLIMIT_AS, (cap, cap))
-
     env = dict(os.environ, MALLOC_ARENA_MAX="2", MALLOC_MMAP_THRESHOLD_="131072")
     try:
-        proc = subprocess.run(cmd, preexec_fn=limit, env=env, capture_output=True, text=True, timeout=args.timeout)
-    except subprocess.TimeoutExpired:
-        proc = None
+        proc = run_capped(cmd, cap, env, args.timeout)
     finally:
         shutil.rmtree(spill, ignore_errors=True)
     if proc is None or proc.returncode != 0:

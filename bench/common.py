@@ -397,3 +397,21 @@ class DeviceTraffic:
             return out
 
         return call
+
+
+def run_capped(cmd: list[str], cap_bytes: int | None, env: dict[str, str], timeout: float):
+    """Runs ``cmd`` in a subprocess under ``RLIMIT_AS`` = ``cap_bytes`` (None: no cap), capturing its output;
+    returns the ``CompletedProcess``, or None when it ran past ``timeout`` seconds. For the benchmarks that find
+    the largest size that fits under an address-space cap (the cap counts all of a process's address space, JAX
+    and XLA included)."""
+    import resource
+    import subprocess
+
+    def limit():
+        if cap_bytes:
+            resource.setrlimit(resource.RLIMIT_AS, (cap_bytes, cap_bytes))
+
+    try:
+        return subprocess.run(cmd, preexec_fn=limit, env=env, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return None

@@ -56,7 +56,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
 import shutil
 import subprocess
 import sys
@@ -65,7 +64,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import peak_rss_bytes, print_table, write_json  # noqa: E402
+from common import peak_rss_bytes, print_table, run_capped, write_json  # noqa: E402
 
 CONTENDERS = ("optax", "nsp-file")
 FULL_CONTENDERS = ("optax", "nsp-memory", "nsp-file")
@@ -314,18 +313,13 @@ def attempt(contender: str, layers: int, args, workdir: Path) -> dict | None:
     cmd = [sys.executable, __file__, "--child", contender, "--layers", str(layers), "--width", str(args.width),
            "--seq", str(args.seq), "--store", str(store), "--f32-accum" if args.f32_accum else "--no-f32-accum"]
 
-    def limit():
-        resource.setrlimit(resource.RLIMIT_AS, (cap, cap))
-
     env = dict(os.environ, MALLOC_ARENA_MAX="2")  # the same malloc settings for both contenders
     env.pop("MALLOC_MMAP_THRESHOLD_", None)
     if args.mmap_threshold:
         env["MALLOC_MMAP_THRESHOLD_"] = str(args.mmap_threshold)
     t0 = time.perf_counter()
     try:
-        proc = subprocess.run(cmd, preexec_fn=limit, env=env, capture_output=True, text=True, timeout=args.timeout)
-    except subprocess.TimeoutExpired:
-        proc = None
+        proc = run_capped(cmd, cap, env, args.timeout)
     finally:
         shutil.rmtree(store, ignore_errors=True)
     wall = time.perf_counter() - t0

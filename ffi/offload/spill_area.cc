@@ -9,7 +9,6 @@
 #include <algorithm>
 #include <cerrno>
 #include <cstring>
-#include <map>
 
 #include "backends/page_file.h"
 #include "offload/spill_codec.h"
@@ -221,40 +220,6 @@ void SpillArea::RemoveFiles() {
   written_.clear();
   order_.clear();
   depth_.clear();
-}
-
-namespace {
-std::mutex registry_mu;
-std::map<int64_t, std::shared_ptr<SpillArea>>& Registry() {
-  static auto* areas = new std::map<int64_t, std::shared_ptr<SpillArea>>();
-  return *areas;
-}
-int64_t next_id = 1;
-}  // namespace
-
-int64_t Register(std::shared_ptr<SpillArea> area) {
-  std::lock_guard<std::mutex> lock(registry_mu);
-  const int64_t id = next_id++;
-  Registry()[id] = std::move(area);
-  return id;
-}
-
-std::shared_ptr<SpillArea> Find(int64_t id) {
-  std::lock_guard<std::mutex> lock(registry_mu);
-  auto it = Registry().find(id);
-  return it == Registry().end() ? nullptr : it->second;
-}
-
-void Unregister(int64_t id) {
-  std::shared_ptr<SpillArea> area;
-  {
-    std::lock_guard<std::mutex> lock(registry_mu);
-    auto it = Registry().find(id);
-    if (it == Registry().end()) return;
-    area = std::move(it->second);
-    Registry().erase(it);
-  }
-  area->RemoveFiles();
 }
 
 }  // namespace nsp::spill

@@ -20,6 +20,8 @@
 #include <string>
 #include <vector>
 
+#include "util/handle_registry.h"
+
 namespace nsp::spill {
 
 struct SpillStats {
@@ -87,8 +89,6 @@ class SpillArea {
 };
 
 // The process's open areas by id, for the XLA handlers (an attribute carries the id).
-int64_t Register(std::shared_ptr<SpillArea> area);
-std::shared_ptr<SpillArea> Find(int64_t id);
-void Unregister(int64_t id);
+inline HandleRegistry<SpillArea>& Areas() { return HandleRegistry<SpillArea>::Global(); }
 
 }  // namespace nsp::spill

@@ -17,21 +17,26 @@ void Bind(nb::module_& m) {
       [](const std::string& dir, int read_ahead) {
         auto [area, err] = SpillArea::Open(dir, read_ahead);
         if (!area) throw std::runtime_error(err);
-        return Register(std::move(area));
+        return Areas().Register(std::move(area));
       },
       nb::arg("dir"), nb::arg("read_ahead"),
       "Opens a spill area over an existing, writable directory; returns its id (the handlers' `area`).");
-  m.def("spill_close", &Unregister, nb::arg("area"), "Closes a spill area and removes the files it wrote.");
+  m.def(
+      "spill_close",
+      [](int64_t id) {
+        if (auto area = Areas().Unregister(id)) area->RemoveFiles();
+      },
+      nb::arg("area"), "Closes a spill area and removes the files it wrote.");
   m.def(
       "spill_reset",
       [](int64_t id) {
-        if (auto area = Find(id)) area->Reset();
+        if (auto area = Areas().Find(id)) area->Reset();
       },
       nb::arg("area"), "Forgets a spill area's entries (after a step that failed between its pushes and pops).");
   m.def(
       "spill_stats",
       [](int64_t id) {
-        auto area = Find(id);
+        auto area = Areas().Find(id);
         if (!area) throw std::runtime_error("spill area " + std::to_string(id) + " is closed");
         SpillStats s = area->Stats();
         nb::dict d;

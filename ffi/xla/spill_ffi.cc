@@ -25,7 +25,7 @@ ffi::Error Invalid(const char* op, const std::string& message) {
 int64_t StackOf(int64_t slot, int32_t device) { return slot * 4096 + device; }
 
 ffi::ErrorOr<std::shared_ptr<SpillArea>> AreaOf(const char* op, int64_t id) {
-  auto area = Find(id);
+  auto area = Areas().Find(id);
   if (!area) return ffi::Unexpected(Invalid(op, "spill area " + std::to_string(id) + " is closed"));
   return area;
 }
