@@ -175,10 +175,9 @@ def test_a_spill_directory_removed_mid_run_fails_the_step_clearly(tmp_path):
 
 
 def test_offload_and_the_nsp_optimizer_in_one_jitted_step(tmp_path):
-    import optax
-
     import nsp.optim
     import nsp.storage
+    from nsp.train.step import make_train_step
 
     config = get_config("tiny", activation="relu")
     graphdef, params = nnx.split(GPT(config, rngs=nnx.Rngs(0)), nnx.Param)
@@ -189,17 +188,7 @@ def test_offload_and_the_nsp_optimizer_in_one_jitted_step(tmp_path):
         tx = nsp.optim.adamw(1e-3, store=store)
         p = jax.tree.map(jnp.copy, params)  # the step donates them
         state = tx.init(p)
-
-        @functools.partial(jax.jit, donate_argnums=(0, 1))
-        def step(p, state, tokens):
-            def loss(p):
-                logits = nnx.merge(graphdef, p)(tokens[:, :-1], block_call=block_call)
-                return cross_entropy_loss(logits, tokens[:, 1:])
-
-            value, grads = jax.value_and_grad(loss)(p)
-            updates, state = tx.update(grads, state, p)
-            return optax.apply_updates(p, updates), state, value
-
+        step, _ = make_train_step(graphdef, tx, block_call=block_call)  # nsp train's step: donates p and state
         losses = []
         for tokens in batches:
             p, state, value = step(p, state, tokens)

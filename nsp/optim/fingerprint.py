@@ -21,7 +21,6 @@ Both give the same bits (tests compare them), so a state made on one platform ch
 
 from __future__ import annotations
 
-import functools
 
 import jax
 import jax.numpy as jnp
