@@ -77,14 +77,13 @@ def offload(fn: Callable[..., Any], area: SpillArea, *, compress: Any = None, sp
         def forward(*args):
             out, vjp_fn = jax.vjp(fn, *args)
             leaves, treedef = jax.tree_util.tree_flatten(vjp_fn)
-            inputs = {id(x) for x in jax.tree_util.tree_leaves(args)}
-            spill = [i for i, x in enumerate(leaves)
-                     if isinstance(x, jax.Array) and id(x) not in inputs and _nbytes(x) >= min_bytes]
+            spill = _to_spill(leaves, args, min_bytes)
             plan.update(treedef=treedef, spill=spill, like=[jax.ShapeDtypeStruct(leaves[i].shape, leaves[i].dtype)
                                                             for i in spill])
             stored = [_encode(leaves[i], compress) for i in spill]
             token = spill_save(area.id, slot, stored, sparse=sparse) if spill else jnp.zeros((), jnp.int32)
-            kept = [None if i in spill else x for i, x in enumerate(leaves)]
+            spilled = set(spill)
+            kept = [None if i in spilled else x for i, x in enumerate(leaves)]
             return out, (token, kept)
 
         def backward(residuals, cotangent):
@@ -115,18 +114,26 @@ def spilled_bytes(fn: Callable[..., Any], *args: Any, compress: Any = None,
     def residuals(*args):
         nonlocal total
         _, vjp_fn = jax.vjp(fn, *args)
-        inputs = {id(x) for x in jax.tree_util.tree_leaves(args)}
-        total = sum(_nbytes(x) * jnp.dtype(_stored_dtype(x.dtype, compress)).itemsize // jnp.dtype(x.dtype).itemsize
-                    for x in jax.tree_util.tree_leaves(vjp_fn)
-                    if isinstance(x, jax.Array) and id(x) not in inputs and _nbytes(x) >= min_bytes)
+        leaves = jax.tree_util.tree_leaves(vjp_fn)
+        total = sum(_nbytes(leaves[i], _stored_dtype(leaves[i].dtype, compress))
+                    for i in _to_spill(leaves, args, min_bytes))
         return 0
 
     jax.eval_shape(residuals, *args)
     return int(total)
 
 
-def _nbytes(x: jax.Array) -> int:
-    return int(np.prod(x.shape, dtype=np.int64)) * jnp.dtype(x.dtype).itemsize
+def _to_spill(leaves: list[Any], args: tuple, min_bytes: int) -> list[int]:
+    """Which of the VJP's residual ``leaves`` go to the spill area: arrays of at least ``min_bytes`` that are not
+    the function's own inputs (those stay alive anyway)."""
+    inputs = {id(x) for x in jax.tree_util.tree_leaves(args)}
+    return [i for i, x in enumerate(leaves)
+            if isinstance(x, jax.Array) and id(x) not in inputs and _nbytes(x) >= min_bytes]
+
+
+def _nbytes(x: jax.Array, dtype: Any = None) -> int:
+    """Bytes of ``x`` (as ``dtype``, when given)."""
+    return int(np.prod(x.shape, dtype=np.int64)) * jnp.dtype(dtype or x.dtype).itemsize
 
 
 def _stored_dtype(dtype: Any, compress: Any) -> Any:

@@ -128,16 +128,14 @@ def scale_by_storage(
             raise TypeError("the optimizer's hyperparameters must be concrete numbers at init")
         leaves = jax.tree_util.tree_leaves(params)
         producer = producing()
-        if producer is not None:  # nsp.optim.init_from's abstract pass: the store is written from its producer
-            if leaves:
-                _initialize_from(producer, params, leaves)
-            return StorageState(jnp.zeros((), jnp.int32), jnp.zeros((), jnp.int32),
-                                jnp.zeros((len(leaves), fp.WIDTH), jnp.uint32))
+        if producer is not None and leaves:  # nsp.optim.init_from's abstract pass: its producer writes the store
+            _initialize_from(producer, params, leaves)
         traced = any(isinstance(x, jax.core.Tracer) for x in leaves)
-        if not leaves or not (traced or all(isinstance(x, (jax.Array, np.ndarray, np.generic)) for x in leaves)):
+        if producer is not None or not leaves or not (
+                traced or all(isinstance(x, (jax.Array, np.ndarray, np.generic)) for x in leaves)):
             # A tree with no arrays (every leaf masked out), or placeholders (optax.tree.map_params), or an
-            # abstract one (jax.ShapeDtypeStruct): the state's structure, as optax's own transforms give it. The
-            # store is written by the first init on real arrays.
+            # abstract one (jax.ShapeDtypeStruct, init_from's pass): the state's structure, as optax's own
+            # transforms give it. The store is written by the first init on real arrays (or by init_from).
             return StorageState(jnp.zeros((), jnp.int32), jnp.zeros((), jnp.int32),
                                 jnp.zeros((len(leaves), fp.WIDTH), jnp.uint32))
         fingerprint = fp.init_fingerprint(params)
