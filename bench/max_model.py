@@ -1,6 +1,6 @@
 """The largest GPT that trains a step under a fixed memory cap: optax.adamw in RAM vs nsp on the file tier.
 
-    python bench/max_model.py                 # cap 3 GiB of address space, GPTs 1024 wide, 1 to 64 layers
+    python bench/max_model.py                 # cap 3 GiB of address space, GPTs 1024 wide, 1 to 96 layers
     python bench/max_model.py --cap-gib 4 --width 768
     python bench/max_model.py --no-f32-accum --mmap-threshold 0   # the model's and glibc's defaults
 
@@ -11,9 +11,12 @@ contender's largest model.
 
   optax      the standard in-RAM setup: fp32 params, fp32 gradients, ``optax.adamw`` moments in host memory
              (about 16 bytes per parameter, plus the step's temporaries).
-  nsp-file   ``nsp.optim.adamw(store=<file tier>)``: fp32 master params and moments on disk; the accelerator
-             side keeps bf16 params, and the update takes the bf16 gradient leaves and writes the new params over
-             them (``store_update_leaves``): about 4 bytes per parameter in memory. Set up with
+  nsp-file   ``nsp.optim.adamw(store=<file tier>, stage_gradients=True)``: fp32 master params and moments on
+             disk; the accelerator side keeps bf16 params, each gradient leaf goes to the store's disk as the
+             backward pass produces it, and the new params come back a leaf at a time
+             (``store_update_staged``): a little over 2 bytes per parameter in memory
+             (``--no-stage-gradients``: the gradient leaves stay until the update writes the new params over
+             them, ``store_update_leaves``: about 4 bytes per parameter). Set up with
              ``nsp.optim.init_from`` from the GPT's per-part init functions (``LayerwiseInit``): the model is
              never whole in fp32.
 
@@ -94,7 +97,9 @@ def child(args) -> None:
         state = tx.init(params)
     else:
         store = nsp.storage.open(args.store, tier="file", num_shards=1)
-        tx = nsp.optim.adamw(1e-4, store=store)
+        # stage_gradients: each gradient leaf goes to the store's disk as the backward pass produces it, and the
+        # new params come back a leaf at a time: the step holds neither the whole gradient nor a second params.
+        tx = nsp.optim.adamw(1e-4, store=store, stage_gradients=args.stage_gradients)
         # The library's set-up for bf16 params: the fp32 master goes into the store leaf by leaf, straight from
         # the model's init functions, and the step keeps a bf16 copy; the model is never whole in fp32.
         parts = LayerwiseInit(cfg, 0)
@@ -311,7 +316,8 @@ def attempt(contender: str, layers: int, args, workdir: Path) -> dict | None:
     store = workdir / f"store-{layers}"
     cap = int(args.cap_gib * 2**30)
     cmd = [sys.executable, __file__, "--child", contender, "--layers", str(layers), "--width", str(args.width),
-           "--seq", str(args.seq), "--store", str(store), "--f32-accum" if args.f32_accum else "--no-f32-accum"]
+           "--seq", str(args.seq), "--store", str(store), "--f32-accum" if args.f32_accum else "--no-f32-accum",
+           "--stage-gradients" if args.stage_gradients else "--no-stage-gradients"]
 
     env = dict(os.environ, MALLOC_ARENA_MAX="2")  # the same malloc settings for both contenders
     env.pop("MALLOC_MMAP_THRESHOLD_", None)
@@ -353,7 +359,10 @@ def main() -> None:
     parser.add_argument("--cap-gib", type=float, default=3.0, help="address-space cap of each attempt (GiB)")
     parser.add_argument("--width", type=int, default=1024, help="n_embd of the GPTs (n_head = width / 64)")
     parser.add_argument("--seq", type=int, default=None, help="tokens per sequence (batch 1; default 64, --full 128)")
-    parser.add_argument("--max-layers", type=int, default=64, help="upper end of the search")
+    parser.add_argument("--max-layers", type=int, default=96, help="upper end of the search")
+    parser.add_argument("--stage-gradients", action=argparse.BooleanOptionalAction, default=True,
+                        help="nsp-file: nsp.optim.adamw(stage_gradients=...), the step that never holds the whole "
+                             "gradient (default on)")
     parser.add_argument("--timeout", type=float, default=900, help="seconds an attempt may take")
     parser.add_argument("--dir", default=None, help="where the nsp stores go (default: a temp dir here)")
     parser.add_argument("--f32-accum", action=argparse.BooleanOptionalAction, default=True,
@@ -415,6 +424,7 @@ def main() -> None:
                  ("ratio", "vs optax", ".2f"), ("peak_rss_gib", "peak RSS (GiB)", ".2f"),
                  ("step_s", "step (s)", ".1f")])
     write_json("max_model", {"cap_gib": args.cap_gib, "width": args.width, "seq": args.seq,
+                             "stage_gradients": args.stage_gradients,
                              "f32_accum": args.f32_accum, "mmap_threshold": args.mmap_threshold, "rows": rows},
                args.json)
     ratio = rows[1]["ratio"]

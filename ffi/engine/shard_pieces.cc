@@ -3,6 +3,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <vector>
 
 #include "kernels/kernel_block.h"
 
@@ -43,7 +44,7 @@ std::string PlaceLeaves(const std::vector<int64_t>& sizes, int64_t first, const 
 }  // namespace
 
 std::string ShardPieces::Finalize(int64_t shard_size) {
-  if (grad.size() != sizes.size() || out.size() != sizes.size()) {
+  if (stage != nullptr ? !grad.empty() || !out.empty() : grad.size() != sizes.size() || out.size() != sizes.size()) {
     return "pieces: gradients, outputs and sizes differ in count";
   }
   int64_t total = 0;
@@ -61,16 +62,30 @@ int64_t ShardPieces::Covered(const ShardPieces* pieces, int64_t begin, int64_t n
   return std::max<int64_t>(0, std::min(n, end - begin));
 }
 
-void ShardPieces::GatherGrad(int64_t begin, int64_t n, char* dst) const {
+std::string ShardPieces::GatherGrad(int64_t begin, int64_t n, char* dst) const {
   const int64_t bytes = GradBytes(type);
   std::memset(dst, 0, static_cast<size_t>(n * bytes));  // padding past the last piece stays zero
+  if (stage != nullptr) {
+    const int64_t covered = Covered(this, begin, n);
+    return covered > 0 ? stage->Read(begin, dst, covered, bytes) : std::string();
+  }
   ForEachOverlap(starts, sizes, begin, begin + n, [&](size_t i, int64_t lo, int64_t hi) {
     std::memcpy(dst + (lo - begin) * bytes, static_cast<const char*>(grad[i]) + (lo - starts[i]) * bytes,
                 static_cast<size_t>((hi - lo) * bytes));
   });
+  return {};
 }
 
-void ShardPieces::ScatterParams(int64_t begin, int64_t n, const float* src) const {
+std::string ShardPieces::ScatterParams(int64_t begin, int64_t n, const float* src) const {
+  if (stage != nullptr) {
+    const int64_t covered = Covered(this, begin, n);
+    if (covered <= 0) return {};
+    if (type == GradType::kF32) return stage->Write(begin, src, covered, sizeof(float));
+    thread_local std::vector<uint16_t> rounded;  // a page at a time, per thread
+    rounded.resize(static_cast<size_t>(covered));
+    internal::RoundToBf16(src, rounded.data(), covered);
+    return stage->Write(begin, rounded.data(), covered, sizeof(uint16_t));
+  }
   ForEachOverlap(starts, sizes, begin, begin + n, [&](size_t i, int64_t lo, int64_t hi) {
     if (type == GradType::kF32) {
       std::memcpy(static_cast<float*>(out[i]) + (lo - starts[i]), src + (lo - begin),
@@ -79,6 +94,7 @@ void ShardPieces::ScatterParams(int64_t begin, int64_t n, const float* src) cons
       internal::RoundToBf16(src + (lo - begin), static_cast<uint16_t*>(out[i]) + (lo - starts[i]), hi - lo);
     }
   });
+  return {};
 }
 
 std::string ParamsIn::Finalize() {

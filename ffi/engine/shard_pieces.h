@@ -7,6 +7,7 @@
 #include <string>
 #include <vector>
 
+#include "engine/gradient_stage.h"
 #include "kernels/update_kernel.h"
 
 namespace nsp {
@@ -15,17 +16,21 @@ namespace nsp {
 // a flat copy): piece i covers the next sizes[i] elements; elements past the last piece are padding (zero
 // gradient). Each piece's gradient is read from grad[i] and its new params are written to out[i] in the same
 // dtype (`type`); out[i] may be grad[i] (updated in place): a page's gradient is read before its params land.
+// With `stage` set the pieces are not in memory (grad and out stay empty): the gradient was staged in that file,
+// the pieces end to end, and the new params are written over it there (the caller reads them back).
 struct ShardPieces {
   GradType type = GradType::kF32;
   std::vector<const void*> grad;
   std::vector<void*> out;
   std::vector<int64_t> sizes;
   std::vector<int64_t> starts;  // filled by Finalize: starts[i] = sizes[0] + ... + sizes[i-1]
+  const GradientStage* stage = nullptr;
   std::string Finalize(int64_t shard_size);
   // Copies elements [begin, begin + n) of the gradient into dst (type's bytes per element; zeros in padding).
-  void GatherGrad(int64_t begin, int64_t n, char* dst) const;
+  // Returns "" or the stage file's error.
+  std::string GatherGrad(int64_t begin, int64_t n, char* dst) const;
   // Writes fp32 params for elements [begin, begin + n) into the pieces, rounded to bf16 when type is bf16.
-  void ScatterParams(int64_t begin, int64_t n, const float* src) const;
+  std::string ScatterParams(int64_t begin, int64_t n, const float* src) const;
   // How many of elements [begin, begin + n) come from the caller: those some piece covers (a shard's padding
   // past the last piece comes from nobody), or all n when the shard is not given as pieces (`pieces` null).
   static int64_t Covered(const ShardPieces* pieces, int64_t begin, int64_t n);

@@ -173,7 +173,27 @@ bool GradientFinite(const ShardUpdate& u, int64_t size) {
 
 }  // namespace
 
+std::string ShardEngine::Stage(GradientStage** out) {
+  std::lock_guard<std::mutex> lock(stage_mu_);
+  if (stage_ == nullptr) {
+    if (manifest_.empty()) {
+      return "staging the gradient needs a store on disk (the file tier): this shard has no directory";
+    }
+    const std::string dir = manifest_.substr(0, manifest_.find_last_of('/'));
+    if (std::string e = GradientStage::Open(dir + "/" + kStageFile, &stage_); !e.empty()) return e;
+  }
+  *out = stage_.get();
+  return {};
+}
+
 std::string ShardEngine::RunStep(ShardUpdate u, const StepCall& call, StepOutcome* outcome) {
+  if (u.pieces != nullptr && u.pieces->stage != nullptr) {
+    // A staged gradient is read a page at a time by the streamed pipeline alone, and its stage calls already
+    // told whether it is finite.
+    if (Addressable()) return "a staged gradient needs a store whose pages live in files (the file tier)";
+    if (call.staleness > 0) return "a staged gradient needs staleness 0";
+    if (call.grad_check == GradCheck::kCheck) return "internal error: a staged gradient's finiteness must be given";
+  }
   u.check_finite = false;
   bool skipped_in_pass = false;
   bool finite = call.grad_check != GradCheck::kNotFinite;
@@ -251,7 +271,9 @@ std::string ShardEngine::CommittedParamsOut(const ShardUpdate& u, int64_t versio
     for (int64_t begin = 0; begin < size_; begin += page_elems_) {
       const int64_t n = std::min(page_elems_, size_ - begin);
       const float* page = CallerParams(u, begin, n);
-      if (u.pieces != nullptr) u.pieces->ScatterParams(begin, n, page);
+      if (u.pieces != nullptr) {
+        if (std::string e = u.pieces->ScatterParams(begin, n, page); !e.empty()) return e;
+      }
       if (u.params_out != nullptr) std::memcpy(u.params_out + begin, page, sizeof(float) * static_cast<size_t>(n));
       if (u.params_bf16_out != nullptr) internal::RoundToBf16(page, u.params_bf16_out + begin, n);
     }
@@ -264,7 +286,7 @@ std::string ShardEngine::CommittedParamsOut(const ShardUpdate& u, int64_t versio
       const int64_t begin = page * page_elems_;
       const int64_t n = std::min(page_elems_, size_ - begin);
       if (std::string e = backend_->ReadPage(slot, kParamState, page, page_buffer.data, n, true); !e.empty()) return e;
-      u.pieces->ScatterParams(begin, n, page_buffer.data);
+      if (std::string e = u.pieces->ScatterParams(begin, n, page_buffer.data); !e.empty()) return e;
     }
     return {};
   }

@@ -24,6 +24,7 @@
 #include <vector>
 
 #include "backends/backend.h"
+#include "engine/gradient_stage.h"
 #include "engine/shard_pieces.h"
 #include "kernels/update_kernel.h"
 
@@ -171,6 +172,10 @@ class ShardEngine {
     store_id_ = std::move(store_id);
     shard_index_ = shard;
   }
+  // The shard's gradient stage (gradient_stage.h), the file STAGE_FILE beside its manifest, opened on first use;
+  // "" or an error (a shard without a directory: the memory tier).
+  static constexpr const char* kStageFile = "gradient.stage";
+  std::string Stage(GradientStage** out);
   // Makes slot `slot` durable.
   std::string Sync(int slot) { return backend_->Sync(slot); }
 
@@ -210,7 +215,8 @@ class ShardEngine {
   std::string UpdateStreamed(const ShardUpdate& u);
   // Writes the params of committed version `version` into the update's outputs (a skipped step's result).
   std::string CommittedParamsOut(const ShardUpdate& u, int64_t version);
-  PageGrad GradForPage(const ShardUpdate& u, int64_t page);
+  // This page's gradient into *g (from the caller's memory, the pieces, or their stage file); "" or an error.
+  std::string GradForPage(const ShardUpdate& u, int64_t page, PageGrad* g);
   // Runs the kernel on `span`. With u.check_finite it checks the (dense) gradient in the same pass and returns
   // false at the first NaN/Inf, the span's outputs then partly written; true otherwise.
   bool ComputeChecked(const ShardUpdate& u, const StateSpan& span, const PageGrad& g);
@@ -233,6 +239,8 @@ class ShardEngine {
   std::vector<char> async_grad_;     // the gradient (dense) or compressed values the background step reads
   std::vector<int32_t> async_indices_;
   std::string manifest_;  // SHARD/MANIFEST.json, or empty (memory tier)
+  std::mutex stage_mu_;
+  std::unique_ptr<GradientStage> stage_;  // opened by the first Stage()
   std::string store_id_;
   int64_t shard_index_ = 0;
   std::string ManifestText(int64_t version) const;

@@ -66,10 +66,11 @@ std::string ShardEngine::StepAsync(const ShardUpdate& update, int64_t version) {
   const size_t gbytes = static_cast<size_t>(GradBytes(update.grad_type));
   if (update.pieces != nullptr) {
     async_grad_.resize(gbytes * static_cast<size_t>(size_));
-    update.pieces->GatherGrad(0, size_, async_grad_.data());
+    if (std::string e = update.pieces->GatherGrad(0, size_, async_grad_.data()); !e.empty()) return e;
     u.grad = async_grad_.data();
     u.pieces = nullptr;
-    update.pieces->ScatterParams(0, size_, async_params_.data());  // params one step old for the caller
+    // params one step old for the caller
+    if (std::string e = update.pieces->ScatterParams(0, size_, async_params_.data()); !e.empty()) return e;
   } else if (update.grad != nullptr) {
     async_grad_.resize(gbytes * static_cast<size_t>(size_));
     std::memcpy(async_grad_.data(), update.grad, async_grad_.size());

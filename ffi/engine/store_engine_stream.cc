@@ -220,13 +220,22 @@ std::string ShardEngine::UpdateStreamed(const ShardUpdate& u) {
     if (used_[kMuState]) span.mu_in = span.mu_out = buffers_[w.set][kMuState].data;
     if (used_[kNuState]) span.nu_in = span.nu_out = buffers_[w.set][kNuState].data;
     if (u.params_bf16_out != nullptr) span.param_bf16_out = u.params_bf16_out + begin;
-    const PageGrad g = GradForPage(u, w.page);
+    PageGrad g;
+    if (std::string e = GradForPage(u, w.page, &g); !e.empty()) {
+      error.Set(e);
+      break;
+    }
     CountShared(u, g, ShardPieces::Covered(u.pieces, begin, span.size), span);
     if (!ComputeChecked(u, span, g)) {
       error.Set(kNotFinite);  // nothing more is written; the slot stays uncommitted
       break;
     }
-    if (u.pieces != nullptr) u.pieces->ScatterParams(begin, span.size, pbuf);
+    if (u.pieces != nullptr) {
+      if (std::string e = u.pieces->ScatterParams(begin, span.size, pbuf); !e.empty()) {
+        error.Set(e);
+        break;
+      }
+    }
     writes.Push(w, kParamLane);
     ++computed;
     PageDone();

@@ -55,19 +55,19 @@ const float* ShardEngine::CallerParams(const ShardUpdate& u, int64_t begin, int6
   return params_stage_.data;
 }
 
-PageGrad ShardEngine::GradForPage(const ShardUpdate& u, int64_t page) {
-  PageGrad g;
+std::string ShardEngine::GradForPage(const ShardUpdate& u, int64_t page, PageGrad* out) {
+  PageGrad& g = *out;
+  g = PageGrad{};
   g.type = u.grad_type;
   const int64_t begin = page * page_elems_;
-  if (u.pieces != nullptr) {  // gather this page's gradient from the leaves it spans
+  if (u.pieces != nullptr) {  // gather this page's gradient from the leaves it spans (or from its stage file)
     char* stage = GradStage();
-    u.pieces->GatherGrad(begin, std::min(page_elems_, size_ - begin), stage);
     g.dense = stage;
-    return g;
+    return u.pieces->GatherGrad(begin, std::min(page_elems_, size_ - begin), stage);
   }
   if (u.grad != nullptr) {
     g.dense = static_cast<const char*>(u.grad) + begin * GradBytes(u.grad_type);
-    return g;
+    return {};
   }
   // Pages may arrive in any order: find this page's run of the sorted indices.
   const int64_t end = std::min(begin + page_elems_, size_);
@@ -77,7 +77,7 @@ PageGrad ShardEngine::GradForPage(const ShardUpdate& u, int64_t page) {
   g.values = static_cast<const char*>(u.values) + lo * GradBytes(u.grad_type);
   g.count = hi - lo;
   g.index_base = begin;
-  return g;
+  return {};
 }
 
 bool ShardEngine::ComputeChecked(const ShardUpdate& u, const StateSpan& span, const PageGrad& g) {
@@ -201,11 +201,14 @@ std::string ShardEngine::UpdateAddressableFromCaller(const ShardUpdate& u) {
     span.param_in = CallerParams(u, begin, n);
     if (u.params_out != nullptr) span.param_copy_out = u.params_out + begin;
     if (u.params_bf16_out != nullptr) span.param_bf16_out = u.params_bf16_out + begin;
-    const PageGrad g = GradForPage(u, begin / page_elems_);
+    PageGrad g;
+    if (std::string e = GradForPage(u, begin / page_elems_, &g); !e.empty()) return e;
     CountShared(u, g, ShardPieces::Covered(u.pieces, begin, n), span);
     CountInPlace(n, false);
     backend_->Compute(u.hp, span, g);
-    if (u.pieces != nullptr) u.pieces->ScatterParams(begin, n, span.param_out);
+    if (u.pieces != nullptr) {
+      if (std::string e = u.pieces->ScatterParams(begin, n, span.param_out); !e.empty()) return e;
+    }
     PageDone();
   }
   return {};

@@ -29,6 +29,9 @@ XLA_FFI_DECLARE_HANDLER_SYMBOL(NspFusedUpdateSparse);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(NspStoreUpdateDense);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(NspStoreUpdateSparse);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(NspStoreUpdatePieces);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(NspStoreUpdateStaged);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(NspGradientStage);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(NspGradientStageLoad);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(NspParamsHash);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(NspNextParamsUpdate);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(NspNextParamsUpdateFlat);
@@ -90,7 +93,10 @@ NB_MODULE(_nsp_ffi, m) {
                                  {"nsp_topk_select", NspTopkSelect},
                                  {"nsp_topk_feedback", NspTopkFeedback},
                                  {"nsp_spill_save", NspSpillSave},
-                                 {"nsp_spill_load", NspSpillLoad}});
+                                 {"nsp_spill_load", NspSpillLoad},
+                                 {"nsp_store_update_staged", NspStoreUpdateStaged},
+                                 {"nsp_gradient_stage", NspGradientStage},
+                                 {"nsp_gradient_stage_load", NspGradientStageLoad}});
     for (const StoreTarget& t : kStoreTargets) targets[t.name] = Capsule(t.cpu);
     return targets;
   });

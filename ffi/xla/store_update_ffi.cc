@@ -24,6 +24,9 @@
 // pass on a two-slot memory store (a non-finite gradient leaves the committed slot whole), else in one
 // vectorised pass before it (XLA:CPU's reduction over a standalone gradient ran at a quarter of memory speed).
 //
+// A fourth target (nsp_store_update_staged) reads the gradient from the shard's stage file instead of from
+// operands, and writes the new params over it there (gradient_stage_ffi.cc stages the leaves and reads them back).
+//
 // The handlers only decode their operands: which of step, skip or background step runs, and the checks of the
 // version and of the gradient's finiteness, are the engine's one door (ShardEngine::RunStep), which the module's
 // eager ShardEngine.step goes through as well.
@@ -235,6 +238,41 @@ ffi::Error PiecesImpl(ffi::Buffer<ffi::F32> lr, ffi::Buffer<ffi::S32> step, ffi:
   return ffi::Error::Success();
 }
 
+// The staged target: the gradient is in the shard's stage file (gradient_stage_ffi.cc wrote it leaf by leaf),
+// and the new params go back there, over it. Operands: the scalars (apply 0 or 1: the stage calls' AND), then
+// the params leaves, which give the leaves' sizes and dtype (the gradient's) and are read only when adopt is 1.
+ffi::Error StagedImpl(ffi::Buffer<ffi::F32> lr, ffi::Buffer<ffi::S32> step, ffi::Buffer<ffi::S32> version,
+                      ffi::Buffer<ffi::S32> shard, ffi::Buffer<ffi::S32> apply, ffi::Buffer<ffi::S32> adopt,
+                      ffi::RemainingArgs params, ffi::Result<ffi::Buffer<ffi::S32>> version_out,
+                      ffi::Span<const int64_t> handles, int32_t staleness, ffi::Dictionary hyper) {
+  const Scalars scalars{lr, step, version, shard, apply, adopt};
+  if (apply.typed_data()[0] < 0) return Invalid(kOp, "a staged gradient's apply operand must be 0 or 1");
+  auto call = StartCall(scalars, handles, hyper);
+  if (call.has_error()) return call.error();
+  if (params.size() == 0) return Invalid(kOp, "the staged update needs the params leaves");
+  if (ffi::Error e = TakeParams(*call, scalars, params, 0, params.size()); e.failure()) return e;
+  ShardPieces pieces;
+  GradientStage* stage = nullptr;
+  if (std::string e = call->engine->Stage(&stage); !e.empty()) return Invalid(kOp, e);
+  pieces.stage = stage;
+  for (size_t i = 0; i < params.size(); ++i) {
+    auto p = params.get<ffi::AnyBuffer>(i);
+    if (p.has_error()) return p.error();
+    auto type = ffi_common::GradTypeOf(kOp, *p);
+    if (type.has_error()) return type.error();
+    if (i == 0) pieces.type = *type;
+    if (*type != pieces.type) return Invalid(kOp, "the params leaves must share one dtype (float32 or bfloat16)");
+    pieces.sizes.push_back(static_cast<int64_t>(p->element_count()));
+  }
+  if (std::string err = pieces.Finalize(call->engine->size()); !err.empty()) return Invalid(kOp, err);
+  call->update.grad_type = pieces.type;
+  call->update.pieces = &pieces;
+  auto committed = RunStep(*call, staleness);
+  if (committed.has_error()) return committed.error();
+  version_out->typed_data()[0] = *committed;
+  return ffi::Error::Success();
+}
+
 // The scalar operands every target takes first: lr, step, version, shard, apply (the gradient is finite),
 // adopt (start from the caller's params).
 template <typename Binding>
@@ -278,3 +316,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(NspStoreUpdatePieces, nsp::PiecesImpl,
                                                  .RemainingArgs()                         // gradient, [params] leaves
                                                  .Ret<xla::ffi::Buffer<xla::ffi::S32>>()  // version
                                                  .RemainingRets()));                      // params leaves
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(NspStoreUpdateStaged, nsp::StagedImpl,
+                              nsp::WithAttrs(nsp::ScalarArgs(xla::ffi::Ffi::Bind())
+                                                 .RemainingArgs()                         // params leaves
+                                                 .Ret<xla::ffi::Buffer<xla::ffi::S32>>()));  // version

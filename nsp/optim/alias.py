@@ -5,7 +5,8 @@
 entries block by block while it updates, so no dense gradient is ever rebuilt. With ``TopK(..., lazy=True)`` the
 update is lazy: only the entries sent this step move (see ``nsp.optim.compress``). ``staleness=1`` lets the update
 stream in the background while the next step's forward/backward runs on params one step old. ``float32_updates=True``
-lands bf16 params exactly on the store's master rounded to bf16 (``nsp.optim.scale_by_storage``).
+lands bf16 params exactly on the store's master rounded to bf16, and ``stage_gradients=True`` makes the leanest
+step, which never holds the whole gradient (both: ``nsp.optim.scale_by_storage``).
 """
 
 from __future__ import annotations
@@ -35,11 +36,15 @@ def _lazy(compression: TopK | None) -> bool:
 
 
 def _compose(scale_by_storage_kind, store: StateStore, compression: TopK | None, mesh, axis_name, staleness,
-             float32_updates, *hyper) -> optax.GradientTransformationExtraArgs:
+             options: dict, *hyper) -> optax.GradientTransformationExtraArgs:
     """``scale_by_storage_kind(store, *hyper, ...)``, lazy as ``compression`` says, after Top-K compression when
-    there is any: the one body of the four aliases, composed as optax composes its aliases."""
+    there is any: the one body of the four aliases, composed as optax composes its aliases. ``options``: the
+    storage transform's ``float32_updates`` and ``stage_gradients``."""
+    if compression is not None and options.get("stage_gradients"):
+        raise ValueError("stage_gradients=True takes the dense gradient leaf by leaf; it does not combine with "
+                         "Top-K compression (whose compressed gradient is already small)")
     tx = scale_by_storage_kind(store, *hyper, mesh=mesh, axis_name=axis_name, staleness=staleness,
-                               lazy=_lazy(compression), float32_updates=float32_updates)
+                               lazy=_lazy(compression), **options)
     if compression is None:
         return tx
     compress = topk_compress(compression.ratio, error_feedback=compression.error_feedback,
@@ -69,7 +74,7 @@ def adam(learning_rate: optax.ScalarOrSchedule, b1: float = 0.9, b2: float = 0.9
          eps_root: float = 0.0, mu_dtype=None, *, nesterov: bool = False, store: StateStore,
          compression: TopK | None = None, weight_decay: float = 0.0, mesh: Mesh | None = None,
          axis_name: str | None = None, staleness: int = 0,
-         float32_updates: bool = False) -> optax.GradientTransformationExtraArgs:
+         float32_updates: bool = False, stage_gradients: bool = False) -> optax.GradientTransformationExtraArgs:
     """Adam with its state in ``store``: ``optax.adam``'s arguments, in its order, plus nsp's keyword-only ones.
 
     ``eps_root`` other than 0, ``mu_dtype`` other than None or float32 (the store keeps float32 moments) and
@@ -83,7 +88,8 @@ def adam(learning_rate: optax.ScalarOrSchedule, b1: float = 0.9, b2: float = 0.9
     _unsupported("eps_root", eps_root, 0.0, "the update kernel adds eps outside the square root only")
     _moment_dtype("mu_dtype", mu_dtype)
     _unsupported("nesterov", nesterov, False, "Nesterov Adam (NAdam) is not in the update kernel")
-    return _compose(scale_by_storage_adam, store, compression, mesh, axis_name, staleness, float32_updates,
+    return _compose(scale_by_storage_adam, store, compression, mesh, axis_name, staleness,
+                    dict(float32_updates=float32_updates, stage_gradients=stage_gradients),
                     learning_rate, b1, b2, eps, weight_decay)
 
 
@@ -91,7 +97,7 @@ def adamw(learning_rate: optax.ScalarOrSchedule, b1: float = 0.9, b2: float = 0.
           eps_root: float = 0.0, mu_dtype=None, weight_decay: float = 1e-4, mask=None, *, nesterov: bool = False,
           store: StateStore, compression: TopK | None = None, mesh: Mesh | None = None,
           axis_name: str | None = None, staleness: int = 0,
-          float32_updates: bool = False) -> optax.GradientTransformationExtraArgs:
+          float32_updates: bool = False, stage_gradients: bool = False) -> optax.GradientTransformationExtraArgs:
     """AdamW with its state in ``store``: ``optax.adamw``'s arguments, in its order, plus nsp's keyword-only ones.
 
     ``eps_root`` other than 0, ``mu_dtype`` other than None or float32, a ``mask`` and ``nesterov=True`` raise
@@ -104,25 +110,29 @@ def adamw(learning_rate: optax.ScalarOrSchedule, b1: float = 0.9, b2: float = 0.
                                   "some from weight decay, give them their own optimizer (weight_decay=0) with "
                                   "optax.partition, each with its own store")
     _unsupported("nesterov", nesterov, False, "Nesterov Adam (NAdam) is not in the update kernel")
-    return _compose(scale_by_storage_adamw, store, compression, mesh, axis_name, staleness, float32_updates,
+    return _compose(scale_by_storage_adamw, store, compression, mesh, axis_name, staleness,
+                    dict(float32_updates=float32_updates, stage_gradients=stage_gradients),
                     learning_rate, b1, b2, eps, weight_decay)
 
 
 def sgd(learning_rate: optax.ScalarOrSchedule, momentum: float | None = None, nesterov: bool = False,
         accumulator_dtype=None, *, store: StateStore, compression: TopK | None = None, weight_decay: float = 0.0,
         mesh: Mesh | None = None, axis_name: str | None = None,
-        staleness: int = 0, float32_updates: bool = False) -> optax.GradientTransformationExtraArgs:
+        staleness: int = 0, float32_updates: bool = False,
+        stage_gradients: bool = False) -> optax.GradientTransformationExtraArgs:
     """SGD (optionally with momentum) with its state in ``store``: ``optax.sgd``'s arguments, in its order, plus
     nsp's keyword-only ones. ``accumulator_dtype`` other than None or float32 raises ``NotImplementedError``."""
     _moment_dtype("accumulator_dtype", accumulator_dtype)
-    return _compose(scale_by_storage_sgd, store, compression, mesh, axis_name, staleness, float32_updates,
+    return _compose(scale_by_storage_sgd, store, compression, mesh, axis_name, staleness,
+                    dict(float32_updates=float32_updates, stage_gradients=stage_gradients),
                     learning_rate, momentum, nesterov, weight_decay)
 
 
 def adagrad(learning_rate: optax.ScalarOrSchedule, initial_accumulator_value: float = 0.1, eps: float = 1e-7, *,
             store: StateStore, compression: TopK | None = None, mesh: Mesh | None = None,
             axis_name: str | None = None, staleness: int = 0,
-            float32_updates: bool = False) -> optax.GradientTransformationExtraArgs:
+            float32_updates: bool = False, stage_gradients: bool = False) -> optax.GradientTransformationExtraArgs:
     """AdaGrad with its state in ``store``: ``optax.adagrad``'s arguments, plus nsp's keyword-only ones."""
-    return _compose(scale_by_storage_adagrad, store, compression, mesh, axis_name, staleness, float32_updates,
+    return _compose(scale_by_storage_adagrad, store, compression, mesh, axis_name, staleness,
+                    dict(float32_updates=float32_updates, stage_gradients=stage_gradients),
                     learning_rate, initial_accumulator_value, eps)

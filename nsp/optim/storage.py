@@ -39,6 +39,7 @@ the fp32 master into the store) and the step holds 2 bytes of params and 2 of gr
 
 from __future__ import annotations
 
+import functools
 import numbers
 from typing import Any, NamedTuple
 
@@ -55,6 +56,7 @@ from nsp.optim._shards import shard_flat
 from nsp.optim.compensation import LR_SCALE_ARG, lr_scale_consumers, resuming  # noqa: F401  (their old home)
 from nsp.optim.compress import Compressed
 from nsp.optim.init_from import producing
+from nsp.primitives.staged_update import store_update_staged
 from nsp.primitives.store_update import store_update, store_update_leaves
 from nsp.storage import OptimizerSpec, StateStore
 
@@ -85,6 +87,7 @@ def scale_by_storage(
     axis_name: str | None = None,
     staleness: int = 0,
     float32_updates: bool = False,
+    stage_gradients: bool = False,
 ) -> optax.GradientTransformationExtraArgs:
     """The general storage transform: ``optimizer``'s update of ``store``, at ``learning_rate``.
 
@@ -109,6 +112,14 @@ def scale_by_storage(
         run can continue from its store (``nsp train --no-checkpoints`` does; inside a jitted step XLA fuses the
         float32 update into the sum). Off by default: optax transforms such as ``optax.apply_if_finite`` expect
         updates in the gradients' dtype.
+      stage_gradients: the leanest step in memory: each gradient leaf is written to the store's disk as soon as the
+        backward pass has produced it, the update reads it from there, and the new params come back a leaf at a
+        time (``nsp.primitives.store_update_staged``), so the step holds neither the whole gradient nor a second
+        copy of the params, only the params and a few layers' gradient. Costs the gradient's and the params'
+        bytes through the store's stage file each step (about 4 bytes per parameter for bf16, mostly in the page
+        cache, beside the update's 24). Needs a single-shard store on disk (not the memory tier), one device,
+        staleness 0, gradient and params leaves all float32 or all bfloat16, and no Top-K compression; an
+        update that cannot take it raises ``ValueError`` naming why.
 
     Returns:
       An optax transform; its ``update`` needs ``params`` (when they are not the ones the previous update led
@@ -122,6 +133,9 @@ def scale_by_storage(
         staleness = None
     elif staleness not in (0, 1):
         raise ValueError(f"staleness must be 0 or 1, got {staleness}")
+    if stage_gradients and staleness:
+        raise ValueError("stage_gradients=True needs staleness 0: a background step would read the staged gradient "
+                         "while the next step writes it")
 
     def init_fn(params):
         if optimizer is None:
@@ -195,6 +209,8 @@ def scale_by_storage(
         adopt, params_leaves = comp.adopt_operands(state.params_fingerprint, params)
         new_flat = new_params = None  # the new params as the store's flat vector, or (the leaves path) a tree
         if isinstance(updates, Compressed):
+            if stage_gradients:
+                raise ValueError("stage_gradients=True takes a dense gradient, not a Top-K compressed one")
             if updates.values.shape[0] % layout.num_shards:
                 raise ValueError(f"{updates.values.shape[0]} compressed entries do not split over the store's "
                                  f"{layout.num_shards} shards (topk_compress(num_shards=...) must match)")
@@ -202,6 +218,18 @@ def scale_by_storage(
                                version=state.version, lr=lr, step=state.count + 1, mesh=mesh, axis_name=axis_name,
                                params=params_leaves, adopt=adopt, params_dtype=_flat_params_dtype(params_leaves))
             new_flat, version = out.params, out.version
+        elif stage_gradients:
+            _check_staging(store, layout, updates, params, mesh)
+            ps = jax.tree_util.tree_leaves(params)
+            # Leaf by leaf, so that each leaf's new params are consumed (optax.apply_updates) as they arrive.
+            pieces, version = store_update_staged(
+                handle, jax.tree_util.tree_leaves(updates), version=state.version, lr=lr, step=state.count + 1,
+                params=ps, adopt=adopt, consume=functools.partial(_consume_staged, ps, float32_updates))
+            treedef = jax.tree_util.tree_structure(params)
+            new_updates = jax.tree_util.tree_unflatten(treedef, [u for u, _ in pieces])
+            expected = jnp.concatenate([e for _, e in pieces], axis=0)
+            applied = (version - state.version).astype(state.count.dtype)
+            return new_updates, StorageState(state.count + applied, version, expected)
         elif _leaves_path(layout, updates, params, mesh):
             # One store shard, gradient and params of one dtype: the update reads the gradient leaves where they
             # are and writes the new params over them (no flat copies: the leanest step in memory).
@@ -250,13 +278,36 @@ def _leaves_path(layout, updates, params, mesh) -> bool:
         for g, p, spec in zip(grads, ps, layout.leaves))
 
 
+def _consume_staged(ps, float32_updates, i, new):
+    """Leaf ``i`` of a staged update: ``((updates, expected fingerprint row), next params)``. The next params are
+    what the step's ``optax.apply_updates`` computes of this leaf (XLA merges the two): the next leaf is read only
+    after it, so the step never holds more than one leaf's new params (``store_update_staged``)."""
+    pair = comp.updates_and_expected(ps[i], new_params=new, float32_updates=float32_updates)
+    return pair, optax.apply_updates(ps[i], pair[0])
+
+
+def _check_staging(store, layout, updates, params, mesh) -> None:
+    """Raises ``ValueError`` naming why an update cannot stage its gradient (``stage_gradients=True``)."""
+    if store.tier == "memory":
+        raise ValueError("stage_gradients=True stages the gradient on the store's disk: the memory tier has none "
+                         "(and there the staged gradient would take the same host memory); open the store with "
+                         "tier='file' or a device tier")
+    if mesh is not None or layout.num_shards != 1:
+        raise ValueError("stage_gradients=True needs one device and a single-shard store")
+    if not _leaves_path(layout, updates, params, None):
+        dtypes = sorted({str(x.dtype) for x in jax.tree_util.tree_leaves((updates, params))})
+        raise ValueError("stage_gradients=True needs gradient and params leaves all float32 or all bfloat16, with "
+                         f"the store layout's shapes; got dtypes {dtypes}")
+
+
 def _check_lr(learning_rate):
     if not callable(learning_rate) and not isinstance(learning_rate, (numbers.Real, jax.Array, np.ndarray)):
         raise TypeError(f"learning_rate must be a number or a schedule, got {learning_rate!r}")
 
 
 def _by_kind(kind: str, store: StateStore, learning_rate, hyper: dict, *, nesterov: bool = False, lazy: bool,
-             mesh, axis_name, staleness, float32_updates=False) -> optax.GradientTransformationExtraArgs:
+             mesh, axis_name, staleness, float32_updates=False,
+             stage_gradients=False) -> optax.GradientTransformationExtraArgs:
     """The one body of the factories below: ``kind`` with its static hyperparameters (``hyper``: OptimizerSpec
     field -> the value given) as the store's spec, then ``scale_by_storage``."""
     _check_lr(learning_rate)
@@ -264,13 +315,13 @@ def _by_kind(kind: str, store: StateStore, learning_rate, hyper: dict, *, nester
     spec = (None if any(v is None for v in static.values())
             else OptimizerSpec(kind, nesterov=bool(nesterov), lazy=bool(lazy), **static))
     return scale_by_storage(store, spec, learning_rate, mesh=mesh, axis_name=axis_name, staleness=staleness,
-                            float32_updates=float32_updates)
+                            float32_updates=float32_updates, stage_gradients=stage_gradients)
 
 
 def scale_by_storage_adam(
     store: StateStore, learning_rate: optax.ScalarOrSchedule, b1: float = 0.9, b2: float = 0.999,
     eps: float = 1e-8, weight_decay: float = 0.0, *, mesh: Mesh | None = None, axis_name: str | None = None,
-    staleness: int = 0, lazy: bool = False, float32_updates: bool = False,
+    staleness: int = 0, lazy: bool = False, float32_updates: bool = False, stage_gradients: bool = False,
 ) -> optax.GradientTransformationExtraArgs:
     """Adam on state kept in ``store`` (``weight_decay`` as L2 on the gradient, like
     ``optax.chain(optax.add_decayed_weights(wd), optax.adam(...))``).
@@ -290,37 +341,38 @@ def scale_by_storage_adam(
     """
     return _by_kind("adam", store, learning_rate, dict(b1=b1, b2=b2, eps=eps, weight_decay=weight_decay),
                     lazy=lazy, mesh=mesh, axis_name=axis_name, staleness=staleness,
-                    float32_updates=float32_updates)
+                    float32_updates=float32_updates, stage_gradients=stage_gradients)
 
 
 def scale_by_storage_adamw(
     store: StateStore, learning_rate: optax.ScalarOrSchedule, b1: float = 0.9, b2: float = 0.999,
     eps: float = 1e-8, weight_decay: float = 1e-4, *, mesh: Mesh | None = None, axis_name: str | None = None,
-    staleness: int = 0, lazy: bool = False, float32_updates: bool = False,
+    staleness: int = 0, lazy: bool = False, float32_updates: bool = False, stage_gradients: bool = False,
 ) -> optax.GradientTransformationExtraArgs:
     """AdamW (decoupled weight decay, optax's default 1e-4) on state kept in ``store``."""
     return _by_kind("adamw", store, learning_rate, dict(b1=b1, b2=b2, eps=eps, weight_decay=weight_decay),
                     lazy=lazy, mesh=mesh, axis_name=axis_name, staleness=staleness,
-                    float32_updates=float32_updates)
+                    float32_updates=float32_updates, stage_gradients=stage_gradients)
 
 
 def scale_by_storage_sgd(
     store: StateStore, learning_rate: optax.ScalarOrSchedule, momentum: float | None = None,
     nesterov: bool = False, weight_decay: float = 0.0, *, mesh: Mesh | None = None, axis_name: str | None = None,
-    staleness: int = 0, lazy: bool = False, float32_updates: bool = False,
+    staleness: int = 0, lazy: bool = False, float32_updates: bool = False, stage_gradients: bool = False,
 ) -> optax.GradientTransformationExtraArgs:
     """SGD, optionally with (Nesterov) momentum, on state kept in ``store`` (like ``optax.sgd``)."""
     hyper = dict(momentum=0.0 if momentum is None else momentum, weight_decay=weight_decay)
     return _by_kind("sgd", store, learning_rate, hyper, nesterov=nesterov, lazy=lazy, mesh=mesh,
-                    axis_name=axis_name, staleness=staleness, float32_updates=float32_updates)
+                    axis_name=axis_name, staleness=staleness, float32_updates=float32_updates,
+                    stage_gradients=stage_gradients)
 
 
 def scale_by_storage_adagrad(
     store: StateStore, learning_rate: optax.ScalarOrSchedule, initial_accumulator_value: float = 0.1,
     eps: float = 1e-7, *, mesh: Mesh | None = None, axis_name: str | None = None, staleness: int = 0,
-    lazy: bool = False, float32_updates: bool = False,
+    lazy: bool = False, float32_updates: bool = False, stage_gradients: bool = False,
 ) -> optax.GradientTransformationExtraArgs:
     """AdaGrad on state kept in ``store`` (like ``optax.adagrad``)."""
     return _by_kind("adagrad", store, learning_rate, dict(eps=eps, initial_nu=initial_accumulator_value),
                     lazy=lazy, mesh=mesh, axis_name=axis_name, staleness=staleness,
-                    float32_updates=float32_updates)
+                    float32_updates=float32_updates, stage_gradients=stage_gradients)
