@@ -46,7 +46,8 @@ others) is stopped there, as is one whose store the disk cannot hold. Contenders
   nsp-memory  ``nsp.optim.adamw`` on a memory-tier store updated in place (fp32 master and moments in RAM: 12 bytes
               per parameter) with bf16 params for the step: ``nsp train --tier memory --bf16-params``'s set-up.
   nsp-file    the same on a file-tier store at ``--dir`` (fp32 master and moments on disk, two version slots:
-              24 bytes per parameter of disk): ``nsp train --bf16-params``'s set-up, built part by part.
+              24 bytes per parameter of disk): ``nsp train --bf16-params --stage-gradients``'s set-up, built part
+              by part (``--no-stage-gradients``: ``nsp train --bf16-params``'s step).
 
 Each attempt sets up (timed), compiles the step, then runs two steps on different batches; the table gives the
 second step's time split into forward/backward and update (optax: two jitted calls; nsp: ``nsp train``'s one
@@ -141,7 +142,8 @@ def full_child(args) -> None:
 
     config = TrainConfig(model=args.model, tier="file" if args.child == "nsp-file" else "memory", bf16=True,
                          f32_accum=args.f32_accum, bf16_params=args.child != "optax", batch=1, seq=args.seq,
-                         steps=100, checkpoints=False).resolved()
+                         steps=100, checkpoints=False,
+                         stage_gradients=args.child == "nsp-file" and args.stage_gradients).resolved()
     model_cfg = trainer.model_config(config, 256)
     tokens = load_tokens(None, seq_len=args.seq)
     batches = Batcher(tokens.tokens, 1, args.seq, seed=0)
@@ -211,7 +213,8 @@ def full_attempt(contender: str, model: str, args, workdir: Path) -> dict:
     """Runs one ``--full`` attempt, watching its resident memory; returns its result or why it did not fit."""
     store = workdir / f"store-{model}"
     cmd = [sys.executable, __file__, "--full", "--child", contender, "--model", model, "--seq", str(args.seq),
-           "--store", str(store), "--f32-accum" if args.f32_accum else "--no-f32-accum"]
+           "--store", str(store), "--f32-accum" if args.f32_accum else "--no-f32-accum",
+           "--stage-gradients" if args.stage_gradients else "--no-stage-gradients"]
     env = dict(os.environ, MALLOC_ARENA_MAX="2", MALLOC_MMAP_THRESHOLD_=str(args.mmap_threshold or 131072))
     limit = int(args.rss_limit_gib * 2**30)
     t0 = time.perf_counter()
@@ -303,6 +306,7 @@ def full(args) -> None:
               "optax_max_params_by_ram": int(args.rss_limit_gib * 2**30 / 16),
               "nsp_file_max_params_by_disk": int(free_disk / 24)}
     write_json("max_model_full", {"mode": "full", "seq": args.seq, "f32_accum": args.f32_accum, "ladder": ladder,
+                                  "stage_gradients": args.stage_gradients,
                                   "rss_limit_gib": args.rss_limit_gib, "rows": rows, "attempts": attempts,
                                   "limits": limits}, args.json or str(Path(__file__).parent / "results"
                                                                       / "max_model_full.json"))

@@ -209,3 +209,51 @@ def test_users_own_loop_with_optax_apply_updates(tmp_path):
         assert int(state.count) == 1 and np.isfinite(float(loss))
     finally:
         store.close()
+
+
+def test_clip_norm_scales_the_staged_gradient_as_it_is_read(tmp_path):
+    """clip_norm: the norm from the stage calls' sums of squares, the gradient scaled by clip / norm as the update
+    reads it: exactly the leaves update of the gradient scaled so, and close to optax.clip_by_global_norm's."""
+    params = _params()
+    spec = storage.OptimizerSpec("adam")
+    stores = {name: storage.open(tmp_path / name, tier="file", num_shards=1, page_bytes=PAGE)
+              for name in ("staged", "leaves", "unclipped", "plain")}
+    for s in stores.values():
+        s.initialize(params, spec)
+    ps = jax.tree_util.tree_leaves(params)
+    try:
+        grads = _grads(1, params, jnp.float32)
+        sums = [np.float32(np.sum(np.asarray(g, np.float64) ** 2)) for g in grads]
+        norm = np.sqrt(np.sum(np.asarray(sums, np.float32)), dtype=np.float32)
+        clip = float(norm) / 4
+        scale = np.float32(clip) / norm
+        new, _ = jax.jit(lambda g, p: store_update_staged(stores["staged"], g, version=0, lr=0.01, step=1, params=p,
+                                                          clip_norm=clip))(grads, ps)
+        ref, _ = jax.jit(lambda g: store_update_leaves(stores["leaves"], g, version=0, lr=0.01, step=1))(
+            [g * scale for g in grads])
+        for x, y in zip(new, ref):
+            np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+        clipped = optax.clip_by_global_norm(clip).update(grads, optax.EmptyState())[0]
+        for g, r in zip(clipped, [g * scale for g in grads]):
+            np.testing.assert_allclose(np.asarray(g), np.asarray(r), rtol=1e-6)
+        # A norm below clip_norm leaves the gradient as it is.
+        same, _ = jax.jit(lambda g, p: store_update_staged(stores["unclipped"], g, version=0, lr=0.01, step=1,
+                                                           params=p, clip_norm=float(norm) * 2))(grads, ps)
+        plain, _ = jax.jit(lambda g: store_update_leaves(stores["plain"], g, version=0, lr=0.01, step=1))(grads)
+        for x, y in zip(same, plain):
+            np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+        assert not np.array_equal(np.asarray(same[0]), np.asarray(new[0]))
+        with pytest.raises(ValueError, match="clip_norm must be positive"):
+            store_update_staged(stores["staged"], grads, version=1, lr=0.01, step=2, params=ps, clip_norm=0.0)
+    finally:
+        for s in stores.values():
+            s.close()
+
+
+def test_clip_norm_needs_stage_gradients(tmp_path):
+    store = storage.open(tmp_path / "s", tier="file", num_shards=1)
+    try:
+        with pytest.raises(ValueError, match="optax.clip_by_global_norm"):
+            nsp.optim.adamw(1e-3, store=store, clip_norm=1.0)
+    finally:
+        store.close()

@@ -62,12 +62,30 @@ int64_t ShardPieces::Covered(const ShardPieces* pieces, int64_t begin, int64_t n
   return std::max<int64_t>(0, std::min(n, end - begin));
 }
 
+void ShardPieces::ScaleGrad(char* data, int64_t n) const {
+  if (type == GradType::kF32) {
+    float* g = reinterpret_cast<float*>(data);
+    for (int64_t i = 0; i < n; ++i) g[i] *= scale;
+    return;
+  }
+  uint16_t* g = reinterpret_cast<uint16_t*>(data);
+  float widened[256];
+  for (int64_t at = 0; at < n; at += 256) {
+    const int64_t m = std::min<int64_t>(256, n - at);
+    for (int64_t i = 0; i < m; ++i) widened[i] = internal::WidenBf16(g[at + i]) * scale;
+    internal::RoundToBf16(widened, g + at, m);
+  }
+}
+
 std::string ShardPieces::GatherGrad(int64_t begin, int64_t n, char* dst) const {
   const int64_t bytes = GradBytes(type);
   std::memset(dst, 0, static_cast<size_t>(n * bytes));  // padding past the last piece stays zero
   if (stage != nullptr) {
     const int64_t covered = Covered(this, begin, n);
-    return covered > 0 ? stage->Read(begin, dst, covered, bytes) : std::string();
+    if (covered <= 0) return {};
+    if (std::string e = stage->Read(begin, dst, covered, bytes); !e.empty()) return e;
+    if (scale != 1.0f) ScaleGrad(dst, covered);
+    return {};
   }
   ForEachOverlap(starts, sizes, begin, begin + n, [&](size_t i, int64_t lo, int64_t hi) {
     std::memcpy(dst + (lo - begin) * bytes, static_cast<const char*>(grad[i]) + (lo - starts[i]) * bytes,

@@ -25,12 +25,18 @@ struct ShardPieces {
   std::vector<int64_t> sizes;
   std::vector<int64_t> starts;  // filled by Finalize: starts[i] = sizes[0] + ... + sizes[i-1]
   const GradientStage* stage = nullptr;
+  // With `stage`: the factor each gradient element is multiplied by as it is read (global-norm clipping of a
+  // staged gradient, whose norm is known only once every leaf is staged), in float32, rounded back to bf16 for a
+  // bf16 gradient. 1 reads the gradient as it is.
+  float scale = 1.0f;
   std::string Finalize(int64_t shard_size);
   // Copies elements [begin, begin + n) of the gradient into dst (type's bytes per element; zeros in padding).
   // Returns "" or the stage file's error.
   std::string GatherGrad(int64_t begin, int64_t n, char* dst) const;
   // Writes fp32 params for elements [begin, begin + n) into the pieces, rounded to bf16 when type is bf16.
   std::string ScatterParams(int64_t begin, int64_t n, const float* src) const;
+  // Multiplies `n` gradient elements at `data` (of `type`) by `scale`.
+  void ScaleGrad(char* data, int64_t n) const;
   // How many of elements [begin, begin + n) come from the caller: those some piece covers (a shard's padding
   // past the last piece comes from nobody), or all n when the shard is not given as pieces (`pieces` null).
   static int64_t Covered(const ShardPieces* pieces, int64_t begin, int64_t n);

@@ -2,17 +2,21 @@
 //
 // nsp_gradient_stage writes one gradient leaf into its shard's stage file, at the leaf's place in the shard,
 // as soon as the backward pass has produced it (the leaf's buffer is then free), and returns whether the leaf
-// is finite (s32[]: 1 or 0): the store update (nsp_store_update_staged, store_update_ffi.cc) takes the AND of
+// is finite (s32[]: 1 or 0) and, with attribute norm, its sum of squares (f32[]: its share of the global norm a
+// clipped step scales the gradient by, applied as the update reads it): the store update (nsp_store_update_staged, store_update_ffi.cc) takes the AND of
 // those as its apply operand, so it runs after every leaf is staged. nsp_gradient_stage_load reads one leaf of
 // the new params back from the stage file, where the update wrote them over the gradient; it takes the
 // update's version result (never read) so that it runs after the update. Both have side effects.
 //
-// Attributes: handle (the shard's engine), offset (the leaf's first element in the shard).
+// Attributes: handle (the shard's engine), offset (the leaf's first element in the shard), norm (the stage call).
+#include <cmath>
+#include <cstdint>
 #include <string>
 
 #include "engine/engine_registry.h"
 #include "engine/store_engine.h"
 #include "xla/ffi/api/ffi.h"
+#include "kernels/kernel_block.h"
 #include "xla/ffi_common.h"
 
 namespace nsp {
@@ -34,15 +38,41 @@ ffi::ErrorOr<GradientStage*> StageOf(const char* op, int64_t handle, int64_t off
   return stage;
 }
 
-ffi::Error StageImpl(ffi::AnyBuffer grad, ffi::Result<ffi::Buffer<ffi::S32>> finite, int64_t handle,
-                     int64_t offset) {
+// The sum of the squares of `n` elements (float32 or bf16) in double: finite exactly when every element is (a
+// float32's square cannot overflow a double). Eight partial sums, so the loop is not one long dependency chain.
+double SumOfSquares(const void* data, GradType type, int64_t n) {
+  double part[8] = {};
+  if (type == GradType::kF32) {
+    const float* g = static_cast<const float*>(data);
+    for (int64_t i = 0; i < n; ++i) part[i & 7] += static_cast<double>(g[i]) * g[i];
+  } else {
+    const uint16_t* g = static_cast<const uint16_t*>(data);
+    for (int64_t i = 0; i < n; ++i) {
+      const double x = internal::WidenBf16(g[i]);
+      part[i & 7] += x * x;
+    }
+  }
+  double sum = 0;
+  for (double p : part) sum += p;
+  return sum;
+}
+
+ffi::Error StageImpl(ffi::AnyBuffer grad, ffi::Result<ffi::Buffer<ffi::S32>> finite,
+                     ffi::Result<ffi::Buffer<ffi::F32>> sum_squares, int64_t handle, int64_t offset, bool norm) {
   constexpr const char* kOp = "nsp_gradient_stage";
   auto type = ffi_common::GradTypeOf(kOp, grad);
   if (type.has_error()) return type.error();
   const int64_t n = static_cast<int64_t>(grad.element_count());
   auto stage = StageOf(kOp, handle, offset, n);
   if (stage.has_error()) return stage.error();
-  finite->typed_data()[0] = AllFinite(grad.untyped_data(), *type, n) ? 1 : 0;
+  if (norm) {  // the leaf's share of the global norm, and whether it is finite, in one pass
+    const double sum = SumOfSquares(grad.untyped_data(), *type, n);
+    finite->typed_data()[0] = std::isfinite(sum) ? 1 : 0;
+    sum_squares->typed_data()[0] = static_cast<float>(sum);
+  } else {
+    finite->typed_data()[0] = AllFinite(grad.untyped_data(), *type, n) ? 1 : 0;
+    sum_squares->typed_data()[0] = 0.0f;
+  }
   if (std::string e = (*stage)->Write(offset, grad.untyped_data(), n, GradBytes(*type)); !e.empty()) {
     return Invalid(kOp, e);
   }
@@ -70,8 +100,10 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(NspGradientStage, nsp::StageImpl,
                               xla::ffi::Ffi::Bind()
                                   .Arg<xla::ffi::AnyBuffer>()               // one gradient leaf
                                   .Ret<xla::ffi::Buffer<xla::ffi::S32>>()   // finite: 1 or 0
+                                  .Ret<xla::ffi::Buffer<xla::ffi::F32>>()   // sum of squares (with norm)
                                   .Attr<int64_t>("handle")
-                                  .Attr<int64_t>("offset"));
+                                  .Attr<int64_t>("offset")
+                                  .Attr<bool>("norm"));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(NspGradientStageLoad, nsp::LoadImpl,
                               xla::ffi::Ffi::Bind()

@@ -239,11 +239,11 @@ ffi::Error PiecesImpl(ffi::Buffer<ffi::F32> lr, ffi::Buffer<ffi::S32> step, ffi:
 }
 
 // The staged target: the gradient is in the shard's stage file (gradient_stage_ffi.cc wrote it leaf by leaf),
-// and the new params go back there, over it. Operands: the scalars (apply 0 or 1: the stage calls' AND), then
-// the params leaves, which give the leaves' sizes and dtype (the gradient's) and are read only when adopt is 1.
+// and the new params go back there, over it. Operands: the scalars (apply 0 or 1: the stage calls' AND), the
+// factor the gradient is scaled by as it is read (f32[]: global-norm clipping; 1: none), then the params leaves, which give the leaves' sizes and dtype (the gradient's) and are read only when adopt is 1.
 ffi::Error StagedImpl(ffi::Buffer<ffi::F32> lr, ffi::Buffer<ffi::S32> step, ffi::Buffer<ffi::S32> version,
                       ffi::Buffer<ffi::S32> shard, ffi::Buffer<ffi::S32> apply, ffi::Buffer<ffi::S32> adopt,
-                      ffi::RemainingArgs params, ffi::Result<ffi::Buffer<ffi::S32>> version_out,
+                      ffi::Buffer<ffi::F32> grad_scale, ffi::RemainingArgs params, ffi::Result<ffi::Buffer<ffi::S32>> version_out,
                       ffi::Span<const int64_t> handles, int32_t staleness, ffi::Dictionary hyper) {
   const Scalars scalars{lr, step, version, shard, apply, adopt};
   if (apply.typed_data()[0] < 0) return Invalid(kOp, "a staged gradient's apply operand must be 0 or 1");
@@ -255,6 +255,7 @@ ffi::Error StagedImpl(ffi::Buffer<ffi::F32> lr, ffi::Buffer<ffi::S32> step, ffi:
   GradientStage* stage = nullptr;
   if (std::string e = call->engine->Stage(&stage); !e.empty()) return Invalid(kOp, e);
   pieces.stage = stage;
+  pieces.scale = grad_scale.typed_data()[0];
   for (size_t i = 0; i < params.size(); ++i) {
     auto p = params.get<ffi::AnyBuffer>(i);
     if (p.has_error()) return p.error();
@@ -319,5 +320,6 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(NspStoreUpdatePieces, nsp::PiecesImpl,
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(NspStoreUpdateStaged, nsp::StagedImpl,
                               nsp::WithAttrs(nsp::ScalarArgs(xla::ffi::Ffi::Bind())
+                                                 .Arg<xla::ffi::Buffer<xla::ffi::F32>>()  // gradient scale
                                                  .RemainingArgs()                         // params leaves
                                                  .Ret<xla::ffi::Buffer<xla::ffi::S32>>()));  // version

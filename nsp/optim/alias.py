@@ -39,7 +39,7 @@ def _compose(scale_by_storage_kind, store: StateStore, compression: TopK | None,
              options: dict, *hyper) -> optax.GradientTransformationExtraArgs:
     """``scale_by_storage_kind(store, *hyper, ...)``, lazy as ``compression`` says, after Top-K compression when
     there is any: the one body of the four aliases, composed as optax composes its aliases. ``options``: the
-    storage transform's ``float32_updates`` and ``stage_gradients``."""
+    storage transform's ``float32_updates``, ``stage_gradients`` and ``clip_norm``."""
     if compression is not None and options.get("stage_gradients"):
         raise ValueError("stage_gradients=True takes the dense gradient leaf by leaf; it does not combine with "
                          "Top-K compression (whose compressed gradient is already small)")
@@ -74,7 +74,8 @@ def adam(learning_rate: optax.ScalarOrSchedule, b1: float = 0.9, b2: float = 0.9
          eps_root: float = 0.0, mu_dtype=None, *, nesterov: bool = False, store: StateStore,
          compression: TopK | None = None, weight_decay: float = 0.0, mesh: Mesh | None = None,
          axis_name: str | None = None, staleness: int = 0,
-         float32_updates: bool = False, stage_gradients: bool = False) -> optax.GradientTransformationExtraArgs:
+         float32_updates: bool = False, stage_gradients: bool = False,
+        clip_norm: float | None = None) -> optax.GradientTransformationExtraArgs:
     """Adam with its state in ``store``: ``optax.adam``'s arguments, in its order, plus nsp's keyword-only ones.
 
     ``eps_root`` other than 0, ``mu_dtype`` other than None or float32 (the store keeps float32 moments) and
@@ -89,7 +90,7 @@ def adam(learning_rate: optax.ScalarOrSchedule, b1: float = 0.9, b2: float = 0.9
     _moment_dtype("mu_dtype", mu_dtype)
     _unsupported("nesterov", nesterov, False, "Nesterov Adam (NAdam) is not in the update kernel")
     return _compose(scale_by_storage_adam, store, compression, mesh, axis_name, staleness,
-                    dict(float32_updates=float32_updates, stage_gradients=stage_gradients),
+                    dict(float32_updates=float32_updates, stage_gradients=stage_gradients, clip_norm=clip_norm),
                     learning_rate, b1, b2, eps, weight_decay)
 
 
@@ -97,7 +98,8 @@ def adamw(learning_rate: optax.ScalarOrSchedule, b1: float = 0.9, b2: float = 0.
           eps_root: float = 0.0, mu_dtype=None, weight_decay: float = 1e-4, mask=None, *, nesterov: bool = False,
           store: StateStore, compression: TopK | None = None, mesh: Mesh | None = None,
           axis_name: str | None = None, staleness: int = 0,
-          float32_updates: bool = False, stage_gradients: bool = False) -> optax.GradientTransformationExtraArgs:
+          float32_updates: bool = False, stage_gradients: bool = False,
+        clip_norm: float | None = None) -> optax.GradientTransformationExtraArgs:
     """AdamW with its state in ``store``: ``optax.adamw``'s arguments, in its order, plus nsp's keyword-only ones.
 
     ``eps_root`` other than 0, ``mu_dtype`` other than None or float32, a ``mask`` and ``nesterov=True`` raise
@@ -111,7 +113,7 @@ def adamw(learning_rate: optax.ScalarOrSchedule, b1: float = 0.9, b2: float = 0.
                                   "optax.partition, each with its own store")
     _unsupported("nesterov", nesterov, False, "Nesterov Adam (NAdam) is not in the update kernel")
     return _compose(scale_by_storage_adamw, store, compression, mesh, axis_name, staleness,
-                    dict(float32_updates=float32_updates, stage_gradients=stage_gradients),
+                    dict(float32_updates=float32_updates, stage_gradients=stage_gradients, clip_norm=clip_norm),
                     learning_rate, b1, b2, eps, weight_decay)
 
 
@@ -119,20 +121,22 @@ def sgd(learning_rate: optax.ScalarOrSchedule, momentum: float | None = None, ne
         accumulator_dtype=None, *, store: StateStore, compression: TopK | None = None, weight_decay: float = 0.0,
         mesh: Mesh | None = None, axis_name: str | None = None,
         staleness: int = 0, float32_updates: bool = False,
-        stage_gradients: bool = False) -> optax.GradientTransformationExtraArgs:
+        stage_gradients: bool = False,
+        clip_norm: float | None = None) -> optax.GradientTransformationExtraArgs:
     """SGD (optionally with momentum) with its state in ``store``: ``optax.sgd``'s arguments, in its order, plus
     nsp's keyword-only ones. ``accumulator_dtype`` other than None or float32 raises ``NotImplementedError``."""
     _moment_dtype("accumulator_dtype", accumulator_dtype)
     return _compose(scale_by_storage_sgd, store, compression, mesh, axis_name, staleness,
-                    dict(float32_updates=float32_updates, stage_gradients=stage_gradients),
+                    dict(float32_updates=float32_updates, stage_gradients=stage_gradients, clip_norm=clip_norm),
                     learning_rate, momentum, nesterov, weight_decay)
 
 
 def adagrad(learning_rate: optax.ScalarOrSchedule, initial_accumulator_value: float = 0.1, eps: float = 1e-7, *,
             store: StateStore, compression: TopK | None = None, mesh: Mesh | None = None,
             axis_name: str | None = None, staleness: int = 0,
-            float32_updates: bool = False, stage_gradients: bool = False) -> optax.GradientTransformationExtraArgs:
+            float32_updates: bool = False, stage_gradients: bool = False,
+        clip_norm: float | None = None) -> optax.GradientTransformationExtraArgs:
     """AdaGrad with its state in ``store``: ``optax.adagrad``'s arguments, plus nsp's keyword-only ones."""
     return _compose(scale_by_storage_adagrad, store, compression, mesh, axis_name, staleness,
-                    dict(float32_updates=float32_updates, stage_gradients=stage_gradients),
+                    dict(float32_updates=float32_updates, stage_gradients=stage_gradients, clip_norm=clip_norm),
                     learning_rate, initial_accumulator_value, eps)

@@ -88,6 +88,7 @@ def scale_by_storage(
     staleness: int = 0,
     float32_updates: bool = False,
     stage_gradients: bool = False,
+    clip_norm: float | None = None,
 ) -> optax.GradientTransformationExtraArgs:
     """The general storage transform: ``optimizer``'s update of ``store``, at ``learning_rate``.
 
@@ -119,7 +120,12 @@ def scale_by_storage(
         bytes through the store's stage file each step (about 4 bytes per parameter for bf16, mostly in the page
         cache, beside the update's 24). Needs a single-shard store on disk (not the memory tier), one device,
         staleness 0, gradient and params leaves all float32 or all bfloat16, and no Top-K compression; an
-        update that cannot take it raises ``ValueError`` naming why.
+        update that cannot take it raises ``ValueError`` naming why. Global-norm clipping chained before this
+        transform (``optax.clip_by_global_norm``) needs the whole gradient at once for its norm: give
+        ``clip_norm`` instead.
+      clip_norm: with ``stage_gradients``: clip the gradient to this global norm (``optax.clip_by_global_norm``'s
+        rule) as the update reads it from the stage file (``store_update_staged``); the norm comes from the stage
+        calls, so the step still never holds the whole gradient.
 
     Returns:
       An optax transform; its ``update`` needs ``params`` (when they are not the ones the previous update led
@@ -133,6 +139,11 @@ def scale_by_storage(
         staleness = None
     elif staleness not in (0, 1):
         raise ValueError(f"staleness must be 0 or 1, got {staleness}")
+    if clip_norm is not None and not stage_gradients:
+        raise ValueError("clip_norm is the staged update's clipping (stage_gradients=True); otherwise chain "
+                         "optax.clip_by_global_norm before this transform")
+    if clip_norm is not None and not clip_norm > 0:
+        raise ValueError(f"clip_norm must be positive, got {clip_norm}")
     if stage_gradients and staleness:
         raise ValueError("stage_gradients=True needs staleness 0: a background step would read the staged gradient "
                          "while the next step writes it")
@@ -224,7 +235,8 @@ def scale_by_storage(
             # Leaf by leaf, so that each leaf's new params are consumed (optax.apply_updates) as they arrive.
             pieces, version = store_update_staged(
                 handle, jax.tree_util.tree_leaves(updates), version=state.version, lr=lr, step=state.count + 1,
-                params=ps, adopt=adopt, consume=functools.partial(_consume_staged, ps, float32_updates))
+                params=ps, adopt=adopt, consume=functools.partial(_consume_staged, ps, float32_updates),
+                clip_norm=clip_norm)
             treedef = jax.tree_util.tree_structure(params)
             new_updates = jax.tree_util.tree_unflatten(treedef, [u for u, _ in pieces])
             expected = jnp.concatenate([e for _, e in pieces], axis=0)
@@ -306,8 +318,8 @@ def _check_lr(learning_rate):
 
 
 def _by_kind(kind: str, store: StateStore, learning_rate, hyper: dict, *, nesterov: bool = False, lazy: bool,
-             mesh, axis_name, staleness, float32_updates=False,
-             stage_gradients=False) -> optax.GradientTransformationExtraArgs:
+             mesh, axis_name, staleness, float32_updates=False, stage_gradients=False,
+             clip_norm=None) -> optax.GradientTransformationExtraArgs:
     """The one body of the factories below: ``kind`` with its static hyperparameters (``hyper``: OptimizerSpec
     field -> the value given) as the store's spec, then ``scale_by_storage``."""
     _check_lr(learning_rate)
@@ -315,13 +327,15 @@ def _by_kind(kind: str, store: StateStore, learning_rate, hyper: dict, *, nester
     spec = (None if any(v is None for v in static.values())
             else OptimizerSpec(kind, nesterov=bool(nesterov), lazy=bool(lazy), **static))
     return scale_by_storage(store, spec, learning_rate, mesh=mesh, axis_name=axis_name, staleness=staleness,
-                            float32_updates=float32_updates, stage_gradients=stage_gradients)
+                            float32_updates=float32_updates, stage_gradients=stage_gradients,
+                            clip_norm=clip_norm)
 
 
 def scale_by_storage_adam(
     store: StateStore, learning_rate: optax.ScalarOrSchedule, b1: float = 0.9, b2: float = 0.999,
     eps: float = 1e-8, weight_decay: float = 0.0, *, mesh: Mesh | None = None, axis_name: str | None = None,
     staleness: int = 0, lazy: bool = False, float32_updates: bool = False, stage_gradients: bool = False,
+    clip_norm: float | None = None,
 ) -> optax.GradientTransformationExtraArgs:
     """Adam on state kept in ``store`` (``weight_decay`` as L2 on the gradient, like
     ``optax.chain(optax.add_decayed_weights(wd), optax.adam(...))``).
@@ -341,38 +355,41 @@ def scale_by_storage_adam(
     """
     return _by_kind("adam", store, learning_rate, dict(b1=b1, b2=b2, eps=eps, weight_decay=weight_decay),
                     lazy=lazy, mesh=mesh, axis_name=axis_name, staleness=staleness,
-                    float32_updates=float32_updates, stage_gradients=stage_gradients)
+                    float32_updates=float32_updates, stage_gradients=stage_gradients, clip_norm=clip_norm)
 
 
 def scale_by_storage_adamw(
     store: StateStore, learning_rate: optax.ScalarOrSchedule, b1: float = 0.9, b2: float = 0.999,
     eps: float = 1e-8, weight_decay: float = 1e-4, *, mesh: Mesh | None = None, axis_name: str | None = None,
     staleness: int = 0, lazy: bool = False, float32_updates: bool = False, stage_gradients: bool = False,
+    clip_norm: float | None = None,
 ) -> optax.GradientTransformationExtraArgs:
     """AdamW (decoupled weight decay, optax's default 1e-4) on state kept in ``store``."""
     return _by_kind("adamw", store, learning_rate, dict(b1=b1, b2=b2, eps=eps, weight_decay=weight_decay),
                     lazy=lazy, mesh=mesh, axis_name=axis_name, staleness=staleness,
-                    float32_updates=float32_updates, stage_gradients=stage_gradients)
+                    float32_updates=float32_updates, stage_gradients=stage_gradients, clip_norm=clip_norm)
 
 
 def scale_by_storage_sgd(
     store: StateStore, learning_rate: optax.ScalarOrSchedule, momentum: float | None = None,
     nesterov: bool = False, weight_decay: float = 0.0, *, mesh: Mesh | None = None, axis_name: str | None = None,
     staleness: int = 0, lazy: bool = False, float32_updates: bool = False, stage_gradients: bool = False,
+    clip_norm: float | None = None,
 ) -> optax.GradientTransformationExtraArgs:
     """SGD, optionally with (Nesterov) momentum, on state kept in ``store`` (like ``optax.sgd``)."""
     hyper = dict(momentum=0.0 if momentum is None else momentum, weight_decay=weight_decay)
     return _by_kind("sgd", store, learning_rate, hyper, nesterov=nesterov, lazy=lazy, mesh=mesh,
                     axis_name=axis_name, staleness=staleness, float32_updates=float32_updates,
-                    stage_gradients=stage_gradients)
+                    stage_gradients=stage_gradients, clip_norm=clip_norm)
 
 
 def scale_by_storage_adagrad(
     store: StateStore, learning_rate: optax.ScalarOrSchedule, initial_accumulator_value: float = 0.1,
     eps: float = 1e-7, *, mesh: Mesh | None = None, axis_name: str | None = None, staleness: int = 0,
     lazy: bool = False, float32_updates: bool = False, stage_gradients: bool = False,
+    clip_norm: float | None = None,
 ) -> optax.GradientTransformationExtraArgs:
     """AdaGrad on state kept in ``store`` (like ``optax.adagrad``)."""
     return _by_kind("adagrad", store, learning_rate, dict(eps=eps, initial_nu=initial_accumulator_value),
                     lazy=lazy, mesh=mesh, axis_name=axis_name, staleness=staleness,
-                    float32_updates=float32_updates, stage_gradients=stage_gradients)
+                    float32_updates=float32_updates, stage_gradients=stage_gradients, clip_norm=clip_norm)

@@ -77,6 +77,7 @@ def store_update_staged(
     params: list[jax.Array],
     adopt: jax.typing.ArrayLike = False,
     consume: Callable[[int, jax.Array], tuple[Any, jax.Array]] | None = None,
+    clip_norm: float | None = None,
 ) -> tuple[list[Any], jax.Array]:
     """``store_update_leaves`` with the gradient staged on the store's disk leaf by leaf (module docstring).
 
@@ -91,6 +92,10 @@ def store_update_staged(
         the next leaf's read must wait for. Give the params the step keeps of that leaf (``p + update``, as the
         step's own ``optax.apply_updates`` computes it: XLA merges the two), and the step holds one leaf's new
         params at a time: XLA's scheduler, left to itself, reads every leaf back before it applies any.
+      clip_norm: clip the gradient to this global norm (``optax.clip_by_global_norm``'s rule) as the update reads
+        it: the stage calls also sum each leaf's squares, and the factor is applied in float32 (rounded back to
+        bf16 for a bf16 gradient; optax's bf16 arithmetic rounds twice, so the two may differ in the last bit).
+        A clip transform chained before the update would need the whole gradient at once to take its norm.
 
     Returns:
       ``(results, version)``: per leaf, its new params in the gradient's dtype (or what ``consume`` made of
@@ -99,21 +104,28 @@ def store_update_staged(
     """
     handle = _handle(store)
     check_staged(handle, grads)
+    if clip_norm is not None and not clip_norm > 0:
+        raise ValueError(f"clip_norm must be positive, got {clip_norm}")
     if len(params) != len(grads) or any(p.dtype != g.dtype or p.shape != g.shape for p, g in zip(params, grads)):
         raise TypeError("the staged update needs params leaves of the gradient's dtypes and shapes")
     _check_cpu()
     engine = np.int64(handle.engines[0])
     offsets = [np.int64(spec.offset) for spec in handle.layout.leaves]
 
-    stage = jax.ffi.ffi_call("nsp_gradient_stage", jax.ShapeDtypeStruct((), jnp.int32), has_side_effect=True)
-    finite = [stage(g, handle=engine, offset=off) for g, off in zip(grads, offsets)]
-    apply = jnp.min(jnp.stack(finite))  # 1: every leaf finite; 0: skip the step
+    stage = jax.ffi.ffi_call("nsp_gradient_stage", (jax.ShapeDtypeStruct((), jnp.int32),
+                                                    jax.ShapeDtypeStruct((), jnp.float32)), has_side_effect=True)
+    staged = [stage(g, handle=engine, offset=off, norm=clip_norm is not None) for g, off in zip(grads, offsets)]
+    apply = jnp.min(jnp.stack([finite for finite, _ in staged]))  # 1: every leaf finite; 0: skip the step
+    scale = jnp.float32(1)
+    if clip_norm is not None:  # optax.clip_by_global_norm's rule, the norm from the leaves' sums of squares
+        norm = jnp.sqrt(jnp.sum(jnp.stack([squares for _, squares in staged])))
+        scale = jnp.where(norm < clip_norm, jnp.float32(1), jnp.float32(clip_norm) / norm)
 
     adopt = jnp.asarray(adopt).astype(jnp.int32)
     scalars = [jnp.asarray(lr, jnp.float32), jnp.asarray(step, jnp.int32), jnp.asarray(version, jnp.int32),
                jnp.int32(0), apply, adopt]
     update = jax.ffi.ffi_call("nsp_store_update_staged", jax.ShapeDtypeStruct((), jnp.int32), has_side_effect=True)
-    new_version = update(*scalars, *params, **_attrs(handle))
+    new_version = update(*scalars, scale, *params, **_attrs(handle))
 
     results, follow = [], []
     for i, (p, off) in enumerate(zip(params, offsets)):

@@ -77,6 +77,10 @@ class TrainConfig:
     # With --bf16: the step holds the params in bfloat16 (the store keeps the fp32 master), and set-up builds the
     # model part by part straight into the store, never whole in fp32. For models near the machine's memory.
     bf16_params: bool = False
+    # Stage each gradient leaf on the store's disk as the backward pass produces it, and read the new params back
+    # leaf by leaf (nsp.optim stage_gradients=True, with --clip applied inside the store): the step never holds the
+    # whole gradient. One device, the file or csd tier, dense gradients, staleness 0.
+    stage_gradients: bool = False
     # The MLP's nonlinearity: gelu (GPT-2) or relu (OPT; about half of its activations are zeros, which
     # --offload-activations stores in FlashNeuron's sparse format).
     activation: str = "gelu"
@@ -137,6 +141,8 @@ class TrainConfig:
             (self.activation in ("gelu", "relu"), f"unknown activation {self.activation!r} (gelu, relu)"),
             (self.offload_activations in ("none", "all"),
              f"unknown offload_activations {self.offload_activations!r} (none, all)"),
+            (not self.stage_gradients or (self.tier != "memory" and not self.topk and self.staleness == 0),
+             "stage_gradients needs the file or csd tier, dense gradients (no --topk) and staleness 0"),
             (self.bf16 or not (self.bf16_params or self.f32_accum),
              "bf16_params and f32_accum need bf16 compute (--bf16)"),
         ]

@@ -19,14 +19,21 @@ def learning_rate_schedule(config: TrainConfig) -> optax.Schedule:
 
 
 def make_optimizer(config: TrainConfig, store, mesh) -> optax.GradientTransformation:
-    """``nsp train``'s optax chain on ``store``: global-norm clipping (``config.clip``), then ``config.optimizer``
-    on the store (Top-K compressed with ``config.topk``), on the schedule of ``learning_rate_schedule``. ``mesh``:
+    """``nsp train``'s optax chain on ``store``: global-norm clipping (``config.clip``; inside the store's update
+    with ``config.stage_gradients``), then ``config.optimizer`` on the store (Top-K compressed with ``config.topk``), on the schedule of ``learning_rate_schedule``. ``mesh``:
     the run's devices (axis ``"data"``), None for one device."""
     schedule = learning_rate_schedule(config)
     # float32_updates: bf16 params land exactly on the store's master rounded to bf16, so they depend on the master
     # alone and a run without checkpoints can continue from its store (store_resume).
     kw = dict(store=store, mesh=mesh, axis_name="data" if mesh is not None else None, staleness=config.staleness,
               float32_updates=True)
+    clip_inside = config.stage_gradients and config.clip > 0
+    if config.stage_gradients:
+        # The staged update clips as it reads the gradient from the store's disk: a clip transform chained in
+        # front would need the whole gradient at once for its norm.
+        kw["stage_gradients"] = True
+        if clip_inside:
+            kw["clip_norm"] = config.clip
     if config.topk:
         kw["compression"] = nsp.optim.TopK(config.topk, error_feedback=config.error_feedback,
                                            residual_decay=config.topk_residual_decay, lazy=config.topk_lazy)
@@ -38,4 +45,4 @@ def make_optimizer(config: TrainConfig, store, mesh) -> optax.GradientTransforma
         tx = nsp.optim.sgd(schedule, momentum=config.b1, weight_decay=config.weight_decay, **kw)
     else:
         tx = nsp.optim.adagrad(schedule, **kw)
-    return optax.chain(optax.clip_by_global_norm(config.clip), tx) if config.clip else tx
+    return optax.chain(optax.clip_by_global_norm(config.clip), tx) if config.clip and not clip_inside else tx

@@ -267,6 +267,9 @@ def prepare(config: TrainConfig) -> Base:
         if config.batch % len(devices):
             raise TrainError(f"--batch {config.batch} must be a multiple of the {len(devices)} devices")
         mesh = jax.make_mesh((len(devices),), ("data",), axis_types=(jax.sharding.AxisType.Auto,), devices=devices)
+    if config.stage_gradients and mesh is not None:
+        raise TrainError(f"--stage-gradients runs on one device; this run has {len(devices)} (give the process one "
+                         "device, e.g. without XLA_FLAGS=--xla_force_host_platform_device_count)")
     shards = list(nsp.distributed.local_shards(len(devices), devices)) if jax.process_count() > 1 else None
 
     setup_t0 = time.perf_counter()
