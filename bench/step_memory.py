@@ -10,6 +10,9 @@ default passes, no flags). Rows:
   optax.adamw      ``nsp train``'s step builder around ``optax.adamw``, fp32 params (what optax users run)
   nsp ...          ``nsp train``'s step builder around ``nsp.optim.adamw`` on a store of each tier, bf16 params,
                    dense and Top-K 1% (error feedback), staleness 0 and 1
+  nsp file staged  the same, file tier, ``stage_gradients=True`` (the gradient staged on the store's disk leaf by
+                   leaf, the new params read back leaf by leaf), with and without ``clip_norm``: it should hold
+                   well under the forward/backward + the whole gradient
 
 The bound nsp's step is held to (``tests/test_step_memory.py`` guards it on a smaller GPT): the forward/backward's
 temporaries + the bf16 gradient it consumes (2 bytes per parameter) + 0.3 bytes per parameter. The record goes to
@@ -81,6 +84,17 @@ def main() -> None:
                         store.close()
                 rows.append({"step": f"nsp {tier} {'top-k 1%' if topk else 'dense'} s{staleness}", "params": "bf16",
                              "temp_b_per_param": temp, "within_bound": "yes" if temp <= bound else "NO"})
+    for clip in (None, 1.0):
+        with tempfile.TemporaryDirectory() as tmp:
+            store = nsp.storage.open(tmp, tier="file")
+            try:
+                tx = nsp.optim.adamw(1e-4, store=store, stage_gradients=True, clip_norm=clip)
+                state = tx.init(params)
+                temp = per_param(make_train_step(graphdef, tx)[0].lower(bf16, state, tokens).compile())
+            finally:
+                store.close()
+        rows.append({"step": "nsp file staged" + (" clip" if clip else ""), "params": "bf16",
+                     "temp_b_per_param": temp, "within_bound": "yes" if temp <= bound else "NO"})
     print_table(f"compiled step temporaries, GPT {args.layers} x {args.width} ({n / 1e6:.1f}M params), batch 1 x "
                 f"{args.seq}; nsp's bound: fwd/bwd + bf16 gradient + {SLACK_PER_PARAM} = {bound:.2f} B/param",
                 rows, [("step", "step", "s"), ("params", "params", "s"), ("temp_b_per_param", "temp (B/param)", ".2f"),
