@@ -9,10 +9,10 @@
 #include <deque>
 #include <mutex>
 #include <string>
-#include <thread>
 #include <vector>
 
 #include "engine/store_engine.h"
+#include "util/worker_thread.h"
 
 namespace nsp {
 namespace {
@@ -136,7 +136,9 @@ std::string ShardEngine::UpdateStreamed(const ShardUpdate& u) {
   std::array<bool, kNumStates> to_read = used_;
   if (u.params_in != nullptr) to_read[kParamState] = false;
   const int states_read = CountStates(to_read);
-  std::thread feeder([&] {
+  WorkerThread feeder;
+  std::string why;
+  const bool fed = feeder.Start([&] {
     Work w;
     for (int64_t page = 0; page < num_pages_ && !error.failed() && free_sets.Pop(&w); ++page) {
       if (states_read == 0) {  // nothing to read (SGD without momentum, from the caller's params)
@@ -149,7 +151,11 @@ std::string ShardEngine::UpdateStreamed(const ShardUpdate& u) {
       }
     }
     reads.Close();
-  });
+  }, &why);
+  if (!fed) {
+    backend_->StreamFinished(false);
+    return "the update's page feeder: " + why;
+  }
   std::atomic<int> readers_left{kReaders};
   auto read_pages = [&] {
     Work r;
@@ -165,8 +171,18 @@ std::string ShardEngine::UpdateStreamed(const ShardUpdate& u) {
     }
     if (readers_left.fetch_sub(1) == 1) ready.Close();
   };
-  std::vector<std::thread> readers;
-  for (int r = 0; r < kReaders; ++r) readers.emplace_back(read_pages);
+  // Readers and writers that cannot start (an address-space or thread limit) leave the pipeline narrower; with
+  // none of either the update stops with the reason.
+  std::vector<WorkerThread> readers(kReaders);
+  int readers_started = 0;
+  for (auto& r : readers) {
+    if (r.Start(read_pages, &why)) {
+      ++readers_started;
+    } else if (readers_left.fetch_sub(1) == 1) {
+      ready.Close();
+    }
+  }
+  if (readers_started == 0) error.Set("the update's page readers: " + why);
 
   auto write_pages = [&] {
     Work w;
@@ -199,9 +215,10 @@ std::string ShardEngine::UpdateStreamed(const ShardUpdate& u) {
       }
     }
   };
-  std::vector<std::thread> writers;
-  const int num_writers = std::min(pages_in_flight_, kMaxWriters);
-  for (int r = 0; r < num_writers; ++r) writers.emplace_back(write_pages);
+  std::vector<WorkerThread> writers(static_cast<size_t>(std::min(pages_in_flight_, kMaxWriters)));
+  int writers_started = 0;
+  for (auto& t : writers) writers_started += t.Start(write_pages, &why) ? 1 : 0;
+  if (writers_started == 0) error.Set("the update's page writers: " + why);
 
   // Compute on the calling thread (the kernel itself fans out over the thread pool).
   int64_t computed = 0;
@@ -246,11 +263,11 @@ std::string ShardEngine::UpdateStreamed(const ShardUpdate& u) {
     while (ready.Pop(&w)) {
     }
   }
-  feeder.join();
-  for (auto& r : readers) r.join();
+  feeder.Join();
+  for (auto& r : readers) r.Join();
   // The writers exit once every queued write has drained.
   writes.Close();
-  for (auto& t : writers) t.join();
+  for (auto& t : writers) t.Join();
   backend_->StreamFinished(!error.failed());
   if (error.failed()) {
     std::string e = error.Get();
