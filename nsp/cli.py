@@ -190,6 +190,11 @@ def _store(args: argparse.Namespace) -> int:
 
 
 def _plan(args: argparse.Namespace) -> int:
+    if args.activations:
+        return _plan_activations(args)
+    if args.model is None and args.params is None:
+        print("nsp plan: error: give --model or --params (or --activations --run-dir RUN)", file=sys.stderr)
+        return 2
     from nsp.csd import LinkFigures, Setting, paper
     from nsp.csd.plan import format_plan, plan
 
@@ -216,6 +221,38 @@ def _plan(args: argparse.Namespace) -> int:
         return 2
     print(format_plan(result))
     return 0 if args.check is None else _plan_check(args, setting, figures)
+
+
+def _plan_activations(args: argparse.Namespace) -> int:
+    """``nsp plan --activations``: a run's offload plan (``RUN_DIR/offload_plan.json``) and, once it trained, its
+    measured peak resident memory and median forward/backward time (of the steps after the first) beside it."""
+    import json
+    import statistics
+    from pathlib import Path
+
+    from nsp.offload.planner import describe, read_plan
+    from nsp.train.activations import PLAN_FILE
+
+    run_dir = Path(args.run_dir or "runs/default")
+    path = run_dir / PLAN_FILE
+    if not path.is_file():
+        print(f"nsp plan: error: {path} does not exist: a run makes it with nsp train --offload-activations "
+              "auto or a budget (e.g. 6GiB)", file=sys.stderr)
+        return 2
+    profile, plan = read_plan(path)
+    measured = None
+    metrics = run_dir / "metrics.jsonl"
+    if metrics.is_file():
+        rows = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
+        steps = [r for r in rows if "fwd_bwd_s" in r]
+        if steps:
+            later = [r["fwd_bwd_s"] for r in steps[1:]] or [steps[0]["fwd_bwd_s"]]
+            measured = {"peak_rss_bytes": max(r.get("peak_rss_bytes", 0) for r in steps),
+                        "fwd_bwd_s": statistics.median(later)}
+    print(describe(plan, profile, measured))
+    if measured is None:
+        print("  (no steps measured yet)")
+    return 0
 
 
 def _plan_check(args: argparse.Namespace, setting, figures) -> int:
@@ -287,7 +324,7 @@ def main(argv: list[str] | None = None) -> int:
     st.set_defaults(func=_store)
 
     pl = sub.add_parser("plan", help="predict step time and traffic on N computational-storage devices (nsp.csd)")
-    size = pl.add_mutually_exclusive_group(required=True)
+    size = pl.add_mutually_exclusive_group()
     size.add_argument("--model", help="a model config name (as nsp train --model), sized with its own vocabulary")
     size.add_argument("--params", help="a parameter count, e.g. 4e9")
     pl.add_argument("--devices", type=int, default=1, help="storage devices, one store shard each (default 1)")
@@ -312,6 +349,10 @@ def main(argv: list[str] | None = None) -> int:
                     "print the plan beside it (exit status 1 when they differ by more than 10%%)")
     pl.add_argument("--check-params-per-device", type=int, default=1 << 23,
                     help="params per emulated device for --check (default 8388608: 8 pages of 4 MiB per state)")
+    pl.add_argument("--activations", action="store_true",
+                    help="instead: the activation offload plan a run made (nsp train --offload-activations "
+                    "auto|BUDGET: FlashNeuron's planner, run at set-up) beside what the run measured")
+    pl.add_argument("--run-dir", default=None, help="--activations: the run's directory (default runs/default)")
     pl.set_defaults(func=_plan)
 
     args = parser.parse_args(argv)

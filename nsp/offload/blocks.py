@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from typing import Any, Callable
+import itertools
+from typing import Any, Callable, Iterable
 
 import jax
 from flax import nnx
@@ -11,17 +12,29 @@ from nsp.offload.area import SpillArea
 from nsp.offload.wrap import offload
 
 
-def offload_blocks(area: SpillArea, *, compress: Any = None,
-                   sparse: bool = False) -> Callable[[nnx.Module, jax.Array], jax.Array]:
+def offload_blocks(area: SpillArea, *, compress: Any = None, sparse: bool = False,
+                   layers: Iterable[int] | None = None,
+                   num_layers: int | None = None) -> Callable[[nnx.Module, jax.Array], jax.Array]:
     """``block_call(block, x)``: applies an ``nnx`` block (deterministic: no dropout) to ``x`` with its residuals
     spilled to ``area`` (``nsp.offload.offload``, with ``compress`` and ``sparse`` as there). Pass it as
     ``GPT(...)(tokens, block_call=...)``.
 
+    ``layers``: offload only these blocks (indices; None: all), the others run as usual; the index is the order of
+    the calls, counted modulo ``num_layers`` (needed with ``layers``: the model's block count), so every trace of
+    the forward pass sees blocks ``0 .. num_layers - 1`` (what ``nsp.offload.planner`` chooses).
+
     The block runs as a pure function of its state and input (``nnx.split``/``nnx.merge``); a block that
     changes its own state while it runs (dropout's RNG counters, batch statistics) is refused.
     """
+    chosen = None if layers is None else frozenset(int(i) for i in layers)
+    if chosen is not None and (num_layers is None or num_layers < 1):
+        raise ValueError("offload_blocks(layers=...) needs num_layers, the model's block count")
+    calls = itertools.count()
 
     def call(block: nnx.Module, x: jax.Array) -> jax.Array:
+        index = next(calls) % num_layers if chosen is not None else None
+        if chosen is not None and index not in chosen:
+            return block(x, deterministic=True)
         apply, state = block_function(block)
         return offload(apply, area, compress=compress, sparse=sparse)(state, x)
 

@@ -10,22 +10,32 @@ import jax
 from flax import nnx
 
 import nsp.offload
+from nsp.offload import planner
 from nsp.offload.blocks import block_function
 from nsp.train.config import TrainConfig, TrainError
+from nsp.train.step import loss_fn
+
+#: The plan of --offload-activations auto|BUDGET, in the run directory.
+PLAN_FILE = "offload_plan.json"
 
 #: Free space the spill directory must have beyond one step's activations (other writers share the disk).
 SPILL_MARGIN = 1.25
 
 
-def spill_setup(config: TrainConfig, graphdef, params,
-                log: Callable[[str], None]) -> tuple[Callable | None, nsp.offload.SpillArea | None]:
+def spill_setup(config: TrainConfig, graphdef, params, log: Callable[[str], None], batch: Any = None,
+                mesh: Any = None) -> tuple[Callable | None, nsp.offload.SpillArea | None]:
     """``(block_call, area)`` for ``make_train_step``: ``(None, None)`` with ``--offload-activations none``.
 
-    Checks before the first step that the spill directory holds one step's activations (traced abstractly from
-    a block: ``nsp.offload.spilled_bytes``) with a margin, and says how much goes there per step.
+    ``all`` offloads every block; ``auto`` or a budget (``6GiB``) runs FlashNeuron's planner
+    (``nsp.offload.planner``) on ``batch`` (the run's first) for that peak (``auto``: what the process holds now
+    plus 90% of the memory available), offloads the blocks it picks, and writes the plan to
+    ``RUN_DIR/offload_plan.json`` (``nsp plan --activations --run-dir RUN_DIR`` prints it beside what the run
+    measured). Checks before the first step that the spill directory holds one step's activations (traced
+    abstractly from a block: ``nsp.offload.spilled_bytes``) with a margin, and says how much goes there per step.
 
     Raises:
-      TrainError: a spill directory that cannot be made or written, or too small.
+      TrainError: a spill directory that cannot be made or written, or too small; a budget the planner cannot
+        meet.
     """
     if config.offload_activations == "none":
         return None, None
@@ -48,9 +58,43 @@ def spill_setup(config: TrainConfig, graphdef, params,
                          f"{per_step / 1e9:.2f} GB of activations (x{SPILL_MARGIN} margin): free space, pick another "
                          "--spill-dir, or lower --batch or --seq")
     sparse = config.activation == "relu"
-    log(f"activations: {len(model.h)} blocks' backward-pass activations ({per_step / 1e6:,.1f} MB a step"
-        + (", less where the sparse format shrinks them" if sparse else "") + f") go to {area.path}")
-    return nsp.offload.offload_blocks(area, sparse=sparse), area
+    if config.offload_activations == "all":
+        log(f"activations: {len(model.h)} blocks' backward-pass activations ({per_step / 1e6:,.1f} MB a step"
+            + (", less where the sparse format shrinks them" if sparse else "") + f") go to {area.path}")
+        return nsp.offload.offload_blocks(area, sparse=sparse), area
+    try:
+        plan = _plan(config, graphdef, params, model, batch, mesh, area, log)
+    except BaseException:
+        area.close()
+        raise
+    for line in planner.describe(plan[1], plan[0]).splitlines():
+        log(line)
+    if not plan[1].layers:
+        area.close()
+        return None, None
+    return nsp.offload.offload_blocks(area, sparse=plan[1].sparse, layers=plan[1].layers,
+                                      num_layers=len(model.h)), area
+
+
+def _plan(config: TrainConfig, graphdef, params, model, batch, mesh, area, log):
+    """``(profile, plan)`` for ``--offload-activations auto|BUDGET``, the plan written to the run directory."""
+    if mesh is not None:
+        raise TrainError("--offload-activations auto|BUDGET plans one device's step; on several devices give "
+                         "--offload-activations all")
+    if batch is None:
+        raise TrainError("internal error: the planner needs the run's first batch")
+    budget = (planner.available_budget() if config.offload_activations == "auto"
+              else planner.parse_budget(config.offload_activations))
+
+    def loss_of(p, b, block_call):
+        return loss_fn(graphdef, p, b, block_call=block_call)
+
+    profile = planner.profile_blocks(model, loss_of, params, jax.numpy.asarray(batch), area.path.parent, log)
+    plan = planner.plan_offload(profile, budget)
+    planner.write_plan(Path(config.run_dir) / PLAN_FILE, profile, plan)
+    if not plan.fits:
+        raise TrainError("--offload-activations " + config.offload_activations + ": " + "; ".join(plan.notes))
+    return profile, plan
 
 
 def close(area: Any) -> None:

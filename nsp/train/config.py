@@ -86,7 +86,8 @@ class TrainConfig:
     activation: str = "gelu"
     # The blocks' backward-pass activations (nsp.offload): "none" keeps them in memory; "all" sends every block's
     # to --spill-dir in the forward pass and reads them back in the backward pass (lossless; in the sparse format
-    # where it shrinks them with --activation relu).
+    # where it shrinks them with --activation relu); a budget ("6GiB") or "auto" (what the machine has free):
+    # FlashNeuron's planner profiles the blocks and offloads as few as keep the step's peak within it.
     offload_activations: str = "none"
     # Where offloaded activations go (scratch, removed at the end); empty = RUN_DIR/spill.
     spill_dir: str = ""
@@ -139,8 +140,9 @@ class TrainConfig:
             (self.optimizer in KINDS, f"unknown optimizer {self.optimizer!r} ({', '.join(sorted(KINDS))})"),
             (self.tier in ("file", "memory", "csd"), f"unknown tier {self.tier!r} (file, memory, csd)"),
             (self.activation in ("gelu", "relu"), f"unknown activation {self.activation!r} (gelu, relu)"),
-            (self.offload_activations in ("none", "all"),
-             f"unknown offload_activations {self.offload_activations!r} (none, all)"),
+            (_offload_choice(self.offload_activations),
+             f"unknown offload_activations {self.offload_activations!r} (none, all, auto, or a memory budget "
+             "such as 6GiB)"),
             (not self.stage_gradients or (self.tier != "memory" and not self.topk and self.staleness == 0),
              "stage_gradients needs the file or csd tier, dense gradients (no --topk) and staleness 0"),
             (self.bf16 or not (self.bf16_params or self.f32_accum),
@@ -195,3 +197,16 @@ class TrainConfig:
             else:
                 pending = []
         return help_text
+
+
+def _offload_choice(value: str) -> bool:
+    """Whether ``value`` is an ``--offload-activations`` choice: none, all, auto, or a memory budget."""
+    if value in ("none", "all", "auto"):
+        return True
+    from nsp.offload.planner import parse_budget
+
+    try:
+        parse_budget(value)
+    except ValueError:
+        return False
+    return True

@@ -65,7 +65,8 @@ def train_and_evaluate(config: TrainConfig, *, log: Callable[[str], None] = prin
     config = beside_earlier_default_runs(config.resolved(), log)
     run = build(config, log)
     try:
-        block_call, spill = activations.spill_setup(config, run.graphdef, run.params, log)
+        block_call, spill = activations.spill_setup(config, run.graphdef, run.params, log,
+                                                    batch=run.train_batches.batch(run.step), mesh=run.mesh)
     except BaseException:
         run.store.close()
         raise
