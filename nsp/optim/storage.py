@@ -116,9 +116,9 @@ def scale_by_storage(
       stage_gradients: the leanest step in memory: each gradient leaf is written to the store's disk as soon as the
         backward pass has produced it, the update reads it from there, and the new params come back a leaf at a
         time (``nsp.primitives.store_update_staged``), so the step holds neither the whole gradient nor a second
-        copy of the params, only the params and a few layers' gradient. Costs the gradient's and the params'
-        bytes through the store's stage file each step (about 4 bytes per parameter for bf16, mostly in the page
-        cache, beside the update's 24). Needs a single-shard store on disk (not the memory tier), one device,
+        copy of the params, only the params and a few layers' gradient. Costs the gradient's and the new params'
+        bytes through the store's stage file each step (for bf16, 4 bytes per parameter written and 4 read, the
+        reads mostly from the page cache, beside the update's 24 of state I/O). Needs a single-shard store on disk (not the memory tier), one device,
         staleness 0, gradient and params leaves all float32 or all bfloat16, and no Top-K compression; an
         update that cannot take it raises ``ValueError`` naming why. Global-norm clipping chained before this
         transform (``optax.clip_by_global_norm``) needs the whole gradient at once for its norm: give

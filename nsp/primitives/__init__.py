@@ -5,6 +5,7 @@ from nsp.primitives._eager_buffers import release_eager_buffers
 from nsp.primitives._ffi import engine_cpus, get_num_threads, kernel_isa, set_num_threads
 from nsp.primitives.fused_update import FusedUpdateResult, fused_update, uses_mu, uses_nu
 from nsp.primitives.probes import stream_roofline
+from nsp.primitives.staged_update import store_update_staged
 from nsp.primitives.store_update import StoreUpdateResult, store_update, store_update_leaves
 from nsp.primitives.topk import kept_count, topk_compress, topk_decompress
 
@@ -20,6 +21,7 @@ __all__ = [
     "set_num_threads",
     "store_update",
     "store_update_leaves",
+    "store_update_staged",
     "stream_roofline",
     "topk_compress",
     "topk_decompress",

@@ -16,9 +16,9 @@ one dtype) reorganised around the store's stage file (``ffi/engine/gradient_stag
    leaf's next params (``consume``), so the step's ``optax.apply_updates`` takes each leaf before the next is
    read, and no whole second copy of the params exists.
 
-Costs: the gradient's bytes written to the stage file and read back by the update, and the params' bytes
-written and read back (page cache permitting, no disk reads): on the file tier about 4 bytes per parameter beside
-the update's own 24 (bf16 params). The stage file is ``<store>/<shard>/gradient.stage`` (params-sized).
+Costs: the gradient's bytes written to the stage file and read back by the update, and the new params' bytes
+written there and read back: with bf16 params 4 bytes per parameter written and 4 read (the page cache serves
+the reads while it holds them), beside the update's own 24 of state I/O. The stage file is ``<store>/<shard>/gradient.stage`` (params-sized).
 """
 
 from __future__ import annotations
