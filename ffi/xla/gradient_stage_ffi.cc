@@ -1,12 +1,13 @@
 // XLA FFI handlers of the staged gradient (engine/gradient_stage.h): a step that never holds its whole gradient.
 //
-// nsp_gradient_stage writes one gradient leaf into its shard's stage file, at the leaf's place in the shard,
-// as soon as the backward pass has produced it (the leaf's buffer is then free), and returns whether the leaf
-// is finite (s32[]: 1 or 0) and, with attribute norm, its sum of squares (f32[]: its share of the global norm a
-// clipped step scales the gradient by, applied as the update reads it): the store update (nsp_store_update_staged, store_update_ffi.cc) takes the AND of
-// those as its apply operand, so it runs after every leaf is staged. nsp_gradient_stage_load reads one leaf of
-// the new params back from the stage file, where the update wrote them over the gradient; it takes the
-// update's version result (never read) so that it runs after the update. Both have side effects.
+// nsp_gradient_stage writes one gradient leaf into its shard's stage file, at the leaf's place in the shard, as soon
+// as the backward pass has produced it (the leaf's buffer is then free), and returns whether the leaf is finite
+// (s32[]: 1 or 0) and, with attribute norm, its sum of squares (f32[]: its share of the global norm a clipped step
+// scales the gradient by, applied as the update reads it): the store update (nsp_store_update_staged,
+// store_update_ffi.cc) takes the AND of those as its apply operand, so it runs after every leaf is staged.
+// nsp_gradient_stage_load reads one leaf of the new params back from the stage file, where the update wrote them
+// over the gradient; it takes the update's version result, and the previous leaf's next params, as operands it never
+// reads, so that it runs after the update and after the step applied the previous leaf. Both have side effects.
 //
 // Attributes: handle (the shard's engine), offset (the leaf's first element in the shard), norm (the stage call).
 #include <cmath>

@@ -196,6 +196,19 @@ ffi::Error SparseImpl(ffi::Buffer<ffi::F32> lr, ffi::Buffer<ffi::S32> step, ffi:
   return Finish(*call, extra, staleness);
 }
 
+// Runs the call's step on a shard given as pieces (in memory, or in its stage file) and writes the version it
+// leaves committed.
+ffi::Error RunPieces(Call& call, ShardPieces& pieces, int32_t staleness,
+                     ffi::Result<ffi::Buffer<ffi::S32>>& version_out) {
+  if (std::string err = pieces.Finalize(call.engine->size()); !err.empty()) return Invalid(kOp, err);
+  call.update.grad_type = pieces.type;
+  call.update.pieces = &pieces;
+  auto committed = RunStep(call, staleness);
+  if (committed.has_error()) return committed.error();
+  version_out->typed_data()[0] = *committed;
+  return ffi::Error::Success();
+}
+
 ffi::Error PiecesImpl(ffi::Buffer<ffi::F32> lr, ffi::Buffer<ffi::S32> step, ffi::Buffer<ffi::S32> version,
                       ffi::Buffer<ffi::S32> shard, ffi::Buffer<ffi::S32> apply, ffi::Buffer<ffi::S32> adopt,
                       ffi::RemainingArgs grads, ffi::Result<ffi::Buffer<ffi::S32>> version_out,
@@ -229,22 +242,18 @@ ffi::Error PiecesImpl(ffi::Buffer<ffi::F32> lr, ffi::Buffer<ffi::S32> step, ffi:
     pieces.out.push_back((*p)->untyped_data());
     pieces.sizes.push_back(static_cast<int64_t>(g->element_count()));
   }
-  if (std::string err = pieces.Finalize(call->engine->size()); !err.empty()) return Invalid(kOp, err);
-  call->update.grad_type = pieces.type;
-  call->update.pieces = &pieces;
-  auto committed = RunStep(*call, staleness);
-  if (committed.has_error()) return committed.error();
-  version_out->typed_data()[0] = *committed;
-  return ffi::Error::Success();
+  return RunPieces(*call, pieces, staleness, version_out);
 }
 
 // The staged target: the gradient is in the shard's stage file (gradient_stage_ffi.cc wrote it leaf by leaf),
 // and the new params go back there, over it. Operands: the scalars (apply 0 or 1: the stage calls' AND), the
-// factor the gradient is scaled by as it is read (f32[]: global-norm clipping; 1: none), then the params leaves, which give the leaves' sizes and dtype (the gradient's) and are read only when adopt is 1.
+// factor the gradient is scaled by as it is read (f32[]: global-norm clipping; 1: none), then the params
+// leaves, which give the leaves' sizes and dtype (the gradient's) and are read only when adopt is 1.
 ffi::Error StagedImpl(ffi::Buffer<ffi::F32> lr, ffi::Buffer<ffi::S32> step, ffi::Buffer<ffi::S32> version,
                       ffi::Buffer<ffi::S32> shard, ffi::Buffer<ffi::S32> apply, ffi::Buffer<ffi::S32> adopt,
-                      ffi::Buffer<ffi::F32> grad_scale, ffi::RemainingArgs params, ffi::Result<ffi::Buffer<ffi::S32>> version_out,
-                      ffi::Span<const int64_t> handles, int32_t staleness, ffi::Dictionary hyper) {
+                      ffi::Buffer<ffi::F32> grad_scale, ffi::RemainingArgs params,
+                      ffi::Result<ffi::Buffer<ffi::S32>> version_out, ffi::Span<const int64_t> handles,
+                      int32_t staleness, ffi::Dictionary hyper) {
   const Scalars scalars{lr, step, version, shard, apply, adopt};
   if (apply.typed_data()[0] < 0) return Invalid(kOp, "a staged gradient's apply operand must be 0 or 1");
   auto call = StartCall(scalars, handles, hyper);
@@ -265,13 +274,7 @@ ffi::Error StagedImpl(ffi::Buffer<ffi::F32> lr, ffi::Buffer<ffi::S32> step, ffi:
     if (*type != pieces.type) return Invalid(kOp, "the params leaves must share one dtype (float32 or bfloat16)");
     pieces.sizes.push_back(static_cast<int64_t>(p->element_count()));
   }
-  if (std::string err = pieces.Finalize(call->engine->size()); !err.empty()) return Invalid(kOp, err);
-  call->update.grad_type = pieces.type;
-  call->update.pieces = &pieces;
-  auto committed = RunStep(*call, staleness);
-  if (committed.has_error()) return committed.error();
-  version_out->typed_data()[0] = *committed;
-  return ffi::Error::Success();
+  return RunPieces(*call, pieces, staleness, version_out);
 }
 
 // The scalar operands every target takes first: lr, step, version, shard, apply (the gradient is finite),

@@ -118,9 +118,9 @@ def scale_by_storage(
         time (``nsp.primitives.store_update_staged``), so the step holds neither the whole gradient nor a second
         copy of the params, only the params and a few layers' gradient. Costs the gradient's and the new params'
         bytes through the store's stage file each step (for bf16, 4 bytes per parameter written and 4 read, the
-        reads mostly from the page cache, beside the update's 24 of state I/O). Needs a single-shard store on disk (not the memory tier), one device,
-        staleness 0, gradient and params leaves all float32 or all bfloat16, and no Top-K compression; an
-        update that cannot take it raises ``ValueError`` naming why. Global-norm clipping chained before this
+        reads mostly from the page cache, beside the update's 24 of state I/O). Needs a single-shard store on disk
+        (not the memory tier), one device, staleness 0, gradient and params leaves all float32 or all bfloat16,
+        and no Top-K compression; an update that cannot take it raises ``ValueError`` naming why. Global-norm clipping chained before this
         transform (``optax.clip_by_global_norm``) needs the whole gradient at once for its norm: give
         ``clip_norm`` instead.
       clip_norm: with ``stage_gradients``: clip the gradient to this global norm (``optax.clip_by_global_norm``'s

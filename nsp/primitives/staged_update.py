@@ -18,7 +18,8 @@ one dtype) reorganised around the store's stage file (``ffi/engine/gradient_stag
 
 Costs: the gradient's bytes written to the stage file and read back by the update, and the new params' bytes
 written there and read back: with bf16 params 4 bytes per parameter written and 4 read (the page cache serves
-the reads while it holds them), beside the update's own 24 of state I/O. The stage file is ``<store>/<shard>/gradient.stage`` (params-sized).
+the reads while it holds them), beside the update's own 24 of state I/O. The stage file is
+``<store>/<shard>/gradient.stage`` (params-sized).
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from nsp.primitives import _ffi  # noqa: F401  (registers the FFI targets)
-from nsp.primitives.store_update import _attrs, _context_mesh, _handle, _platform
+from nsp.primitives.store_update import _attrs, _context_mesh, _handle, _platform, check_gradient_leaves
 
 
 def check_staged(store: Any, grads: list[jax.Array]) -> None:
@@ -43,15 +44,7 @@ def check_staged(store: Any, grads: list[jax.Array]) -> None:
     if handle.staleness != 0:
         raise ValueError("the staged update needs staleness 0 (a background step would read the stage file while "
                          "the next step writes it)")
-    if len(grads) != len(layout.leaves):
-        raise ValueError(f"{len(grads)} gradient leaves, the store's layout has {len(layout.leaves)}")
-    dtype = grads[0].dtype if grads else None
-    if dtype not in (jnp.float32, jnp.bfloat16) or any(g.dtype != dtype for g in grads):
-        dtypes = sorted({str(g.dtype) for g in grads})
-        raise TypeError(f"gradient leaves must all be float32 or all bfloat16, got {dtypes}")
-    for g, spec in zip(grads, layout.leaves):
-        if tuple(g.shape) != spec.shape:
-            raise ValueError(f"gradient leaf {spec.path} has shape {tuple(g.shape)}, the layout says {spec.shape}")
+    check_gradient_leaves(layout, grads)
     if _context_mesh() is not None:
         raise ValueError("the staged update runs on one device: trace the step without a multi-device mesh")
 
@@ -99,8 +92,8 @@ def store_update_staged(
 
     Returns:
       ``(results, version)``: per leaf, its new params in the gradient's dtype (or what ``consume`` made of
-      them), and the version the store committed. A gradient with NaN or Inf skips the step (the committed params come back,
-      ``version`` is unchanged).
+      them), and the version the store committed. A gradient with NaN or Inf skips the step (the committed
+      params come back, ``version`` is unchanged).
     """
     handle = _handle(store)
     check_staged(handle, grads)

@@ -246,6 +246,20 @@ def store_update(
     return StoreUpdateResult(outs[0], jnp.min(outs[1]), outs[2] if params_bf16 else None)
 
 
+def check_gradient_leaves(layout, grads: list[jax.Array]) -> None:
+    """Raises a clear error unless ``grads`` are ``layout``'s leaves: as many, of its shapes, all float32 or all
+    bfloat16 (what the leaves and staged updates take)."""
+    if len(grads) != len(layout.leaves):
+        raise ValueError(f"{len(grads)} gradient leaves, the store's layout has {len(layout.leaves)}")
+    dtype = grads[0].dtype if grads else None
+    if dtype not in (jnp.float32, jnp.bfloat16) or any(g.dtype != dtype for g in grads):
+        dtypes = sorted({str(g.dtype) for g in grads})
+        raise TypeError(f"gradient leaves must all be float32 or all bfloat16, got {dtypes}")
+    for g, spec in zip(grads, layout.leaves):
+        if tuple(g.shape) != spec.shape:
+            raise ValueError(f"gradient leaf {spec.path} has shape {tuple(g.shape)}, the layout says {spec.shape}")
+
+
 def store_update_leaves(
     store: StoreHandle | Any,
     grads: list[jax.Array],
@@ -280,15 +294,7 @@ def store_update_leaves(
     if layout.num_shards != 1:
         raise ValueError(f"store_update_leaves needs a single-shard store; this one has {layout.num_shards} shards "
                          "(use store_update with a mesh)")
-    if len(grads) != len(layout.leaves):
-        raise ValueError(f"{len(grads)} gradient leaves, the store's layout has {len(layout.leaves)}")
-    dtype = grads[0].dtype if grads else None
-    if dtype not in (jnp.float32, jnp.bfloat16) or any(g.dtype != dtype for g in grads):
-        dtypes = sorted({str(g.dtype) for g in grads})
-        raise TypeError(f"gradient leaves must all be float32 or all bfloat16, got {dtypes}")
-    for g, spec in zip(grads, layout.leaves):
-        if tuple(g.shape) != spec.shape:
-            raise ValueError(f"gradient leaf {spec.path} has shape {tuple(g.shape)}, the layout says {spec.shape}")
+    check_gradient_leaves(layout, grads)
 
     _check_platform(None)
     # apply = -1: the handler checks the leaves for NaN/Inf itself (inside the update pass on a two-slot memory
