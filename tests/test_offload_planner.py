@@ -20,7 +20,7 @@ def _profile(n=8, block_bytes=100 * 2**20, sparse_bytes=40 * 2**20, activation="
     blocks = tuple(BlockProfile(i, block_bytes, sparse_bytes, 0.01, 0.02) for i in range(n))
     # keep - all = what offloading every block saves: here exactly the blocks' bytes
     return Profile(blocks, 1e-10, 1e-10, 2e-10, 2e-10, disk, rss_bytes=1 * GiB, keep_bytes=n * block_bytes + GiB,
-                   all_bytes=GiB, other_s=0.05, activation=activation)
+                   all_bytes=GiB, base_s=0.05, activation=activation)
 
 
 def test_phase_one_offloads_the_fewest_first_blocks_that_fit():

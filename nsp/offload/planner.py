@@ -70,7 +70,8 @@ class Profile:
         offloaded (params, store buffers, libraries, that step's own memory).
       keep_bytes, all_bytes: XLA's forward/backward temporaries and outputs without offload, and with every
         block offloaded.
-      other_s: forward/backward seconds outside the blocks (embedding, head, loss), with every block offloaded.
+      base_s: the forward/backward's seconds without offload, as measured with every block offloaded less what
+        its spill calls cost (the blocks' own timings, jitted one by one, add up to more than the fused step).
       activation: the model's MLP nonlinearity (the sparse format is worth trying only after a ReLU).
     """
 
@@ -83,7 +84,7 @@ class Profile:
     rss_bytes: int
     keep_bytes: int
     all_bytes: int
-    other_s: float
+    base_s: float
     activation: str = "gelu"
 
     def to_json(self) -> dict:
@@ -263,11 +264,10 @@ def profile_blocks(model, loss_of: Callable[..., jax.Array], params, batch, spil
         area.reset()
     disk = _disk_write_rate(Path(spill_dir))
     spilled = sum(b.bytes for b in profiles)
-    blocks_s = sum(b.forward_s + b.backward_s for b in profiles)
-    other = max(0.0, all_s - blocks_s - spilled * (io[0] + io[1]))
+    base = max(0.0, all_s - spilled * (io[0] + io[1]))
     log(f"offload planner: forward/backward holds {keep / 1e9:.2f} GB without offload, {all_bytes / 1e9:.2f} GB "
         f"with every block offloaded; the disk writes {disk / 1e9:.2f} GB/s")
-    return Profile(tuple(profiles), io[0], io[1], io[2], io[3], disk, peak_all, keep, all_bytes, other,
+    return Profile(tuple(profiles), io[0], io[1], io[2], io[3], disk, peak_all, keep, all_bytes, base,
                    cfg_activation)
 
 
@@ -292,14 +292,13 @@ def _spill_costs(area: SpillArea, arrays: list[jax.Array]) -> tuple[float, float
 def predict(profile: Profile, layers: tuple[int, ...], sparse: bool) -> tuple[int, float]:
     """``(peak resident bytes, forward/backward seconds)`` predicted for offloading ``layers``: the peak measured
     with every block offloaded, plus each kept block's share of what offloading every block saves (XLA's analyses
-    of the two steps); time adds the spill calls' cost of the bytes offloaded."""
+    of the two steps); time: the step without offload plus the spill calls' cost of the bytes offloaded."""
     total = sum(b.bytes for b in profile.blocks) or 1
     kept = (profile.keep_bytes - profile.all_bytes) * (1 - sum(profile.blocks[i].bytes for i in layers) / total)
     peak = profile.rss_bytes + kept
     per_byte = (profile.save_s_per_byte_sparse + profile.load_s_per_byte_sparse if sparse
                 else profile.save_s_per_byte + profile.load_s_per_byte)
-    seconds = profile.other_s + sum(b.forward_s + b.backward_s for b in profile.blocks)
-    seconds += per_byte * sum(profile.blocks[i].bytes for i in layers)
+    seconds = profile.base_s + per_byte * sum(profile.blocks[i].bytes for i in layers)
     return int(peak), seconds
 
 
