@@ -289,30 +289,32 @@ def _spill_costs(area: SpillArea, arrays: list[jax.Array]) -> tuple[float, float
     return out[0], out[1], out[2], out[3]
 
 
-def predict(profile: Profile, layers: tuple[int, ...], sparse: bool) -> tuple[int, float]:
+def predict(profile: Profile, layers: tuple[int, ...], sparse: bool, extra_bytes: int = 0) -> tuple[int, float]:
     """``(peak resident bytes, forward/backward seconds)`` predicted for offloading ``layers``: the peak measured
     with every block offloaded, plus each kept block's share of what offloading every block saves (XLA's analyses
-    of the two steps); time: the step without offload plus the spill calls' cost of the bytes offloaded."""
+    of the two steps), plus ``extra_bytes`` the step's update holds beside (the store's page buffers); time: the
+    step without offload plus the spill calls' cost of the bytes offloaded."""
     total = sum(b.bytes for b in profile.blocks) or 1
     kept = (profile.keep_bytes - profile.all_bytes) * (1 - sum(profile.blocks[i].bytes for i in layers) / total)
-    peak = profile.rss_bytes + kept
+    peak = profile.rss_bytes + kept + extra_bytes
     per_byte = (profile.save_s_per_byte_sparse + profile.load_s_per_byte_sparse if sparse
                 else profile.save_s_per_byte + profile.load_s_per_byte)
     seconds = profile.base_s + per_byte * sum(profile.blocks[i].bytes for i in layers)
     return int(peak), seconds
 
 
-def plan_offload(profile: Profile, budget_bytes: int) -> Plan:
-    """FlashNeuron's two phases over ``profile`` for a peak of at most ``budget_bytes`` (module docstring)."""
+def plan_offload(profile: Profile, budget_bytes: int, extra_bytes: int = 0) -> Plan:
+    """FlashNeuron's two phases over ``profile`` for a peak of at most ``budget_bytes`` (module docstring);
+    ``extra_bytes``: what the step's update holds beside the forward/backward (the store's page buffers)."""
     n = len(profile.blocks)
     notes = []
     # Phase 1: offload blocks from the first on until the predicted peak fits.
     layers: tuple[int, ...] = ()
     for k in range(n + 1):
         layers = tuple(range(k))
-        if predict(profile, layers, False)[0] <= budget_bytes:
+        if predict(profile, layers, False, extra_bytes)[0] <= budget_bytes:
             break
-    peak, _ = predict(profile, layers, False)
+    peak, _ = predict(profile, layers, False, extra_bytes)
     fits = peak <= budget_bytes
     if not layers:
         notes.append(f"phase 1: the step fits {budget_bytes / 2**30:.2f} GiB without offload")
@@ -343,7 +345,7 @@ def plan_offload(profile: Profile, budget_bytes: int) -> Plan:
             notes.append(f"phase 2: the disk needs {need:.2f} s for {raw / 1e9:.2f} GB, over the forward pass's "
                          f"{forward:.2f} s, and no smaller format applies: the page cache absorbs the rest while it "
                          "has room, after that the disk sets the pace")
-    peak, seconds = predict(profile, layers, sparse)
+    peak, seconds = predict(profile, layers, sparse, extra_bytes)
     return Plan(layers, sparse, peak, seconds, int(budget_bytes), fits, tuple(notes))
 
 

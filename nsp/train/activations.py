@@ -23,7 +23,7 @@ SPILL_MARGIN = 1.25
 
 
 def spill_setup(config: TrainConfig, graphdef, params, log: Callable[[str], None], batch: Any = None,
-                mesh: Any = None) -> tuple[Callable | None, nsp.offload.SpillArea | None]:
+                mesh: Any = None, store: Any = None) -> tuple[Callable | None, nsp.offload.SpillArea | None]:
     """``(block_call, area)`` for ``make_train_step``: ``(None, None)`` with ``--offload-activations none``.
 
     ``all`` offloads every block; ``auto`` or a budget (``6GiB``) runs FlashNeuron's planner
@@ -63,7 +63,7 @@ def spill_setup(config: TrainConfig, graphdef, params, log: Callable[[str], None
             + (", less where the sparse format shrinks them" if sparse else "") + f") go to {area.path}")
         return nsp.offload.offload_blocks(area, sparse=sparse), area
     try:
-        plan = _plan(config, graphdef, params, model, batch, mesh, area, log)
+        plan = _plan(config, graphdef, params, model, batch, mesh, area, log, _update_bytes(store))
     except BaseException:
         area.close()
         raise
@@ -76,7 +76,15 @@ def spill_setup(config: TrainConfig, graphdef, params, log: Callable[[str], None
                                       num_layers=len(model.h)), area
 
 
-def _plan(config: TrainConfig, graphdef, params, model, batch, mesh, area, log):
+def _update_bytes(store: Any) -> int:
+    """What the store's update holds beside the step: the file tier's page buffers (``pages_in_flight`` sets of
+    param, m and v pages per local shard; allocated at the first update)."""
+    if store is None or store.tier == "memory":
+        return 0
+    return int(store.pages_in_flight) * 3 * int(store.page_bytes) * len(store.local_shards)
+
+
+def _plan(config: TrainConfig, graphdef, params, model, batch, mesh, area, log, extra_bytes: int = 0):
     """``(profile, plan)`` for ``--offload-activations auto|BUDGET``, the plan written to the run directory."""
     if mesh is not None:
         raise TrainError("--offload-activations auto|BUDGET plans one device's step; on several devices give "
@@ -90,7 +98,7 @@ def _plan(config: TrainConfig, graphdef, params, model, batch, mesh, area, log):
         return loss_fn(graphdef, p, b, block_call=block_call)
 
     profile = planner.profile_blocks(model, loss_of, params, jax.numpy.asarray(batch), area.path.parent, log)
-    plan = planner.plan_offload(profile, budget)
+    plan = planner.plan_offload(profile, budget, extra_bytes)
     planner.write_plan(Path(config.run_dir) / PLAN_FILE, profile, plan)
     if not plan.fits:
         raise TrainError("--offload-activations " + config.offload_activations + ": " + "; ".join(plan.notes))

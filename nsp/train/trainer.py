@@ -66,7 +66,8 @@ def train_and_evaluate(config: TrainConfig, *, log: Callable[[str], None] = prin
     run = build(config, log)
     try:
         block_call, spill = activations.spill_setup(config, run.graphdef, run.params, log,
-                                                    batch=run.train_batches.batch(run.step), mesh=run.mesh)
+                                                    batch=run.train_batches.batch(run.step), mesh=run.mesh,
+                                                    store=run.store)
     except BaseException:
         run.store.close()
         raise
