@@ -10,6 +10,7 @@ or just before a checkpoint's snapshot becomes valid (NSP_DEBUG_KILL_AT_SNAPSHOT
 as each shard's engine is made, and wrap its file backend in a fault-injecting one (ffi/backends/fault_backend.cc); a
 normal run has none. Then it checks every page of the store's committed version (`nsp store verify`),
 resumes with `--resume`, and compares the final params with an uninterrupted run of the same seed, bit for bit.
+`--train-args` adds options to every run (`--offload-activations all`: activations spilled in each step).
 Lost steps = steps the killed run had finished minus the step it resumed from. The last line reads
 `bit-identical: K/N, corrupt: C`.
 """
@@ -33,6 +34,10 @@ import numpy as np
 MODES = ("random", "update", "commit", "snapshot")
 
 
+#: Extra `nsp train` options of every run (--train-args), e.g. activation offload.
+EXTRA_ARGS: list[str] = []
+
+
 def train_cmd(run_dir: Path, corpus: Path, steps: int, topk: bool, resume: bool = False) -> list[str]:
     cmd = [sys.executable, "-m", "nsp.cli", "train", "--model", "tiny", "--run-dir", str(run_dir), "--data",
            str(corpus), "--steps", str(steps), "--seq", "32", "--batch", "4", "--log-every", "1", "--ckpt-every",
@@ -41,6 +46,7 @@ def train_cmd(run_dir: Path, corpus: Path, steps: int, topk: bool, resume: bool 
         cmd += ["--topk", "0.05"]
     if resume:
         cmd.append("--resume")
+    cmd += EXTRA_ARGS
     return cmd
 
 
@@ -147,10 +153,14 @@ def main() -> int:
                         help=f"kill modes to cycle through, comma-separated (default: {','.join(MODES)})")
     parser.add_argument("--dir", default=None, help="work directory (default: a temp dir here)")
     parser.add_argument("--json", default=None)
+    parser.add_argument("--train-args", default="",
+                        help="extra nsp train options of every run, e.g. '--offload-activations all --activation relu' "
+                        "(activations spilled to disk in each step: scratch, never state)")
     args = parser.parse_args()
     args.modes = [m.strip() for m in args.modes.split(",") if m.strip()]
     if not args.modes or any(m not in MODES for m in args.modes):
         parser.error(f"--modes must name some of {', '.join(MODES)}")
+    EXTRA_ARGS[:] = args.train_args.split()
     rng = random.Random(args.seed)
     Path(args.dir or os.getcwd()).mkdir(parents=True, exist_ok=True)
     workdir = Path(tempfile.mkdtemp(prefix="nsp-faults-", dir=args.dir or os.getcwd()))
