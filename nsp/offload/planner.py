@@ -38,7 +38,7 @@ import jax.numpy as jnp
 
 from nsp.offload.area import SpillArea
 from nsp.offload.blocks import block_function, offload_blocks
-from nsp.offload.wrap import MIN_SPILL_BYTES, _to_spill, spilled_bytes
+from nsp.offload.wrap import MIN_SPILL_BYTES, _to_spill
 from nsp.primitives.spill import spill_load, spill_save
 
 #: Bytes the disk-rate probe writes and syncs in the spill directory.
@@ -223,7 +223,6 @@ def profile_blocks(model, loss_of: Callable[..., jax.Array], params, batch, spil
     """
     blocks = list(model.h)
     n = len(blocks)
-    cfg_activation = getattr(getattr(model, "config", None), "activation", "gelu")
     tokens = batch[:, :-1]
     x = model.wte.embedding[...][tokens].astype(model.config.dtype)
     x = x + model.wpe.embedding[...][: tokens.shape[1]].astype(model.config.dtype)[None]
@@ -236,21 +235,20 @@ def profile_blocks(model, loss_of: Callable[..., jax.Array], params, batch, spil
     with SpillArea(spill_dir) as area:
         for i, block in enumerate(blocks):
             apply, state = block_function(block)
-            raw = spilled_bytes(apply, state, x)
-            _, vjp_fn = jax.vjp(apply, state, x)
+            y, vjp_fn = jax.vjp(apply, state, x)  # the residuals offload would spill, on the real activations
             leaves = jax.tree_util.tree_leaves(vjp_fn)
             spill = [leaves[j] for j in _to_spill(leaves, (state, x), MIN_SPILL_BYTES)]
+            raw = sum(r.size * r.dtype.itemsize for r in spill)
             sparse = sum(_sparse_size(r) for r in spill)
             if fwd_bwd_each is None:  # the blocks are alike: one block's compute times stand for each
                 forward = jax.jit(apply)
                 backward = jax.jit(lambda s, h, ct: jax.vjp(apply, s, h)[1](ct))
-                y = forward(state, x)
                 forward_s = _median_time(lambda: forward(state, x))
                 # The VJP runs the block's forward pass again before its backward: what the backward adds is the rest.
                 fwd_bwd_each = (forward_s, max(0.0, _median_time(lambda: backward(state, x, y)) - forward_s))
                 io = _spill_costs(area, spill)
             profiles.append(BlockProfile(i, int(raw), int(sparse), *fwd_bwd_each))
-            x = jax.jit(apply)(state, x)
+            x = y
         log(f"offload planner: a block spills {profiles[0].bytes / 1e6:,.1f} MB ({profiles[0].sparse_bytes / 1e6:,.1f} "
             f"MB sparse), forward {fwd_bwd_each[0] * 1e3:.1f} ms, backward {fwd_bwd_each[1] * 1e3:.1f} ms")
 
@@ -268,7 +266,7 @@ def profile_blocks(model, loss_of: Callable[..., jax.Array], params, batch, spil
     log(f"offload planner: forward/backward holds {keep / 1e9:.2f} GB without offload, {all_bytes / 1e9:.2f} GB "
         f"with every block offloaded; the disk writes {disk / 1e9:.2f} GB/s")
     return Profile(tuple(profiles), io[0], io[1], io[2], io[3], disk, peak_all, keep, all_bytes, base,
-                   cfg_activation)
+                   model.config.activation)
 
 
 def _spill_costs(area: SpillArea, arrays: list[jax.Array]) -> tuple[float, float, float, float]:

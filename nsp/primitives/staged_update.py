@@ -31,7 +31,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from nsp.primitives import _ffi  # noqa: F401  (registers the FFI targets)
-from nsp.primitives.store_update import _attrs, _context_mesh, _handle, _platform, check_gradient_leaves
+from nsp.primitives.store_update import (_attrs, _context_mesh, _handle, _platform, _step_device,
+                                         check_gradient_leaves)
 
 
 def check_staged(store: Any, grads: list[jax.Array]) -> None:
@@ -52,9 +53,7 @@ def check_staged(store: Any, grads: list[jax.Array]) -> None:
 def _check_cpu() -> None:
     """The staged update's handlers are registered for the CPU only (a CUDA device would stage its leaves
     through host memory first: not written yet)."""
-    device = jax.config.jax_default_device
-    if device is None or isinstance(device, str):
-        device = jax.devices(device)[0] if isinstance(device, str) else jax.devices()[0]
+    device = _step_device()
     if _platform(device) != "cpu":
         raise NotImplementedError(f"stage_gradients runs on CPU devices only for now (the step runs on {device}); "
                                   "on an accelerator use the default update (stage_gradients=False)")

@@ -52,14 +52,19 @@ def _platform(device) -> str:
     return platform
 
 
+def _step_device(mesh: Mesh | None = None):
+    """The device the step is traced for: the mesh's first, else JAX's default device."""
+    if mesh is not None:
+        return mesh.devices.flat[0]
+    device = jax.config.jax_default_device
+    if device is None or isinstance(device, str):
+        device = jax.devices(device)[0] if isinstance(device, str) else jax.devices()[0]
+    return device
+
+
 def _check_platform(mesh: Mesh | None) -> None:
     """Fails at trace time where the store update has no handler (only the CPU and CUDA devices have one)."""
-    if mesh is not None:
-        device = mesh.devices.flat[0]
-    else:
-        device = jax.config.jax_default_device
-        if device is None or isinstance(device, str):
-            device = jax.devices(device)[0] if isinstance(device, str) else jax.devices()[0]
+    device = _step_device(mesh)
     platform = _platform(device)
     if platform not in ("cpu", "cuda"):
         raise NotImplementedError(
