@@ -63,17 +63,16 @@ def spill_setup(config: TrainConfig, graphdef, params, log: Callable[[str], None
             + (", less where the sparse format shrinks them" if sparse else "") + f") go to {area.path}")
         return nsp.offload.offload_blocks(area, sparse=sparse), area
     try:
-        plan = _plan(config, graphdef, params, model, batch, mesh, area, log, _update_bytes(store))
+        profile, plan = _plan(config, graphdef, params, model, batch, mesh, area, log, _update_bytes(store))
     except BaseException:
         area.close()
         raise
-    for line in planner.describe(plan[1], plan[0]).splitlines():
+    for line in planner.describe(plan, profile).splitlines():
         log(line)
-    if not plan[1].layers:
+    if not plan.layers:
         area.close()
         return None, None
-    return nsp.offload.offload_blocks(area, sparse=plan[1].sparse, layers=plan[1].layers,
-                                      num_layers=len(model.h)), area
+    return nsp.offload.offload_blocks(area, sparse=plan.sparse, layers=plan.layers, num_layers=len(model.h)), area
 
 
 def _update_bytes(store: Any) -> int:
