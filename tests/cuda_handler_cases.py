@@ -43,6 +43,16 @@ def fail_copy(number: int) -> None:
         ctypes.CDLL(MODEL).nspCudaModelFailCopy(ctypes.c_int64(number))
 
 
+def model_pending() -> int:
+    """Copies (and event records) the model has queued and not yet run."""
+    return int(ctypes.CDLL(MODEL, mode=ctypes.RTLD_GLOBAL).nspCudaModelPending()) if MODEL else 0
+
+
+def set_copy_delay_us(us: int) -> None:
+    if MODEL:
+        ctypes.CDLL(MODEL).nspCudaModelSetDelayUs(ctypes.c_int64(us))
+
+
 def problem(dtype=jnp.float32, seed=0):
     rng = np.random.default_rng(seed)
     params = {"w1": jnp.asarray(rng.standard_normal((8, 48)) * 0.3, dtype),
@@ -160,6 +170,9 @@ def run_failures(results, info):
                         fail_copy(base + scalars + 1)  # the first gradient leaf
                     else:
                         fail_copy(base + scalars + leaves + 2)  # after the version: the first params leaf
+                        # Slow copies: the version's copy up, queued before the failing one, is still on the
+                        # stream when the call returns unless the handler waits for it.
+                        set_copy_delay_us(100_000)
                     before = store.version, store.read("param"), store.read("mu")
                 try:
                     p2, s2 = step(p, s, jnp.float32(1.0))
@@ -167,9 +180,12 @@ def run_failures(results, info):
                 except Exception as e:  # noqa: BLE001
                     assert failing, f"{name}: step {t} failed unexpectedly: {e}"
                     errors.append(str(e))
+                    pending = model_pending()
+                    set_copy_delay_us(int(os.environ.get("NSP_CUDA_MODEL_DELAY_US", "0")))
                     after = store.version, store.read("param"), store.read("mu")
                     results[f"{name}/store_after_failure"] = after[1]
                     info[f"{name}/after_failure"] = {
+                        "pending_copies": pending,
                         "version_before": int(before[0]), "version_after": int(after[0]),
                         "param_unchanged": bool(np.array_equal(before[1], after[1])),
                         "m_unchanged": bool(np.array_equal(before[2], after[2]))}

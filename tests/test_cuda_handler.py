@@ -122,6 +122,10 @@ def test_a_failing_copy_names_the_shard_and_the_copy_and_the_next_step_succeeds(
     msg = up["errors"][0]
     assert "shard 0" in msg and "copying the new params leaf 0 up" in msg and "replays" in msg, msg
     assert info["fail_up/after_failure"]["version_after"] == 2
+    # The copies queued before the failing one (the version's, made slow for this step) landed before the call
+    # returned its error: XLA frees a failed call's results, and a later write into them corrupts the heap.
+    assert info["fail_up/after_failure"]["pending_copies"] == 0
+    assert info["fail_down/after_failure"]["pending_copies"] == 0
     np.testing.assert_array_equal(model["fail_up/store_after_failure"], plain["fail_up/store_step2"])
     # And the steps after the failure agree with the CPU path's (test above), ending at the same version.
     assert int(model["fail_up/version"]) == int(plain["fail_up/version"]) == 3

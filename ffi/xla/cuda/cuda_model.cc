@@ -45,6 +45,11 @@ class StreamThread {
     }
     cv_.notify_all();
   }
+  // Tasks queued and not yet finished.
+  int64_t Pending() {
+    std::lock_guard<std::mutex> lock(mu_);
+    return static_cast<int64_t>(tasks_.size()) + (busy_ ? 1 : 0);
+  }
   void Drain() {
     std::unique_lock<std::mutex> lock(mu_);
     idle_cv_.wait(lock, [this] { return tasks_.empty() && !busy_; });
@@ -230,6 +235,15 @@ void nspCudaModelFailCopy(int64_t number) {
 void nspCudaModelSetDelayUs(int64_t us) {
   std::lock_guard<std::mutex> lock(M().mu);
   M().delay_us = us;
+}
+
+// Copies and event records queued on any stream and not yet run.
+int64_t nspCudaModelPending() {
+  Model& m = M();
+  std::lock_guard<std::mutex> lock(m.mu);
+  int64_t pending = 0;
+  for (auto& [stream, thread] : m.streams) pending += thread->Pending();
+  return pending;
 }
 
 // copies, bytes host-to-device, bytes device-to-host, pinned allocations, pinned frees, stream synchronisations,

@@ -434,6 +434,13 @@ XLA_FFI_Error* Staged(XLA_FFI_CallFrame* frame, XLA_FFI_Error* (*inner)(XLA_FFI_
     if (int e = cu->EventSynchronize(set->up_done); e != kSuccess) failed = "waiting for the copies up failed: " + cu->Error(e);
   }
   if (!failed.empty()) {
+    // The copies queued before the failure still write into the results: they must land before the call
+    // returns, since a failed call's results may be freed (on the host path, at once) and a late write into
+    // freed memory corrupts the heap.
+    g_counters.syncs++;
+    if (int e = cu->StreamSynchronize(stream); e != kSuccess) {
+      failed += "; then waiting for the earlier copies up failed: " + cu->Error(e);
+    }
     return fail(shard + ": " + failed +
                 "; the step ran on the host and its version is the store's (at staleness 0 a call with the same "
                 "version replays it)");
