@@ -66,8 +66,28 @@ def child(args) -> None:
     store = nsp.storage.open(None, tier="memory")
     tx = nsp.optim.adamw(1e-4, store=store)
     state = tx.init(params)
-    area = None
-    if args.child.startswith("offload"):
+    area, planned = None, None
+    if args.child == "planner":
+        # FlashNeuron's planner (nsp.offload.planner) on this step's first batch, for a peak of --budget-gib.
+        from nsp.offload import planner
+
+        area = nsp.offload.SpillArea(args.spill_dir)
+        first = jax.random.randint(jax.random.fold_in(jax.random.key(0), 0), (args.batch, args.seq + 1), 0, 256,
+                                   jnp.int32)
+        model = nnx.merge(graphdef, params)
+
+        def loss_of(p, tokens, block_call):
+            logits = nnx.merge(graphdef, p)(tokens[:, :-1], block_call=block_call)
+            return cross_entropy_loss(logits, tokens[:, 1:])
+
+        profile = planner.profile_blocks(model, loss_of, params, first, args.spill_dir, log=lambda m: None)
+        plan = planner.plan_offload(profile, int(args.budget_gib * 2**30))
+        del model
+        planned = {"layers": list(plan.layers), "sparse": plan.sparse, "fits": plan.fits, "notes": list(plan.notes),
+                   "predicted_peak_rss": plan.predicted_peak_bytes, "predicted_fwd_bwd_s": plan.predicted_fwd_bwd_s}
+        block_call = (nsp.offload.offload_blocks(area, sparse=plan.sparse, layers=plan.layers, num_layers=args.layers)
+                      if plan.layers else None)
+    elif args.child.startswith("offload"):
         area = nsp.offload.SpillArea(args.spill_dir)
         block_call = nsp.offload.offload_blocks(area, sparse=args.child == "offload-sparse",
                                                 compress=jnp.bfloat16 if args.child == "offload-bf16" else None)
@@ -96,20 +116,30 @@ def child(args) -> None:
         params, state, value = step(params, state, tokens)
         losses.append(float(value))
         times.append(time.perf_counter() - t0)
+    fwd_bwd = []
+    if planned is not None:
+        # The planner predicts the forward/backward alone: timed apart, on the trained params, after the steps.
+        grad = jax.jit(jax.value_and_grad(lambda p, tokens: cross_entropy_loss(
+            nnx.merge(graphdef, p)(tokens[:, :-1], block_call=block_call), tokens[:, 1:])))
+        jax.block_until_ready(grad(params, tokens))
+        for _ in range(3):
+            t0 = time.perf_counter()
+            jax.block_until_ready(grad(params, tokens))
+            fwd_bwd.append(time.perf_counter() - t0)
     stats = area.stats() if area is not None else {}
     if area is not None:
         area.close()
     store.close()
     print(json.dumps({"times": times[2:], "losses": losses, "peak_rss": peak_rss_bytes(), "spill": stats,
-                      "steps_run": len(times)}))
+                      "steps_run": len(times), "plan": planned, "fwd_bwd_times": fwd_bwd}))
 
 
-def attempt(contender: str, batch: int, args, *, steps: int, cap: int | None) -> dict | None:
+def attempt(contender: str, batch: int, args, *, steps: int, cap: int | None, budget_gib: float = 0.0) -> dict | None:
     """Runs one contender at one batch in a subprocess (under ``cap`` bytes of address space, if given)."""
     spill = Path(tempfile.mkdtemp(prefix="nsp-actoff-", dir=args.dir))
     cmd = [sys.executable, __file__, "--child", contender, "--batch", str(batch), "--seq", str(args.seq),
            "--layers", str(args.layers), "--width", str(args.width), "--steps", str(steps),
-           "--spill-dir", str(spill)]
+           "--spill-dir", str(spill), "--budget-gib", str(budget_gib)]
 
     env = dict(os.environ, MALLOC_ARENA_MAX="2", MALLOC_MMAP_THRESHOLD_="131072")
     try:
@@ -205,8 +235,9 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="4 layers of width 256, batch 8, 3 steps, no cap part")
     parser.add_argument("--verbose", action="store_true")
     parser.add_argument("--json", default=None)
-    parser.add_argument("--child", choices=CONTENDERS, help=argparse.SUPPRESS)
+    parser.add_argument("--child", choices=CONTENDERS + ("planner",), help=argparse.SUPPRESS)
     parser.add_argument("--spill-dir", help=argparse.SUPPRESS)
+    parser.add_argument("--budget-gib", type=float, default=0.0, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
         child(args)

@@ -89,6 +89,34 @@ def test_gpt_blocks_offloaded_train_with_the_same_gradients(tmp_path, activation
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
+def test_host_memory_target_gives_the_same_gradients_and_refuses_what_it_cannot_do():
+    # On a CPU the moves to pinned_host compile and move nothing (tests/test_gpu.py checks a GPU frees memory).
+    layers = [_mlp_params(jax.random.key(i)) for i in range(3)]
+    x = jax.random.normal(jax.random.key(9), (32, 64))
+    host = nsp.offload.HostMemory()
+    assert host.moves_data == (jax.devices()[0].platform != "cpu")
+    got = jax.jit(jax.value_and_grad(functools.partial(_loss, nsp.offload.offload(_mlp, host))))(layers, x)
+    want = jax.jit(jax.value_and_grad(functools.partial(_loss, _mlp)))(layers, x)
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    with pytest.raises(ValueError, match="sparse format"):
+        nsp.offload.offload(_mlp, host, sparse=True)
+    with pytest.raises(TypeError, match="SpillArea or a HostMemory"):
+        nsp.offload.offload(_mlp, "/tmp/spill")
+
+    class NoHost:  # a device without a pinned_host memory (a TPU runtime without host offload, say)
+        platform = "tpu"
+
+        def addressable_memories(self):
+            return [type("M", (), {"kind": "device"})()]
+
+        def __str__(self):
+            return "TPU_0"
+
+    with pytest.raises(ValueError, match="TPU_0 has no pinned_host memory .it has device.: offload to a spill"):
+        nsp.offload.HostMemory([NoHost()])
+
+
 def test_offload_frees_the_residuals_memory_in_the_compiled_step(tmp_path):
     # Activation-heavy: 6 layers of a 256-wide MLP on 2048 rows. The step's temporaries without offload hold every
     # layer's residuals until the backward; with it, those of the layer being computed (measured here: 83.9 MB
@@ -217,10 +245,17 @@ def test_nsp_train_offloads_activations_with_the_same_losses(tmp_path, capsys):
                           "--spill-dir", str(tmp_path / "scratch")]) == 0
     spill = capsys.readouterr().out
     assert "backward-pass activations" in spill and "sparse format" in spill
+    assert main(common + ["--run-dir", str(tmp_path / "host"), "--offload-activations", "all",
+                          "--offload-to", "host"]) == 0
+    host = capsys.readouterr().out
+    assert "pinned host memory (on a CPU that is where they are" in host
     losses = [[line.split("loss ")[1].split()[0] for line in out.splitlines() if line.startswith("step ")]
-              for out in (keep, spill)]
-    assert len(losses[0]) == 4 and losses[0] == losses[1]
+              for out in (keep, spill, host)]
+    assert len(losses[0]) == 4 and losses[0] == losses[1] == losses[2]
     assert not list((tmp_path / "scratch").iterdir())  # scratch only: removed at the end
+    assert main(common + ["--run-dir", str(tmp_path / "bad"), "--offload-activations", "auto",
+                          "--offload-to", "host"]) == 2
+    assert "offload_to host takes --offload-activations all" in capsys.readouterr().err
 
 
 def test_nsp_train_says_when_the_spill_directory_is_too_small(tmp_path, capsys, monkeypatch):

@@ -9,14 +9,15 @@ import jax
 from flax import nnx
 
 from nsp.offload.area import SpillArea
+from nsp.offload.host import HostMemory
 from nsp.offload.wrap import offload
 
 
-def offload_blocks(area: SpillArea, *, compress: Any = None, sparse: bool = False,
+def offload_blocks(area: SpillArea | HostMemory, *, compress: Any = None, sparse: bool = False,
                    layers: Iterable[int] | None = None,
                    num_layers: int | None = None) -> Callable[[nnx.Module, jax.Array], jax.Array]:
     """``block_call(block, x)``: applies an ``nnx`` block (deterministic: no dropout) to ``x`` with its residuals
-    spilled to ``area`` (``nsp.offload.offload``, with ``compress`` and ``sparse`` as there). Pass it as
+    spilled to ``area`` (a ``SpillArea`` or ``HostMemory``; ``nsp.offload.offload``, with ``compress`` and ``sparse`` as there). Pass it as
     ``GPT(...)(tokens, block_call=...)``.
 
     ``layers``: offload only these blocks (indices; None: all), the others run as usual; the index is the order of

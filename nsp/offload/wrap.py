@@ -13,6 +13,10 @@ any JAX function:
   entries ahead meanwhile (``SpillArea(read_ahead=...)``). The VJP function is rebuilt from the residuals and
   applied: the gradients are those of ``fn`` without offload, bit for bit (nothing is recomputed).
 
+The target is a ``SpillArea`` (a directory on disk, through the engine's page files) or ``HostMemory`` (the
+devices' ``pinned_host`` memory through JAX's memory kinds: XLA copies the residuals out and back on its own
+streams; on a GPU this frees device memory, on a CPU it moves nothing).
+
 Lossless by default. ``sparse=True`` stores each residual in FlashNeuron's bit-vector sparse format where that
 is smaller (lossless: post-ReLU activations, about half zeros). ``compress=jnp.bfloat16`` stores float32
 residuals as bf16 (half the bytes; lossy: the gradients then differ from the exact ones, by what
@@ -31,6 +35,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from nsp.offload.area import SpillArea
+from nsp.offload.host import HostMemory
 from nsp.primitives.spill import spill_load, spill_save
 
 _CALL_SITES = itertools.count()
@@ -39,7 +44,7 @@ _CALL_SITES = itertools.count()
 MIN_SPILL_BYTES = 4096
 
 
-def offload(fn: Callable[..., Any], area: SpillArea, *, compress: Any = None, sparse: bool = False,
+def offload(fn: Callable[..., Any], area: SpillArea | HostMemory, *, compress: Any = None, sparse: bool = False,
             min_bytes: int = MIN_SPILL_BYTES) -> Callable[..., Any]:
     """``fn`` with its backward-pass residuals spilled to ``area`` in the forward pass and read back in the
     backward pass.
@@ -47,7 +52,7 @@ def offload(fn: Callable[..., Any], area: SpillArea, *, compress: Any = None, sp
     Args:
       fn: a function of arrays (pytrees of them) to arrays, e.g. one transformer block applied to its params
         and input. Differentiated as usual; called without differentiation, nothing is spilled.
-      area: where the residuals go (``nsp.offload.SpillArea``).
+      area: where the residuals go: ``nsp.offload.SpillArea`` (disk) or ``nsp.offload.HostMemory``.
       compress: None (lossless), or ``jnp.bfloat16``/``jnp.float16``: float32 residuals are stored in that dtype
         (lossy).
       sparse: store each residual in FlashNeuron's bit-vector sparse format where that is smaller (lossless; a
@@ -65,6 +70,11 @@ def offload(fn: Callable[..., Any], area: SpillArea, *, compress: Any = None, sp
     """
     if compress is not None and jnp.dtype(compress) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
         raise ValueError(f"compress must be None, jnp.bfloat16 or jnp.float16, got {compress}")
+    if not isinstance(area, (SpillArea, HostMemory)):
+        raise TypeError(f"offload needs a SpillArea or a HostMemory to send residuals to, got {area!r}")
+    if sparse and isinstance(area, HostMemory):
+        raise ValueError("the sparse format is the spill area's (its files): HostMemory keeps arrays as they are")
+    to_host = isinstance(area, HostMemory)
 
     def wrapped(*args):
         slot = next(_CALL_SITES)  # one per call at trace time: each layer of a Python loop has its own stack
@@ -81,7 +91,10 @@ def offload(fn: Callable[..., Any], area: SpillArea, *, compress: Any = None, sp
             plan.update(treedef=treedef, spill=spill, like=[jax.ShapeDtypeStruct(leaves[i].shape, leaves[i].dtype)
                                                             for i in spill])
             stored = [_encode(leaves[i], compress) for i in spill]
-            token = spill_save(area.id, slot, stored, sparse=sparse) if spill else jnp.zeros((), jnp.int32)
+            if to_host:  # the residuals themselves travel, in host memory
+                token = area.save(stored)
+            else:
+                token = spill_save(area.id, slot, stored, sparse=sparse) if spill else jnp.zeros((), jnp.int32)
             spilled = set(spill)
             kept = [None if i in spilled else x for i, x in enumerate(leaves)]
             return out, (token, kept)
@@ -92,7 +105,8 @@ def offload(fn: Callable[..., Any], area: SpillArea, *, compress: Any = None, sp
             if plan["spill"]:
                 after = jax.tree_util.tree_leaves(cotangent)[0]
                 stored_like = [jax.ShapeDtypeStruct(x.shape, _stored_dtype(x.dtype, compress)) for x in plan["like"]]
-                loaded = spill_load(area.id, slot, token, after, stored_like)
+                loaded = (area.load(token, after) if to_host
+                          else spill_load(area.id, slot, token, after, stored_like))
                 for i, x, like in zip(plan["spill"], loaded, plan["like"]):
                     leaves[i] = x.astype(like.dtype)
             vjp_fn = jax.tree_util.tree_unflatten(plan["treedef"], leaves)

@@ -39,6 +39,11 @@ def spill_setup(config: TrainConfig, graphdef, params, log: Callable[[str], None
     """
     if config.offload_activations == "none":
         return None, None
+    if config.offload_to == "host":
+        host = nsp.offload.HostMemory()
+        log("activations: every block's backward-pass activations go to the devices' pinned host memory"
+            + ("" if host.moves_data else " (on a CPU that is where they are: nothing is saved)"))
+        return nsp.offload.offload_blocks(host), host
     directory = Path(config.spill_dir or Path(config.run_dir) / "spill")
     try:
         directory.mkdir(parents=True, exist_ok=True)

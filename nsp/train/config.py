@@ -91,6 +91,9 @@ class TrainConfig:
     offload_activations: str = "none"
     # Where offloaded activations go (scratch, removed at the end); empty = RUN_DIR/spill.
     spill_dir: str = ""
+    # What --offload-activations sends them to: "disk" (--spill-dir) or "host" (the accelerator's pinned host
+    # memory, through JAX's memory kinds: nsp.offload.HostMemory; on a CPU that moves nothing).
+    offload_to: str = "disk"
     # Print and log metrics every this many steps.
     log_every: int = 10
     # Print where a step in flight is (its forward/backward, or the update's pages done of total) every this many
@@ -143,6 +146,9 @@ class TrainConfig:
             (_offload_choice(self.offload_activations),
              f"unknown offload_activations {self.offload_activations!r} (none, all, auto, or a memory budget "
              "such as 6GiB)"),
+            (self.offload_to in ("disk", "host"), f"unknown offload_to {self.offload_to!r} (disk, host)"),
+            (self.offload_to == "disk" or self.offload_activations in ("none", "all"),
+             "offload_to host takes --offload-activations all (the planner plans a spill directory's disk)"),
             (not self.stage_gradients or (self.tier != "memory" and not self.topk and self.staleness == 0),
              "stage_gradients needs the file or csd tier, dense gradients (no --topk) and staleness 0"),
             (self.bf16 or not (self.bf16_params or self.f32_accum),
