@@ -23,7 +23,13 @@ second at that batch. The spill files sit in the page cache or on disk, outside 
 cap counts what the process holds. Targets (the issue's): offload >= 4x the tokens per step of ``keep`` under
 the cap at <= 1.25x its time per token; offload faster per token than ``remat`` at the same batch.
 
-The record goes to ``bench/results/activation_offload.json`` (or ``--json``).
+Part 3, the planner (``nsp.offload.planner``, as ``nsp train --offload-activations BUDGET`` runs it) at the
+shared size, for three budgets between part 1's peak with every block offloaded and its peak keeping them: the
+blocks it offloads, and its predicted peak RSS and forward/backward time beside the measured ones (target:
+within 15%).
+
+The record goes to ``bench/results/activation_offload.json`` (or ``--json``), and a plot of part 2 (tokens per
+step against peak RSS, a line per contender, a point per batch that trained) beside it as ``.png``.
 """
 
 from __future__ import annotations
@@ -69,6 +75,7 @@ def child(args) -> None:
     area, planned = None, None
     if args.child == "planner":
         # FlashNeuron's planner (nsp.offload.planner) on this step's first batch, for a peak of --budget-gib.
+        import nsp.rss
         from nsp.offload import planner
 
         area = nsp.offload.SpillArea(args.spill_dir)
@@ -83,7 +90,9 @@ def child(args) -> None:
         profile = planner.profile_blocks(model, loss_of, params, first, args.spill_dir, log=lambda m: None)
         plan = planner.plan_offload(profile, int(args.budget_gib * 2**30))
         del model
-        planned = {"layers": list(plan.layers), "sparse": plan.sparse, "fits": plan.fits, "notes": list(plan.notes),
+        nsp.rss.reset_peak()  # the steps' peak from here (the profiling's is in the plan)
+        planned = {"profiling_peak_rss": profile.profiling_peak_bytes, "layers": list(plan.layers),
+                   "sparse": plan.sparse, "fits": plan.fits, "notes": list(plan.notes),
                    "predicted_peak_rss": plan.predicted_peak_bytes, "predicted_fwd_bwd_s": plan.predicted_fwd_bwd_s}
         block_call = (nsp.offload.offload_blocks(area, sparse=plan.sparse, layers=plan.layers, num_layers=args.layers)
                       if plan.layers else None)
@@ -117,7 +126,9 @@ def child(args) -> None:
         losses.append(float(value))
         times.append(time.perf_counter() - t0)
     fwd_bwd = []
+    peak = peak_rss_bytes()
     if planned is not None:
+        peak = nsp.rss.peak_bytes()  # the steps' (reset after planning), before the timing below compiles more
         # The planner predicts the forward/backward alone: timed apart, on the trained params, after the steps.
         grad = jax.jit(jax.value_and_grad(lambda p, tokens: cross_entropy_loss(
             nnx.merge(graphdef, p)(tokens[:, :-1], block_call=block_call), tokens[:, 1:])))
@@ -130,7 +141,7 @@ def child(args) -> None:
     if area is not None:
         area.close()
     store.close()
-    print(json.dumps({"times": times[2:], "losses": losses, "peak_rss": peak_rss_bytes(), "spill": stats,
+    print(json.dumps({"times": times[2:], "losses": losses, "peak_rss": peak, "spill": stats,
                       "steps_run": len(times), "plan": planned, "fwd_bwd_times": fwd_bwd}))
 
 
@@ -178,14 +189,57 @@ def shared_size(args) -> list[dict]:
     return rows
 
 
-def largest_batch(contender: str, args) -> tuple[int, dict | None]:
-    """Doubles the batch from 1 until a step fails under the cap, then bisects."""
+def planner_accuracy(args, shared: list[dict]) -> list[dict]:
+    """Part 3: the planner at the shared size, for budgets between the peak with every block offloaded and the
+    peak keeping them all: what it picked, and its predicted peak RSS and forward/backward time beside the
+    measured ones (the steps' peak, restarted after the profiling, whose own peak is recorded beside; the
+    forward/backward timed apart after the steps, median of 3)."""
+    peaks = {r["contender"]: r["peak_rss_gib"] for r in shared if r["status"] == "ok"}
+    if "keep" not in peaks or "offload" not in peaks:
+        return []
+    rows = []
+    for fraction in (0.25, 0.5, 0.75):
+        budget = peaks["offload"] + fraction * (peaks["keep"] - peaks["offload"])
+        result = attempt("planner", args.batch, args, steps=args.steps, cap=None, budget_gib=budget)
+        row = {"budget_gib": budget, "status": "ok" if result else "failed"}
+        if result:
+            plan = result["plan"]
+            fwd_bwd = statistics.median(result["fwd_bwd_times"])
+            row.update(blocks=len(plan["layers"]), layers=plan["layers"], sparse=plan["sparse"], fits=plan["fits"],
+                       notes=plan["notes"], predicted_peak_gib=plan["predicted_peak_rss"] / 2**30,
+                       measured_peak_gib=result["peak_rss"] / 2**30,
+                       profiling_peak_gib=plan["profiling_peak_rss"] / 2**30,
+                       predicted_fwd_bwd_s=plan["predicted_fwd_bwd_s"], measured_fwd_bwd_s=fwd_bwd,
+                       fwd_bwd_times=result["fwd_bwd_times"], step_s=statistics.median(result["times"]))
+            row["peak_ratio"] = row["predicted_peak_gib"] / row["measured_peak_gib"]
+            row["time_ratio"] = row["predicted_fwd_bwd_s"] / fwd_bwd
+            row["within_15pct"] = abs(row["peak_ratio"] - 1) <= 0.15 and abs(row["time_ratio"] - 1) <= 0.15
+        print(f"  planner, budget {budget:.2f} GiB: " + (
+            f"{row['blocks']} blocks, peak {row['predicted_peak_gib']:.2f} predicted / {row['measured_peak_gib']:.2f}"
+            f" measured GiB, forward/backward {row['predicted_fwd_bwd_s']:.2f} / {fwd_bwd:.2f} s"
+            if result else "failed"), flush=True)
+        rows.append(row)
+    return rows
+
+
+def largest_batch(contender: str, args) -> tuple[int, dict | None, list[dict]]:
+    """Doubles the batch from 1 until a step fails under the cap, then bisects. Also returns every batch that
+    trained, with its peak RSS (the points of the plot)."""
     cap = int(args.cap_gib * 2**30)
     lo, best, hi = 0, None, None
     batch = 1
+    points = []
+
+    def run(b):
+        result = attempt(contender, b, args, steps=1, cap=cap)
+        print(f"  {contender:15s} batch {b:4d}: {'ok' if result else 'failed'}", flush=True)
+        if result:
+            points.append({"batch": b, "tokens_per_step": b * args.seq, "peak_rss_gib": result["peak_rss"] / 2**30,
+                           "step_s": statistics.median(result["times"])})
+        return result
+
     while hi is None and batch <= args.max_batch:
-        result = attempt(contender, batch, args, steps=1, cap=cap)
-        print(f"  {contender:15s} batch {batch:4d}: {'ok' if result else 'failed'}", flush=True)
+        result = run(batch)
         if result:
             lo, best, batch = batch, result, batch * 2
         else:
@@ -193,20 +247,46 @@ def largest_batch(contender: str, args) -> tuple[int, dict | None]:
     hi = hi or lo + 1
     while hi - lo > 1:
         mid = (lo + hi) // 2
-        result = attempt(contender, mid, args, steps=1, cap=cap)
-        print(f"  {contender:15s} batch {mid:4d}: {'ok' if result else 'failed'}", flush=True)
+        result = run(mid)
         if result:
             lo, best = mid, result
         else:
             hi = mid
-    return lo, best
+    return lo, best, sorted(points, key=lambda p: p["batch"])
+
+
+def plot(rows: list[dict], cap_gib: float, path: Path) -> Path | None:
+    """Tokens per step against peak RSS, one line per contender (every batch that trained under the cap)."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("  (no matplotlib: no plot)")
+        return None
+    fig, ax = plt.subplots(figsize=(6.4, 4.2))
+    for r in rows:
+        pts = r.get("points") or []
+        if pts:
+            ax.plot([p["peak_rss_gib"] for p in pts], [p["tokens_per_step"] for p in pts], marker="o",
+                    label=f"{r['contender']} (max {r['tokens_per_step']})")
+    ax.axvline(cap_gib, color="grey", linestyle="--", linewidth=1)
+    ax.set_xlabel("peak RSS (GiB)")
+    ax.set_ylabel("tokens per step")
+    ax.set_title(f"Largest batch under a {cap_gib:g} GiB address-space cap")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
 
 
 def capped(args) -> list[dict]:
     rows = []
     for contender in CONTENDERS:
-        batch, result = largest_batch(contender, args)
-        row = {"contender": contender, "batch": batch, "tokens_per_step": batch * args.seq}
+        batch, result, points = largest_batch(contender, args)
+        row = {"contender": contender, "batch": batch, "tokens_per_step": batch * args.seq, "points": points}
         if result:
             step_s = statistics.median(result["times"])
             row.update(step_s=step_s, tokens_per_s=batch * args.seq / step_s,
@@ -257,6 +337,14 @@ def main() -> None:
                      ("peak_rss_gib", "peak RSS (GiB)", ".2f"), ("rss_vs_keep", "RSS vs keep", ".2f"),
                      ("residual_mb_per_step", "residuals (MB)", ".1f"),
                      ("spilled_mb_per_step", "spilled (MB)", ".1f")])
+        print("part 3: the planner's predictions at budgets between offloading every block and none", flush=True)
+        planned = planner_accuracy(args, shared)
+        print_table(f"the planner at batch {args.batch} x {args.seq}", planned,
+                    [("budget_gib", "budget (GiB)", ".2f"), ("blocks", "blocks", "d"),
+                     ("predicted_peak_gib", "peak pred.", ".2f"), ("measured_peak_gib", "peak meas.", ".2f"),
+                     ("peak_ratio", "ratio", ".2f"), ("profiling_peak_gib", "profiling peak", ".2f"),
+                     ("predicted_fwd_bwd_s", "fwd/bwd pred. (s)", ".2f"),
+                     ("measured_fwd_bwd_s", "fwd/bwd meas. (s)", ".2f"), ("time_ratio", "ratio", ".2f")])
         cap_rows = []
         if args.cap_gib > 0:
             print(f"part 2: the largest batch under {args.cap_gib:g} GiB of address space", flush=True)
@@ -269,9 +357,14 @@ def main() -> None:
                          ("peak_rss_gib", "peak RSS (GiB)", ".2f")])
     finally:
         shutil.rmtree(args.dir, ignore_errors=True)
-    write_json("activation_offload", {"layers": args.layers, "width": args.width, "seq": args.seq,
-                                      "batch": args.batch, "steps": args.steps, "cap_gib": args.cap_gib,
-                                      "quick": args.quick, "shared": shared, "capped": cap_rows}, args.json)
+    out = write_json("activation_offload", {"layers": args.layers, "width": args.width, "seq": args.seq,
+                                            "batch": args.batch, "steps": args.steps, "cap_gib": args.cap_gib,
+                                            "quick": args.quick, "shared": shared, "planner": planned,
+                                            "capped": cap_rows}, args.json)
+    if cap_rows:
+        png = plot(cap_rows, args.cap_gib, Path(out).with_suffix(".png"))
+        if png:
+            print(f"plot: {png}")
 
 
 if __name__ == "__main__":

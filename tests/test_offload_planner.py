@@ -10,6 +10,7 @@ import sys
 
 import pytest
 
+import nsp.rss
 from nsp.offload import planner
 from nsp.offload.planner import BlockProfile, Profile
 
@@ -57,7 +58,7 @@ def test_budget_syntax():
     for bad in ("", "six", "-1G", "0", "6XB"):
         with pytest.raises(ValueError, match="memory budget"):
             planner.parse_budget(bad)
-    assert planner.available_budget() > planner.current_rss()
+    assert planner.available_budget() > nsp.rss.current_bytes()
 
 
 def test_plan_round_trips_and_describes(tmp_path):

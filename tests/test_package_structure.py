@@ -36,7 +36,7 @@ FFI_MODULE = "nsp._nsp_ffi"
 FFI_UNIT = "nsp.engine"
 #: The order the units are layered in, lowest first: a unit imports only units before it. Documentation for the
 #: reader; the test checks that the imports are acyclic, and that this list agrees with them.
-LAYERS = ("nsp.engine", "nsp.spec", "nsp.csd", "nsp.storage", "nsp.primitives", "nsp.offload", "nsp.optim",
+LAYERS = ("nsp.rss", "nsp.engine", "nsp.spec", "nsp.csd", "nsp.storage", "nsp.primitives", "nsp.offload", "nsp.optim",
           "nsp.distributed", "nsp.models", "nsp.train", "nsp.emulate", "nsp.cli")
 
 

@@ -36,6 +36,7 @@ from typing import Any, Callable
 import jax
 import jax.numpy as jnp
 
+import nsp.rss
 from nsp.offload.area import SpillArea
 from nsp.offload.blocks import block_function, offload_blocks
 from nsp.offload.wrap import MIN_SPILL_BYTES, _to_spill
@@ -71,8 +72,11 @@ class Profile:
         calls, on the calling thread: a copy into the page cache, and back); ``*_sparse``: the same in the
         sparse format, per byte before it.
       disk_write_bytes_per_s: the spill directory's disk, written and synced.
-      rss_bytes: the process's peak resident memory once the profiling ran a forward/backward with every block
-        offloaded (params, store buffers, libraries, that step's own memory).
+      rss_bytes: the process's peak resident memory while a forward/backward with every block offloaded ran
+        (params, store buffers, libraries, that step's own memory; from the process's start where the peak cannot
+        be restarted).
+      profiling_peak_bytes: the process's peak over the whole profiling (one block's VJP run eagerly, the
+        compilations): a one-time peak before the first step.
       keep_bytes, all_bytes: XLA's forward/backward temporaries and outputs without offload, and with every
         block offloaded.
       base_s: the forward/backward's seconds without offload, as measured with every block offloaded less what
@@ -91,6 +95,7 @@ class Profile:
     all_bytes: int
     base_s: float
     activation: str = "gelu"
+    profiling_peak_bytes: int = 0
 
     def to_json(self) -> dict:
         return dataclasses.asdict(self)
@@ -159,18 +164,7 @@ def available_budget() -> int:
                 available = int(line.split()[1]) * 1024
     if available is None:
         raise ValueError("cannot read MemAvailable from /proc/meminfo: give --offload-activations a budget")
-    return current_rss() + int(0.9 * available)
-
-
-def _peak_rss() -> int:
-    import resource
-
-    return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
-
-
-def current_rss() -> int:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    return nsp.rss.current_bytes() + int(0.9 * available)
 
 
 def _median_time(fn: Callable[[], Any], repeats: int = 3) -> float:
@@ -254,6 +248,7 @@ def profile_blocks(model, loss_of: Callable[..., jax.Array], params, batch, spil
                 io = _spill_costs(area, spill)
             profiles.append(BlockProfile(i, int(raw), int(sparse), *fwd_bwd_each))
             x = y
+        vjp_fn = leaves = spill = None  # the last block's residuals: not to be held while the steps below run
         log(f"offload planner: a block spills {profiles[0].bytes / 1e6:,.1f} MB ({profiles[0].sparse_bytes / 1e6:,.1f} "
             f"MB sparse), forward {fwd_bwd_each[0] * 1e3:.1f} ms, backward {fwd_bwd_each[1] * 1e3:.1f} ms")
 
@@ -262,8 +257,13 @@ def profile_blocks(model, loss_of: Callable[..., jax.Array], params, batch, spil
         everything = offload_blocks(area)
         step_all = jax.jit(lambda p, b: grad(p, b, everything))
         all_bytes = _memory(step_all.lower(params, batch).compile())
+        profiling_peak = nsp.rss.peak_bytes()
+        # The step's own peak from here (where the system lets the peak restart): what the profiling held before
+        # is gone by the first step, which is what the plan predicts for.
+        nsp.rss.reset_peak()
         all_s = _median_time(lambda: step_all(params, batch), repeats=STEP_REPEATS)
-        peak_all = _peak_rss()  # the process's peak so far: its set-up, and this step with every block offloaded
+        peak_all = nsp.rss.peak_bytes()
+        profiling_peak = max(profiling_peak, peak_all)
         area.reset()
     disk = _disk_write_rate(Path(spill_dir))
     spilled = sum(b.bytes for b in profiles)
@@ -271,7 +271,7 @@ def profile_blocks(model, loss_of: Callable[..., jax.Array], params, batch, spil
     log(f"offload planner: forward/backward holds {keep / 1e9:.2f} GB without offload, {all_bytes / 1e9:.2f} GB "
         f"with every block offloaded; the disk writes {disk / 1e9:.2f} GB/s")
     return Profile(tuple(profiles), io[0], io[1], io[2], io[3], disk, peak_all, keep, all_bytes, base,
-                   model.config.activation)
+                   model.config.activation, profiling_peak)
 
 
 def _spill_costs(area: SpillArea, arrays: list[jax.Array]) -> tuple[float, float, float, float]:
@@ -385,6 +385,9 @@ def describe(plan: Plan, profile: Profile, measured: dict | None = None) -> str:
         if value:
             line += f", measured {fmt(value)} (predicted / measured {raw / value:.2f})"
         lines.append(line)
+    if profile.profiling_peak_bytes:
+        lines.append(f"  the profiling itself peaked at {profile.profiling_peak_bytes / 2**30:.2f} GiB (once, before "
+                     "the first step)")
     lines += [f"  {note}" for note in plan.notes]
     if not plan.fits:
         lines.append("  the plan does not fit its budget")

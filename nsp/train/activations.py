@@ -10,6 +10,7 @@ import jax
 from flax import nnx
 
 import nsp.offload
+import nsp.rss
 from nsp.offload import planner
 from nsp.offload.blocks import block_function
 from nsp.train.config import TrainConfig, TrainError
@@ -74,6 +75,7 @@ def spill_setup(config: TrainConfig, graphdef, params, log: Callable[[str], None
         raise
     for line in planner.describe(plan, profile).splitlines():
         log(line)
+    nsp.rss.reset_peak()  # the run's peak RSS from here is its steps', which the plan predicts
     if not plan.layers:
         area.close()
         return None, None

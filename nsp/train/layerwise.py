@@ -15,8 +15,6 @@ keeps only a bf16 copy of each leaf for the step.
 
 from __future__ import annotations
 
-import resource
-import sys
 import time
 from typing import Any, Callable
 
@@ -24,14 +22,15 @@ import jax
 import numpy as np
 from flax import nnx
 
+import nsp.rss
 from nsp.models import GPTConfig, abstract_gpt
 from nsp.models.gpt import gpt_parts
 
 
 def peak_rss_bytes() -> int:
-    """The most resident memory this process has held so far (``getrusage``'s ``ru_maxrss``)."""
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return peak if sys.platform == "darwin" else peak * 1024  # bytes on macOS, KiB on Linux
+    """The most resident memory this process has held so far (``nsp.rss.peak_bytes``: since it started, or since
+    the offload planner's profiling ended)."""
+    return nsp.rss.peak_bytes()
 
 
 def fmt_gib(n: float) -> str:
