@@ -1,4 +1,4 @@
-"""The ``nsp`` command: ``nsp train``, ``nsp launch``, ``nsp sample``, ``nsp ckpt list|show|export``,
+"""The ``nsp`` command: ``nsp train``, ``nsp launch``, ``nsp sample``, ``nsp ckpt list|show|export|delta|apply``,
 ``nsp store verify|copy|reidentify``, ``nsp plan``.
 
 ``nsp train`` with no arguments trains the ``small`` GPT on the Python standard library's source files with
@@ -125,9 +125,36 @@ def _sample(args: argparse.Namespace) -> int:
     return 0
 
 
+def _ckpt_delta(args: argparse.Namespace) -> int:
+    """``nsp ckpt delta OLD NEW OUT`` and ``nsp ckpt apply BASE DELTA OUT`` (``nsp.storage.delta``)."""
+    from nsp.storage import StoreError, delta
+
+    names = {"delta": "OLD NEW OUT", "apply": "BASE DELTA OUT"}[args.action]
+    if len(args.paths) != 3:
+        print(f"nsp ckpt {args.action}: give {names} (got {len(args.paths)} paths)", file=sys.stderr)
+        return 2
+    try:
+        if args.action == "delta":
+            manifest = delta.make_delta(*args.paths)
+            print(f"{manifest.old.describe()} -> {manifest.new.describe()}: wrote {args.paths[2]}")
+        else:
+            manifest = delta.apply_delta(*args.paths, mode=args.mode)
+            print(f"rebuilt {manifest.new.describe()} at {args.paths[2]} (checksums verified)")
+    except StoreError as e:
+        print(f"nsp ckpt {args.action}: {e}", file=sys.stderr)
+        return 1
+    print(manifest.stats.summary())
+    return 0
+
+
 def _ckpt(args: argparse.Namespace) -> int:
     from nsp.storage import checkpoint as ckpt
 
+    if args.action in ("delta", "apply"):
+        return _ckpt_delta(args)
+    if args.paths:
+        print(f"nsp ckpt {args.action}: takes no paths (use --run-dir, --step, --out)", file=sys.stderr)
+        return 2
     run_dir = Path(args.run_dir)
     if not (run_dir / "ckpt").is_dir():
         raise SystemExit(f"nsp ckpt: {run_dir} holds no checkpoints (no {run_dir / 'ckpt'})")
@@ -307,11 +334,19 @@ def main(argv: list[str] | None = None) -> int:
     sample.add_argument("--seed", type=int, default=0)
     sample.set_defaults(func=_sample)
 
-    ck = sub.add_parser("ckpt", help="list, show or export a run's checkpoints")
-    ck.add_argument("action", choices=["list", "show", "export"])
+    ck = sub.add_parser("ckpt", help="list, show or export a run's checkpoints; make or apply a delta between two",
+                        description="list, show, export: a run's checkpoints (--run-dir, --step, --out). "
+                        "delta OLD NEW OUT: the files and pages of checkpoint NEW that checkpoint OLD does not hold "
+                        "(two step directories or snapshots, any two versions), with a manifest, into OUT. "
+                        "apply BASE DELTA OUT: rebuilds NEW bit for bit into OUT from BASE (the delta's OLD) and "
+                        "DELTA, checking every checksum.")
+    ck.add_argument("action", choices=["list", "show", "export", "delta", "apply"])
+    ck.add_argument("paths", nargs="*", help="delta: OLD NEW OUT; apply: BASE DELTA OUT")
     ck.add_argument("--run-dir", default="runs/default")
     ck.add_argument("--step", type=int, default=None)
     ck.add_argument("--out", default=None, help="export: directory of the plain orbax checkpoint")
+    ck.add_argument("--mode", choices=["auto", "copy"], default="auto",
+                    help="apply: hard-link BASE's and DELTA's files into OUT where possible (auto), or copy them")
     ck.set_defaults(func=_ckpt)
 
     st = sub.add_parser("store", help="check, copy or re-identify a state store")

@@ -7,9 +7,9 @@ One module per concern: ``format`` (the on-disk format: file names, JSON files, 
 (the disk a store needs, checked before it writes), ``progress`` (watching long updates), ``handle`` (what the
 update primitives get of a store), ``opening`` (``open``: create, check and recover store directories),
 ``identity`` (copy and re-identify stores), and checkpoints: ``snapshot``, ``restore`` (whole stores, or one
-process's shards), ``placement`` (links/copies of page files), ``orbax_handler`` and ``export`` (``checkpoint``
-gathers their public names). The package sits on ``nsp.engine`` (the compiled engine), ``nsp.spec`` and
-``nsp.csd`` (the emulated device's options), and below the rest of nsp.
+process's shards), ``placement`` (links/copies of page files), ``orbax_handler``, ``export`` and ``delta``
+(checkpoint deltas; ``checkpoint`` gathers their public names). The package sits on ``nsp.engine`` (the compiled
+engine), ``nsp.spec`` and ``nsp.csd`` (the emulated device's options), and below the rest of nsp.
 """
 
 from nsp.storage.format import StoreError
