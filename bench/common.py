@@ -415,3 +415,70 @@ def run_capped(cmd: list[str], cap_bytes: int | None, env: dict[str, str], timeo
         return subprocess.run(cmd, preexec_fn=limit, env=env, capture_output=True, text=True, timeout=timeout)
     except subprocess.TimeoutExpired:
         return None
+
+
+#: The cgroup v1 memory controller's mount, where the kernel has one (cgroup v2: ``memory.max`` in the unified tree).
+CGROUP_MEMORY_V1 = Path("/sys/fs/cgroup/memory")
+CGROUP_V2 = Path("/sys/fs/cgroup")
+
+
+def memory_cgroup_reason() -> str | None:
+    """Why ``run_in_memory_cgroup`` cannot run here (None: it can): it makes a cgroup, which needs root and a
+    memory controller."""
+    if (CGROUP_MEMORY_V1 / "memory.limit_in_bytes").exists() or (CGROUP_V2 / "cgroup.subtree_control").exists():
+        if os.access(CGROUP_MEMORY_V1 if CGROUP_MEMORY_V1.exists() else CGROUP_V2, os.W_OK):
+            return None
+        return "the memory cgroup tree is not writable (not root?)"
+    return "no memory cgroup controller on this system"
+
+
+def run_in_memory_cgroup(cmd: list[str], limit_bytes: int, env: dict[str, str], timeout: float):
+    """Runs ``cmd`` in a memory cgroup of its own, limited to ``limit_bytes``; returns ``(CompletedProcess or None
+    on timeout, peak bytes the cgroup was charged, whether the kernel killed it for memory)``.
+
+    Unlike ``RLIMIT_AS`` (``run_capped``), the limit counts what a machine with that much RAM would: the
+    process's resident memory and the page cache its files fill (spilled activations written and not yet
+    evicted), the kernel reclaiming clean cache and writing dirty pages back before it gives up and kills the
+    process. No swap is counted (the limit applies to memory plus swap where the kernel accounts both)."""
+    import subprocess
+
+    name = f"nsp-bench-{os.getpid()}-{time.monotonic_ns()}"
+    v1 = CGROUP_MEMORY_V1.exists() and (CGROUP_MEMORY_V1 / "memory.limit_in_bytes").exists()
+    group = (CGROUP_MEMORY_V1 if v1 else CGROUP_V2) / name
+    group.mkdir()
+    try:
+        if v1:
+            (group / "memory.limit_in_bytes").write_text(str(limit_bytes))
+            swap = group / "memory.memsw.limit_in_bytes"
+            if swap.exists():
+                swap.write_text(str(limit_bytes))
+        else:
+            (group / "memory.max").write_text(str(limit_bytes))
+            (group / "memory.swap.max").write_text("0")
+        procs = str(group / "cgroup.procs")
+
+        def enter():
+            with open(procs, "w") as f:
+                f.write(str(os.getpid()))
+
+        try:
+            proc = subprocess.run(cmd, preexec_fn=enter, env=env, capture_output=True, text=True, timeout=timeout)
+        except subprocess.TimeoutExpired:
+            proc = None
+        if v1:
+            peak = int((group / "memory.max_usage_in_bytes").read_text())
+            oom = "oom_kill 1" in (group / "memory.oom_control").read_text() or (
+                proc is not None and proc.returncode == -9)
+        else:
+            peak_file = group / "memory.peak"
+            peak = int(peak_file.read_text()) if peak_file.exists() else 0
+            events = (group / "memory.events").read_text()
+            oom = any(line.startswith("oom_kill ") and line.split()[1] != "0" for line in events.splitlines())
+        return proc, peak, oom
+    finally:
+        for _ in range(50):  # the killed process may take a moment to leave the group
+            try:
+                group.rmdir()
+                break
+            except OSError:
+                time.sleep(0.1)

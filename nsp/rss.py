@@ -47,3 +47,18 @@ def reset_peak() -> bool:
     except OSError:
         return False
     return _status_kib("VmHWM") is not None
+
+
+def release_free_memory() -> bool:
+    """Hands the C heap's free memory back to the system (glibc's ``malloc_trim``): after a one-time phase that
+    allocated and freed much in small pieces (the offload planner's profiling: about 0.25 GiB stays resident
+    otherwise). False where the C library has no such call."""
+    import ctypes
+    import ctypes.util
+
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        libc.malloc_trim(0)  # returns whether it released any: either is fine
+        return True
+    except (OSError, AttributeError):
+        return False

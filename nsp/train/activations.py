@@ -75,6 +75,7 @@ def spill_setup(config: TrainConfig, graphdef, params, log: Callable[[str], None
         raise
     for line in planner.describe(plan, profile).splitlines():
         log(line)
+    nsp.rss.release_free_memory()  # what the profiling freed
     nsp.rss.reset_peak()  # the run's peak RSS from here is its steps', which the plan predicts
     if not plan.layers:
         area.close()
