@@ -71,7 +71,7 @@ def train_and_evaluate(config: TrainConfig, *, log: Callable[[str], None] = prin
     except BaseException:
         run.store.close()
         raise
-    train_step, eval_step = make_train_step(run.graphdef, run.tx, run.mesh, block_call)
+    train_step, eval_step = make_train_step(run.graphdef, run.tx, run.mesh, block_call, run.freeze)
     manager = ckpt.make_checkpoint_manager(Path(config.run_dir) / "ckpt", max_to_keep=config.keep_checkpoints)
     metrics = MetricsWriter(Path(config.run_dir), jax.process_index())
     schedule = learning_rate_schedule(config)
