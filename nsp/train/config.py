@@ -123,6 +123,17 @@ class TrainConfig:
     # Stop early, checkpointed and resumable, after this many steps (0 = run to --steps; the schedule still
     # spans --steps).
     stop_after: int = 0
+    # Fine-tuning: start from the params of another run's checkpoint (its RUN_DIR for the latest checkpoint, or a
+    # checkpoint directory RUN_DIR/ckpt/STEP) instead of a fresh model: a new store, step 0, new optimizer state.
+    # The model config must match (same leaves and shapes).
+    init_from: str = ""
+    # Freeze the params whose name matches this regex (re.search on names such as h/0/attn/c_attn/kernel or
+    # wte/embedding): they stay out of the store and out of the backward pass, and come back unchanged, bit for bit
+    # (nsp.train.freeze).
+    freeze: str = ""
+    # Freeze the token and position embeddings (wte, which is also the tied output projection, and wpe) and the first
+    # N blocks (h/0 .. h/N-1); with --freeze, the leaves either names.
+    freeze_layers: int = 0
 
     def __post_init__(self):
         checks = [
@@ -153,6 +164,11 @@ class TrainConfig:
              "stage_gradients needs the file or csd tier, dense gradients (no --topk) and staleness 0"),
             (self.bf16 or not (self.bf16_params or self.f32_accum),
              "bf16_params and f32_accum need bf16 compute (--bf16)"),
+            (self.freeze_layers >= 0, "freeze_layers must be >= 0"),
+            (_regex_ok(self.freeze), f"freeze: {self.freeze!r} is not a valid regular expression"),
+            (not self.bf16_params or not (self.freeze or self.freeze_layers or self.init_from),
+             "freeze, freeze_layers and init_from start from whole fp32 params: not with bf16_params (which "
+             "builds the model part by part into the store)"),
         ]
         for ok, message in checks:
             if not ok:
@@ -203,6 +219,16 @@ class TrainConfig:
             else:
                 pending = []
         return help_text
+
+
+def _regex_ok(value: str) -> bool:
+    import re
+
+    try:
+        re.compile(value)
+    except re.error:
+        return False
+    return True
 
 
 def _offload_choice(value: str) -> bool:

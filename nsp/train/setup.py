@@ -3,7 +3,7 @@
 A run starts in one of three ways (``start_mode`` picks which, from the run directory and ``--resume``):
 
 - ``start_fresh``: a new store, written from a fresh model (part by part with ``--bf16-params``:
-  ``init_store_layerwise``);
+  ``init_store_layerwise``), or from another run's checkpointed params (``--init-from``, fine-tuning);
 - ``resume_from_checkpoint``: the store and the train state back at the latest orbax checkpoint (steps after it
   are redone, bit for bit);
 - ``resume_from_store``: a run without checkpoints (``--no-checkpoints``) continues from its store's committed
@@ -11,7 +11,8 @@ A run starts in one of three ways (``start_mode`` picks which, from the run dire
 
 Each takes the same ``Base`` (config, data, mesh, model, directories: ``prepare``) and returns the store, the
 optax chain, params and optax state, and the step; ``build`` replicates those over the mesh and logs the run's
-shape. In a multi-process run each process does the same, on its own store shards, and every step that could
+shape. With ``--freeze``/``--freeze-layers`` (``nsp.train.freeze``) the store and the optax state hold the
+trainable leaves only; the params (and so the checkpoints) are the whole tree. In a multi-process run each process does the same, on its own store shards, and every step that could
 fail on one process alone goes through ``nsp.train.process.together``.
 
 Public pieces other loops build from: ``load_data`` (``TrainData``), ``model_config``, ``init_model``,
@@ -41,6 +42,7 @@ import nsp.storage
 from nsp.models import GPT, get_config
 from nsp.storage import checkpoint as ckpt
 from nsp.train import data as data_lib
+from nsp.train import freeze as freeze_lib
 from nsp.train import process, store_resume
 from nsp.train.config import TrainConfig, TrainError
 from nsp.train.layerwise import LayerwiseInit, SetupProgress, fmt_gib, peak_rss_bytes
@@ -65,6 +67,7 @@ class Run:
     mesh: Any
     step: int
     tokens_per_step: int
+    freeze: freeze_lib.Freeze = freeze_lib.Freeze()  # the leaves kept out of the store and the backward pass
     agree_s: float = 0.0  # time spent agreeing on the committed version (multi-process), in total
 
 
@@ -172,7 +175,7 @@ def build(config: TrainConfig, log: Callable[[str], None]) -> Run:
         params, opt_state = replicate((params, opt_state), base.mesh)
     _log_shape(base, params, log)
     return Run(config, base.graphdef, params, opt_state, store, tx, base.data.train_batches, base.data.eval_batches,
-               base.mesh, step, config.batch * config.seq)
+               base.mesh, step, config.batch * config.seq, base.freeze)
 
 
 def start_mode(config: TrainConfig, log: Callable[[str], None]) -> str:
@@ -239,6 +242,7 @@ class Base:
     params: Any  # fp32 params of a fresh model; None with --bf16-params (built part by part: ``layerwise``)
     layerwise: LayerwiseInit | None
     setup_t0: float
+    freeze: freeze_lib.Freeze  # the leaves --freeze/--freeze-layers keep out of the store and the backward pass
 
     def store_kw(self) -> dict:
         return dict(tier=self.config.tier, num_shards=self.num_shards, page_bytes=self.config.page_bytes,
@@ -247,6 +251,10 @@ class Base:
     def abstract_bf16_params(self) -> Any:
         """With --bf16-params: the params' shapes in bfloat16, for a store's layout and a restore's template."""
         return jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(x.shape, jnp.bfloat16), self.layerwise.abstract)
+
+    def trainable(self, params) -> Any:
+        """The part of ``params`` the store and the optax state hold (all of it unless leaves are frozen)."""
+        return self.freeze.split(params)[0]
 
 
 def prepare(config: TrainConfig) -> Base:
@@ -284,16 +292,22 @@ def prepare(config: TrainConfig) -> Base:
     run_dir.mkdir(parents=True, exist_ok=True)
     if shards is not None:
         store_path.parent.mkdir(parents=True, exist_ok=True)
+    freeze = freeze_lib.resolve(config, params if params is not None else layerwise.abstract)
     return Base(config, run_dir, store_path, data, mesh, len(devices), shards, graphdef, params, layerwise,
-                setup_t0)
+                setup_t0, freeze)
 
 
 # ---- the three starts: each returns (store, tx, params, opt_state, step) ---------------------------------------------
 
 
 def start_fresh(base: Base, log: Callable[[str], None]):
-    """A new store, written from the fresh model (part by part with --bf16-params); the run's config.json."""
+    """A new store, written from the fresh model (part by part with --bf16-params) or from the params of
+    ``--init-from``'s checkpoint; the run's config.json."""
     config = base.config
+    params = base.params
+    if config.init_from:  # before the store exists: a mismatched model leaves nothing behind
+        params = freeze_lib.load_params(config.init_from, params)
+        log(f"fine-tuning from {freeze_lib.checkpoint_step_dir(config.init_from)}")
     store = process.together("opening this process's store shards", lambda: nsp.storage.open(
         None if config.tier == "memory" else base.store_path, **base.store_kw()))
     tx = make_optimizer(config, store, base.mesh)
@@ -302,8 +316,8 @@ def start_fresh(base: Base, log: Callable[[str], None]):
             params, opt_state = process.together("writing the initial state into the store shards", lambda: (
                 init_store_layerwise(config, base.layerwise, store, tx, base.mesh, log)))
         else:
-            params = base.params
-            opt_state = process.together("writing the initial state into the store shards", lambda: tx.init(params))
+            opt_state = process.together("writing the initial state into the store shards",
+                                         lambda: tx.init(base.trainable(params)))
     except BaseException:
         store.close()
         raise
@@ -338,7 +352,7 @@ def resume_from_checkpoint(base: Base, log: Callable[[str], None]):
         params = base.abstract_bf16_params()
         _check_layout(store, params)
     with nsp.optim.resuming():  # checks the layout; writes nothing
-        template = {"params": params, "opt_state": tx.init(params)}
+        template = {"params": params, "opt_state": tx.init(base.trainable(params))}
     if base.mesh is not None and jax.process_count() > 1:  # restored straight onto the mesh, replicated
         replicated = NamedSharding(base.mesh, P())
         template = jax.tree_util.tree_map(
@@ -391,6 +405,8 @@ def _log_shape(base: Base, params, log: Callable[[str], None]) -> None:
     Top-K's Adam betas where they differ from what trained better)."""
     config, tokens = base.config, base.data.tokens
     n_params = sum(x.size for x in jax.tree_util.tree_leaves(params))
+    if base.freeze:
+        log(f"frozen: {freeze_lib.describe(base.freeze, params)}")
     log(f"model {config.model}: {n_params / 1e6:.2f}M params, vocab {tokens.vocab_size}; data: {tokens.source} "
         f"({tokens.num_tokens / 1e6:.2f}M tokens); store: {config.tier} tier"
         f"{'' if config.tier == 'memory' else ' at ' + str(base.store_path)}, {base.num_shards} shard(s)"

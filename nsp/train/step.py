@@ -27,7 +27,7 @@ def loss_fn(graphdef, params, tokens, block_call=None):
     return cross_entropy_loss(logits, tokens[:, 1:])
 
 
-def make_train_step(graphdef, tx: optax.GradientTransformation, mesh=None, block_call=None):
+def make_train_step(graphdef, tx: optax.GradientTransformation, mesh=None, block_call=None, freeze=None):
     """``(train_step, eval_step)``, both jitted.
 
     ``train_step(params, opt_state, tokens) -> (params, opt_state, loss)``: forward/backward of ``loss_fn``, then
@@ -35,23 +35,31 @@ def make_train_step(graphdef, tx: optax.GradientTransformation, mesh=None, block
     -> loss``. With a ``mesh`` (axis ``"data"``), params and optax state are replicated and the batch is split
     over the devices (``put_batch`` places it so). ``block_call`` as for ``loss_fn`` (the train step's only: the
     eval step has no backward pass whose activations to keep).
-    """
-    loss = functools.partial(loss_fn, graphdef, block_call=block_call)
 
-    def train_step(params, opt_state, tokens):
-        value, grads = jax.value_and_grad(loss)(params, tokens)
-        updates, opt_state = tx.update(grads, opt_state, params)
-        return optax.apply_updates(params, updates), opt_state, value
+    ``freeze`` (an ``nsp.train.freeze.Freeze``): the leaves it names are differentiated not at all and pass
+    through the step unchanged; ``tx`` and its state see only the trainable tree (``Freeze.split``).
+    """
+    from nsp.train.freeze import Freeze
+
+    freeze = freeze or Freeze()
+
+    def loss(trainable, frozen, tokens):
+        return loss_fn(graphdef, Freeze.merge(trainable, frozen), tokens, block_call=block_call)
+
+    def update(value_and_grad, params, opt_state, tokens):
+        # Only the trainable tree is differentiated: JAX then builds no gradient of a frozen leaf, nor the backward
+        # pass of what lies below the lowest trainable leaf.
+        trainable, frozen = freeze.split(params)
+        value, grads = value_and_grad(trainable, frozen, tokens)
+        updates, opt_state = tx.update(grads, opt_state, trainable)
+        return Freeze.merge(optax.apply_updates(trainable, updates), frozen), opt_state, value
 
     evaluate = functools.partial(loss_fn, graphdef)
     if mesh is None:
+        train_step = functools.partial(update, jax.value_and_grad(loss))
         return jax.jit(train_step, donate_argnums=(0, 1)), jax.jit(evaluate)
 
-    def data_parallel_step(params, opt_state, tokens):
-        value, grads = _mean_over_devices(jax.value_and_grad(loss), mesh)(params, tokens)
-        updates, opt_state = tx.update(grads, opt_state, params)
-        return optax.apply_updates(params, updates), opt_state, value
-
+    data_parallel_step = functools.partial(update, _mean_over_devices(jax.value_and_grad(loss), mesh))
     # Data parallel: params and the small optax state replicated, the batch split over the devices. Fixing the
     # shardings (rather than letting XLA pick them) keeps the compiled step, and so its float rounding, the same
     # in a fresh and in a resumed run: resume stays bit-exact.
@@ -62,8 +70,8 @@ def make_train_step(graphdef, tx: optax.GradientTransformation, mesh=None, block
 
 
 def _mean_over_devices(value_and_grad, mesh):
-    """``value_and_grad(params, tokens)`` on each device's rows of ``tokens``, averaged over the ``"data"`` axis in
-    an order that does not depend on where the devices are.
+    """``value_and_grad(trainable, frozen, tokens)`` on each device's rows of ``tokens``, averaged over the
+    ``"data"`` axis in an order that does not depend on where the devices are.
 
     An all-reduce adds the devices' gradients in whatever order its implementation picks, and the one between
     processes picks another than the one inside a process: 2 processes x 2 devices would then round differently
@@ -73,8 +81,8 @@ def _mean_over_devices(value_and_grad, mesh):
     """
     n = mesh.shape["data"]
 
-    def local(params, tokens):
-        value, grads = value_and_grad(params, tokens)
+    def local(trainable, frozen, tokens):
+        value, grads = value_and_grad(trainable, frozen, tokens)
         flat, unravel = jax.flatten_util.ravel_pytree(grads)
         size = flat.size
         pieces = jnp.pad(flat, (0, -size % n)).reshape(n, -1)  # piece j: the slice device j sums
@@ -84,7 +92,7 @@ def _mean_over_devices(value_and_grad, mesh):
         values = jax.lax.all_gather(value, "data")
         return functools.reduce(jnp.add, [values[i] for i in range(n)]) / n, unravel(total)
 
-    return jax.shard_map(local, mesh=mesh, in_specs=(P(), P("data")), out_specs=(P(), P()), check_vma=False)
+    return jax.shard_map(local, mesh=mesh, in_specs=(P(), P(), P("data")), out_specs=(P(), P()), check_vma=False)
 
 
 def replicate(tree, mesh):

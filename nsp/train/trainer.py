@@ -19,6 +19,8 @@ run is built from live beside it, by job:
 - ``nsp.train.optimizer``: ``make_optimizer`` (the optax chain on a store), ``learning_rate_schedule``;
 - ``nsp.train.step``: ``make_train_step`` (the jitted train and eval steps), ``loss_fn``, ``put_batch``,
   ``local_rows``;
+- ``nsp.train.freeze``: ``--freeze``/``--freeze-layers`` (the leaves kept out of the store and the backward pass)
+  and ``--init-from`` (another run's params as the starting point);
 - ``nsp.train.metrics``: the metrics rows and log lines, the step watch (``--progress-s``);
 - ``nsp.train.process``: ``lean_malloc``, joining the processes of a multi-process run.
 
@@ -71,7 +73,7 @@ def train_and_evaluate(config: TrainConfig, *, log: Callable[[str], None] = prin
     except BaseException:
         run.store.close()
         raise
-    train_step, eval_step = make_train_step(run.graphdef, run.tx, run.mesh, block_call)
+    train_step, eval_step = make_train_step(run.graphdef, run.tx, run.mesh, block_call, run.freeze)
     manager = ckpt.make_checkpoint_manager(Path(config.run_dir) / "ckpt", max_to_keep=config.keep_checkpoints)
     metrics = MetricsWriter(Path(config.run_dir), jax.process_index())
     schedule = learning_rate_schedule(config)
