@@ -38,8 +38,10 @@ def _train(args: argparse.Namespace) -> int:
     import jax
 
     import nsp.distributed
+    import nsp.storage
     from nsp.distributed import DistributedError
     from nsp.distributed.watchdog import exit_peer_lost
+    from nsp.train.config import RunStopped
     from nsp.train.trainer import TrainError, train_and_evaluate
 
     values = {f.name: getattr(args, f.name) for f in dataclasses.fields(TrainConfig)}
@@ -50,8 +52,14 @@ def _train(args: argparse.Namespace) -> int:
     try:
         config = TrainConfig(**values)
         summary = train_and_evaluate(config)
-    except (TrainError, ValueError, DistributedError) as e:
+    except RunStopped as e:  # stopped partway: what failed, what was kept, how to go on
         print(f"nsp train: error: {e}", file=sys.stderr)
+        return 1
+    except (TrainError, ValueError, DistributedError, nsp.storage.StoreError) as e:
+        print(f"nsp train: error: {e}", file=sys.stderr)
+        return 2
+    except OSError as e:  # a directory of the run that cannot be made or written at set-up (a full disk, say)
+        print(f"nsp train: error: {e.filename + ': ' if e.filename else ''}{e.strerror or e}", file=sys.stderr)
         return 2
     except jax.errors.JaxRuntimeError as e:
         # A collective of a run over several processes fails at once when a peer dies (its connections reset),

@@ -27,6 +27,7 @@ __all__ = ["DistributedError", "client", "finish", "global_devices", "initialize
 HEARTBEAT_TIMEOUT_S = 10  # a peer silent this long is dead (JAX's own default is 100 s)
 INIT_TIMEOUT_S = 120  # every process must have joined within this long
 GUARD_PROBE_MS = 2000  # how long the abort guard waits for the coordination service to accept a connection
+INIT_FAILED_EXIT = 2  # a process that could not join the run (nothing answered at its coordinator)
 
 _WATCHDOG: PeerWatchdog | None = None
 
@@ -74,15 +75,32 @@ def initialize(coordinator: str | None = None, num_processes: int | None = None,
     # A dead peer is reported by our watchdog (a clear message, a chosen exit status) rather than by the
     # coordination service aborting every other process: the service only marks it dead.
     jax.config.update("jax_enable_recoverability", True)
+    cannot_join = (f"process {process_id if process_id is not None else '?'} could not join the run at "
+                   f"{coordinator or '(detected coordinator)'} within {init_timeout_s} s (a process never started, "
+                   "crashed before joining, or the address is wrong)")
+    # JAX's client does not raise when nothing answers at the coordinator's address: past the timeout it aborts
+    # the process (SIGABRT, after a C++ stack trace). So a process that is not the service's host first waits for
+    # the address to accept a connection, and says so itself when nothing does; the abort guard covers the rest
+    # (the service going away during the join: this message, INIT_FAILED_EXIT, after JAX's own lines).
+    deadline = time.monotonic() + init_timeout_s
+    if coordinator is not None and process_id:
+        if not _wait_for_service(coordinator, deadline):
+            raise DistributedError(f"{cannot_join}: nothing answers at {coordinator}")
+    if coordinator is not None:
+        _install_abort_guard(coordinator, f"nsp: error: {cannot_join}: nothing answers at {coordinator}\n",
+                             INIT_FAILED_EXIT)
     try:
+        init_timeout_s = max(1, int(deadline - time.monotonic()))  # the whole join within the one bound
         jax.distributed.initialize(coordinator, num_processes, process_id, initialization_timeout=init_timeout_s,
                                    heartbeat_timeout_seconds=heartbeat_timeout_s)
     except Exception as e:  # noqa: BLE001  (jaxlib raises its own runtime error types)
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise DistributedError(
-            f"process {process_id if process_id is not None else '?'} could not join the run at "
-            f"{coordinator or '(detected coordinator)'} within {init_timeout_s} s (a process never started, "
-            f"crashed before joining, or the address is wrong): {first}") from None
+        raise DistributedError(f"{cannot_join}: {first}") from None
+    finally:
+        if coordinator is not None:
+            from nsp import engine
+
+            engine.remove_abort_guard()
     _WATCHDOG = PeerWatchdog(service_client(), jax.process_index(), jax.process_count(), heartbeat_timeout_s)
     _WATCHDOG.start()
     if jax.process_index() != 0:
@@ -98,19 +116,44 @@ def _guard_against_service_loss() -> None:
     ``PEER_LOST_EXIT``; any other abort stays an abort."""
     from jax._src import distributed as _distributed
 
+    address = _distributed.global_state.coordinator_address or ""
+    why = f"lost the coordination service at {address} (process 0 died, or the network broke)"
+    if not _install_abort_guard(address, peer_lost_message(jax.process_index(), why) + "\n", PEER_LOST_EXIT):
+        print(f"nsp: cannot resolve the coordinator {address!r}; if process 0 dies, JAX's runtime will abort this "
+              "process without nsp's message", file=sys.stderr)
+
+
+def _wait_for_service(address: str, deadline: float) -> bool:
+    """Whether the coordination service at ``address`` (``host:port``) accepts a connection before ``deadline``
+    (``time.monotonic``); its host may start after this process. An address that does not resolve: True (JAX's
+    join then says what is wrong with it)."""
+    host, _, port = address.rpartition(":")
+    while True:
+        try:
+            with socket.create_connection((host.strip("[]"), int(port)), timeout=1.0):
+                return True
+        except (ValueError, socket.gaierror):
+            return True
+        except OSError:  # refused, unreachable, timed out: not (yet) there
+            pass
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(0.25)
+
+
+def _install_abort_guard(address: str, message: str, exit_code: int) -> bool:
+    """Installs the abort guard (``ffi/util/abort_guard.cc``) for the coordination service at ``address``
+    (``host:port``): an abort while that address accepts no connection prints ``message`` and exits with
+    ``exit_code``. Returns False (no guard: an abort stays JAX's own) when the address does not resolve."""
     from nsp import engine
 
-    address = _distributed.global_state.coordinator_address or ""
     host, _, port = address.rpartition(":")
     try:
         numeric = socket.getaddrinfo(host.strip("[]"), int(port), type=socket.SOCK_STREAM)[0][4][0]
-    except (OSError, ValueError) as e:  # no guard: the abort stays JAX's own
-        print(f"nsp: cannot resolve the coordinator {address!r} ({e}); if process 0 dies, JAX's runtime will "
-              "abort this process without nsp's message", file=sys.stderr)
-        return
-    why = f"lost the coordination service at {address} (process 0 died, or the network broke)"
-    engine.install_abort_guard(numeric, int(port), GUARD_PROBE_MS, peer_lost_message(jax.process_index(), why)
-                                 + "\n", PEER_LOST_EXIT)
+    except (OSError, ValueError):
+        return False
+    engine.install_abort_guard(numeric, int(port), GUARD_PROBE_MS, message, exit_code)
+    return True
 
 
 def finish(barrier_timeout_s: int = 600) -> None:

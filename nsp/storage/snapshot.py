@@ -112,8 +112,23 @@ def snapshot_store(store: StateStore, dest: str | os.PathLike, *, mode: str = "a
         raise
     info["seconds"] = time.perf_counter() - t0
     if info.get("fallback_reason"):
-        warnings.warn(f"snapshot {dest}: {info['fallback_reason']}", stacklevel=2)
+        _warn_copied(store, dest, info["fallback_reason"])
     return info
+
+
+# (store id, destination's file system) pairs already warned about: a run checkpointing to another file system
+# than its store's would say the same at every checkpoint (each under another directory, so Python's own once-only
+# rule for warnings does not catch it).
+_COPY_WARNED: set[tuple[str, int]] = set()
+
+
+def _warn_copied(store: StateStore, dest: Path, reason: str) -> None:
+    key = (str(store.store_id), os.stat(dest).st_dev)
+    if key in _COPY_WARNED:
+        return
+    _COPY_WARNED.add(key)
+    warnings.warn(f"snapshot {dest}: {reason} (said once: later snapshots of this store onto that file system "
+                  "copy too)", stacklevel=3)
 
 
 def _snapshot_files(store: StateStore, dest: Path, mode: str) -> tuple[list[dict], dict]:

@@ -18,6 +18,12 @@ class TrainError(RuntimeError):
     """The run cannot start or continue as configured (the message says why; nothing was overwritten)."""
 
 
+class RunStopped(TrainError):
+    """The run stopped partway on a failure of its storage (a full disk, an I/O error) or of a step. The message
+    says what failed, what was kept (the store's committed version, the last checkpoint) and how to go on; the
+    failed step committed nothing."""
+
+
 @dataclasses.dataclass
 class TrainConfig:
     # Model config name from nsp.models.CONFIGS (tiny, small, gpt2-124m, ...); vocab comes from the data.

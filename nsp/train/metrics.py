@@ -97,9 +97,37 @@ class MetricsWriter:
                     self.tb.add_scalar(key, value, row["step"])
 
     def close(self) -> None:
-        self.jsonl.close()
-        if self.tb is not None:
-            self.tb.close()
+        """Closes both logs, the second also when the first fails; raises the first error (a full disk, say)."""
+        try:
+            self.jsonl.close()
+        finally:
+            tb, self.tb = self.tb, None
+            if tb is not None:
+                try:
+                    tb.close()
+                except OSError:
+                    # tensorboardX closes its event files again at exit when this close fails, and fails again
+                    # there (the same unwritten events): a traceback after the run's own message. Its writers are
+                    # given up here instead.
+                    _give_up(tb)
+                    raise
+
+
+def _give_up(tb) -> None:
+    """Gives up a tensorboardX writer whose close failed (a full disk): stops its writer threads and marks its event
+    files closed. Else tensorboardX closes them again at exit and fails again there (the same unwritten events),
+    and a thread still reading its closed queue raises too: tracebacks after the run's own message."""
+    for writer in (getattr(tb, "all_writers", None) or {}).values():
+        events = getattr(writer, "event_writer", None)
+        if events is None or not hasattr(events, "_closed"):
+            continue
+        worker = getattr(events, "_worker", None)
+        if worker is not None:
+            try:
+                worker.stop()
+            except Exception:  # noqa: BLE001  (a worker that died on the full disk already)
+                pass
+        events._closed = True
 
 
 class StepWatch:

@@ -1,7 +1,7 @@
 """The training process itself: its malloc (``lean_malloc``), joining the other processes of a multi-process run
 (``join``), and the small helpers that keep those processes in step: ``together`` (a set-up action that either
 succeeds on every process or fails on every one), ``any_process`` (a flag set on any of them) and
-``store_path`` (this process's part of the store).
+``store_path`` (this process's part of the store); ``forget_failed_steps``, for a run that stops on a failed step.
 
 Nothing here knows the model or the step; ``nsp.train.setup`` and the loop (``nsp.train.trainer``) use these.
 """
@@ -76,3 +76,27 @@ def any_process(flag: bool) -> bool:
     from jax.experimental import multihost_utils
 
     return bool(np.asarray(multihost_utils.process_allgather(np.int32(flag))).any())
+
+
+def forget_failed_steps() -> None:
+    """Waits for the steps already dispatched, then drops JAX's record of them, a failed one's error included.
+
+    JAX keeps the last side-effecting computation of each device (the store update and the spill area's calls are
+    such computations) and waits on it again at every ``jax.effects_barrier`` and at interpreter exit, raising a
+    failed step's error each time: once the run has reported that error, the exit would print it twice more as
+    "Exception ignored in atexit callback" tracebacks. JAX has no public call for this; where its internals
+    differ, nothing is dropped (the exit is then only noisier).
+    """
+    try:
+        from jax._src import dispatch
+
+        tokens = dispatch.runtime_tokens
+        pending = [*tokens.current_tokens.values(), *tokens.output_runtime_tokens.values()]
+    except (ImportError, AttributeError):
+        return
+    for token in pending:  # each one: a failed token does not stop the wait for the others
+        try:
+            token.block_until_ready()
+        except Exception:  # noqa: BLE001  (the error was reported where the step's output was read)
+            pass
+    tokens.clear()

@@ -22,7 +22,9 @@ run is built from live beside it, by job:
 - ``nsp.train.freeze``: ``--freeze``/``--freeze-layers`` (the leaves kept out of the store and the backward pass)
   and ``--init-from`` (another run's params as the starting point);
 - ``nsp.train.metrics``: the metrics rows and log lines, the step watch (``--progress-s``);
-- ``nsp.train.process``: ``lean_malloc``, joining the processes of a multi-process run.
+- ``nsp.train.process``: ``lean_malloc``, joining the processes of a multi-process run;
+- ``nsp.train.failure``: what a run says when it stops partway (a full disk, an I/O error, a failed step): the
+  error's line, what was kept, how to go on (``RunStopped``).
 
 They are public, so that other loops (the benchmarks, a user's own) step exactly as ``nsp train`` does; this
 module re-exports them (``from nsp.train.trainer import make_train_step, ...``), and ``TrainError``
@@ -42,7 +44,7 @@ import numpy as np
 
 import nsp.distributed
 from nsp.storage import checkpoint as ckpt
-from nsp.train import activations, process, store_resume
+from nsp.train import activations, failure, process, store_resume
 from nsp.train.config import TrainConfig, TrainError
 from nsp.train.layerwise import fmt_gib, peak_rss_bytes
 from nsp.train.metrics import MetricsWriter, StepMeter, StepWatch, step_line
@@ -78,6 +80,7 @@ def train_and_evaluate(config: TrainConfig, *, log: Callable[[str], None] = prin
     metrics = MetricsWriter(Path(config.run_dir), jax.process_index())
     schedule = learning_rate_schedule(config)
     interrupted, finished = [], []
+    doing = ["setting up"]  # what the run is at, for the message of a failure
     previous_handler = signal.getsignal(signal.SIGINT)
     # Without checkpoints, a run that can continue from its store records each step's store version for it.
     record_steps = not config.checkpoints and store_resume.why_not(config) is None
@@ -93,25 +96,29 @@ def train_and_evaluate(config: TrainConfig, *, log: Callable[[str], None] = prin
 
     def save():
         if config.checkpoints:
-            _save_checkpoint(run, manager)
+            doing[0] = f"the checkpoint of step {run.step}"
+            with failure.checkpoint_save():
+                _save_checkpoint(run, manager)
 
-    signal.signal(signal.SIGINT, on_sigint)
-    if not config.checkpoints:
-        log("checkpoints off (--no-checkpoints): " + (
-            f"--resume continues from the store's committed version ({store_resume.RECORD} records each step's)"
-            if record_steps else f"nothing is saved and the run cannot be resumed ({store_resume.why_not(config)})"))
-    if run.step == 0:
-        save()  # a run killed before its first checkpoint can still be resumed
-        if record_steps:  # nor need one killed in its first step be set up again
-            store_resume.write_record(Path(config.run_dir), run.store.version, 0)
-    if config.bf16_params and run.step < config.steps:
-        train_step = _compile_ahead(run, train_step, log)
-    run_t0 = time.perf_counter()
-    losses: list[float] = []
-    watch = StepWatch(run.store, config.progress_s, log) if config.progress_s else None
-    meter = StepMeter(run.store, run.step, run.tokens_per_step, config.staleness)
+    watch = None
     summary: dict = {}
-    try:
+    signal.signal(signal.SIGINT, on_sigint)
+    try:  # a failure from here on (the first checkpoint included) ends in one message: the except below
+        if not config.checkpoints:
+            log("checkpoints off (--no-checkpoints): " + (
+                f"--resume continues from the store's committed version ({store_resume.RECORD} records each step's)"
+                if record_steps else
+                f"nothing is saved and the run cannot be resumed ({store_resume.why_not(config)})"))
+        if run.step == 0:
+            save()  # a run killed before its first checkpoint can still be resumed
+            if record_steps:  # nor need one killed in its first step be set up again
+                store_resume.write_record(Path(config.run_dir), run.store.version, 0)
+        if config.bf16_params and run.step < config.steps:
+            train_step = _compile_ahead(run, train_step, log)
+        run_t0 = time.perf_counter()
+        losses: list[float] = []
+        watch = StepWatch(run.store, config.progress_s, log) if config.progress_s else None
+        meter = StepMeter(run.store, run.step, run.tokens_per_step, config.staleness)
         if run.step >= config.steps:
             log(f"the run already has {run.step} of {config.steps} steps")
         end = min(config.steps, config.stop_after or config.steps)
@@ -122,6 +129,7 @@ def train_and_evaluate(config: TrainConfig, *, log: Callable[[str], None] = prin
                 interrupted.append(True)  # every process stops at the same step (Ctrl-C reaches each)
                 break
             tokens = put_batch(run.train_batches.batch(run.step, rows), run.mesh, global_rows=config.batch)
+            doing[0] = f"step {run.step + 1}"
             if watch is not None:
                 watch.begin(run.step + 1)
             run.params, run.opt_state, loss = train_step(run.params, run.opt_state, tokens)
@@ -161,17 +169,39 @@ def train_and_evaluate(config: TrainConfig, *, log: Callable[[str], None] = prin
         summary["params"] = run.params
         finished.append(True)
         return summary
+    except Exception as e:
+        # A full disk or an I/O error under the store, the checkpoints or the spill directory, or a step that
+        # raised: one message (what failed, what was kept, how to go on) instead of the tracebacks. A failed step
+        # of a multi-process run leaves as before: the command tells a lost peer from it.
+        cause = failure.storage_error(e)
+        if cause is None or (isinstance(cause, jax.errors.JaxRuntimeError) and jax.process_count() > 1):
+            raise
+        process.forget_failed_steps()
+        raise failure.stopped(cause, config=config, doing=doing[0], store=run.store,
+                              manager=manager if config.checkpoints else None, spill=spill) from None
     finally:
+        # After a failure every part is still closed, and what closing raises (the same full disk, say) is
+        # dropped: the failure itself is what the run reports.
+        closing = [lambda: signal.signal(signal.SIGINT, previous_handler), manager.wait_until_finished,
+                   manager.close, metrics.close, run.store.close, lambda: activations.close(spill)]
         if watch is not None:
-            watch.close()
-        signal.signal(signal.SIGINT, previous_handler)
-        manager.wait_until_finished()
-        manager.close()
-        metrics.close()
-        run.store.close()
-        activations.close(spill)
+            closing.insert(0, watch.close)
+        _close_all(closing, quiet=not finished)
         if finished:  # a process that failed leaves without waiting: its peers' watchdogs end them
             nsp.distributed.finish()
+
+
+def _close_all(closing: list[Callable[[], object]], *, quiet: bool) -> None:
+    """Calls each of ``closing`` in turn, whatever the earlier ones raised; then raises the first error, unless
+    ``quiet`` (the run is already failing: that failure is the one to report)."""
+    first = None
+    for close in closing:
+        try:
+            close()
+        except Exception as e:  # noqa: BLE001  (raised below, once the rest is closed)
+            first = first or e
+    if first is not None and not quiet:
+        raise first
 
 
 def _compile_ahead(run: Run, train_step, log: Callable[[str], None]):
@@ -200,6 +230,9 @@ def _save_checkpoint(run: Run, manager) -> None:
         raise TrainError(str(e)) from None
     run.agree_s += time.perf_counter() - t0
     n = run.mesh.devices.size if run.mesh is not None else 1
-    ckpt.save_checkpoint(manager, run.step, run.store, {"params": run.params, "opt_state": run.opt_state},
+    train_state = {"params": run.params, "opt_state": run.opt_state}
+    process.together("checking the room for the checkpoint", lambda: failure.check_checkpoint_room(
+        Path(str(manager.directory)), train_state, run.store))
+    ckpt.save_checkpoint(manager, run.step, run.store, train_state,
                          {"step": run.step, "config": dataclasses.asdict(run.config),
                           "process_count": jax.process_count(), "num_shards": n})
