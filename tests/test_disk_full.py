@@ -97,3 +97,34 @@ def test_checkpoints_on_another_file_system_warn_once(small_fs, tmp_path):
     assert len(list((small_fs / "run" / "ckpt").glob("[0-9]*"))) >= 2, out  # steps 0, 1, 2 (three kept)
     assert out.count("pages were copied") == 1, out
     assert "EXDEV" in out, out
+
+
+def test_a_spill_directory_turned_read_only_mid_run_stops_it_with_the_store_whole(small_fs, tmp_path):
+    # The run's store and checkpoints on the ordinary disk; its offloaded activations on the small file system,
+    # which becomes read-only while the run trains.
+    run_dir = tmp_path / "run"
+    args = TRAIN + ["--run-dir", str(run_dir), "--steps", "200", "--offload-activations", "all",
+                    "--spill-dir", str(small_fs), "--ckpt-every", "2"]
+    proc = subprocess.Popen(NSP + args, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    lines = []
+    try:
+        for line in proc.stdout:
+            lines.append(line)
+            if re.match(r"step\s+3/", line):
+                remount = subprocess.run(["mount", "-o", "remount,ro", str(small_fs)], capture_output=True, text=True)
+                assert remount.returncode == 0, remount.stderr
+                break
+        out = "".join(lines) + proc.communicate(timeout=120)[0]
+    finally:
+        proc.kill()
+        subprocess.run(["mount", "-o", "remount,rw", str(small_fs)], capture_output=True)
+    assert proc.returncode == 1, out
+    message = out[out.index("nsp train: error:"):]
+    assert "spilled activations" in message and "Read-only file system" in message, message
+    for noise in ("Traceback", "Exception ignored"):
+        assert noise not in out, out
+    kept = re.search(r"kept: the store at version (\d+), committed and whole", message)
+    assert kept, message
+    verify = _nsp("store", "verify", str(run_dir / "store"))
+    assert verify.returncode == 0, verify.stdout + verify.stderr
+    assert f"version {kept.group(1)}" in verify.stdout + verify.stderr
