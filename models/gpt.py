@@ -380,15 +380,34 @@ class GPT(nnx.Module):
         if rngs is not None and not isinstance(rngs, nnx.Rngs):
             rngs = nnx.Rngs(dropout=rngs)
 
-        x = self.wte(tokens) + self.wpe(jnp.arange(T))[None]  # [B, T, C] in param dtype
-        x = self.drop(x, deterministic=deterministic, rngs=rngs)
-        for block in self.h:
+        x = self.drop(self.embed(tokens), deterministic=deterministic, rngs=rngs)
+        x = self.blocks(x, 0, cfg.n_layer, deterministic=deterministic, rngs=rngs, block_call=block_call)
+        return self.head(x)
+
+    # The three stages of ``__call__``, for running a model in two parts: a frozen backbone's features computed
+    # where the data is (``embed`` then ``blocks(x, 0, n)``), the rest trained from them (``blocks(x, n, n_layer)``
+    # then ``head``): ``nsp.train.features``.
+
+    def embed(self, tokens: jax.Array) -> jax.Array:
+        """Token plus position embeddings of int tokens ``[B, T]``: ``[B, T, C]`` in the param dtype."""
+        return self.wte(tokens) + self.wpe(jnp.arange(tokens.shape[1]))[None]
+
+    def blocks(self, x: jax.Array, start: int, stop: int, *, deterministic: bool = True,
+               rngs: nnx.Rngs | None = None,
+               block_call: Callable[[nnx.Module, jax.Array], jax.Array] | None = None) -> jax.Array:
+        """Blocks ``start .. stop - 1`` applied to the residual stream ``x`` ``[B, T, C]`` (as ``__call__``)."""
+        for block in self.h[start:stop]:
             if block_call is None:
                 x = block(x, deterministic=deterministic, rngs=rngs)
             else:
                 x = block_call(block, x)
+        return x
+
+    def head(self, x: jax.Array) -> jax.Array:
+        """Float32 logits ``[B, T, vocab_size]`` of the residual stream after the last block: the final
+        LayerNorm and the tied output projection."""
         x = self.ln_f(x)  # compute dtype
-        wte = self.wte.embedding[...].astype(cfg.dtype)
+        wte = self.wte.embedding[...].astype(self.config.dtype)
         return jnp.einsum("btc,vc->btv", x, wte, preferred_element_type=jnp.float32)  # tied output projection
 
 

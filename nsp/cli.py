@@ -1,4 +1,4 @@
-"""The ``nsp`` command: ``nsp train``, ``nsp launch``, ``nsp sample``, ``nsp ckpt list|show|export|delta|apply``,
+"""The ``nsp`` command: ``nsp train``, ``nsp features``, ``nsp launch``, ``nsp sample``, ``nsp ckpt list|show|export|delta|apply``,
 ``nsp store verify|copy|reidentify``, ``nsp plan``.
 
 ``nsp train`` with no arguments trains the ``small`` GPT on the Python standard library's source files with
@@ -69,6 +69,21 @@ def _train(args: argparse.Namespace) -> int:
         exit_peer_lost(jax.process_index(), "a peer stopped answering in a collective (died, or the network "
                        f"broke): {str(e).splitlines()[0]}")
     return 130 if summary.get("interrupted") else 0
+
+
+def _features(args: argparse.Namespace) -> int:
+    """``nsp features``: a frozen backbone's features for ``nsp train --features`` (``nsp.train.features``)."""
+    import nsp.storage
+    from nsp.train.features import extract
+    from nsp.train.trainer import TrainError
+
+    values = {f.name: getattr(args, f.name) for f in dataclasses.fields(TrainConfig)}
+    try:
+        extract(TrainConfig(**values).resolved(), args.features_out, dtype=args.features_dtype)
+    except (TrainError, ValueError, nsp.storage.StoreError) as e:
+        print(f"nsp features: error: {e}", file=sys.stderr)
+        return 2
+    return 0
 
 
 def _launch(args: argparse.Namespace) -> int:
@@ -319,6 +334,17 @@ def main(argv: list[str] | None = None) -> int:
     train = sub.add_parser("train", help="train a GPT with its optimizer state in a storage tier")
     _add_train_args(train)
     train.set_defaults(func=_train)
+
+    fe = sub.add_parser("features", help="write a frozen backbone's features for a Tuner (nsp train --features)",
+                        description="Runs the embeddings and the first --freeze-layers blocks of the --init-from "
+                        "model over the batches of steps 0 .. --steps - 1 (as nsp train would draw them: --data, "
+                        "--batch, --seq, --seed) and writes their output and tokens to --features-out, one part per "
+                        "process (nsp launch -n P -- nsp features ...: process p takes steps p, p + P, ...).")
+    _add_train_args(fe)
+    fe.add_argument("--features-out", required=True, help="the directory the features go to (new)")
+    fe.add_argument("--features-dtype", choices=["bfloat16", "float32"], default="bfloat16",
+                    help="bfloat16: half the bytes, lossy; float32: as an fp32 model computes them")
+    fe.set_defaults(func=_features)
 
     la = sub.add_parser("launch", help="run a command as N local processes of one multi-process run",
                         description="Starts N processes of COMMAND with the JAX coordinator set (loopback, a free "

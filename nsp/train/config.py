@@ -95,6 +95,10 @@ class TrainConfig:
     # where it shrinks them with --activation relu); a budget ("6GiB") or "auto" (what the machine has free):
     # FlashNeuron's planner profiles the blocks and offloads as few as keep the step's peak within it.
     offload_activations: str = "none"
+    # Train from the features of a frozen backbone that nsp features wrote (DIR): each step reads its batch's
+    # features and runs only the blocks after --freeze-layers and the head (nsp.train.features). Needs
+    # --init-from and --freeze-layers as the features were made.
+    features: str = ""
     # Where offloaded activations go (scratch, removed at the end); empty = RUN_DIR/spill.
     spill_dir: str = ""
     # What --offload-activations sends them to: "disk" (--spill-dir) or "host" (the accelerator's pinned host
@@ -163,6 +167,10 @@ class TrainConfig:
             (_offload_choice(self.offload_activations),
              f"unknown offload_activations {self.offload_activations!r} (none, all, auto, or a memory budget "
              "such as 6GiB)"),
+            (not self.features or (self.init_from and self.freeze_layers > 0 and not self.freeze),
+             "features needs --init-from and --freeze-layers as nsp features used (and no --freeze REGEX)"),
+            (not self.features or (self.offload_activations == "none" and not self.stage_gradients),
+             "features: the step runs only the top blocks (no --offload-activations, no --stage-gradients)"),
             (self.offload_to in ("disk", "host"), f"unknown offload_to {self.offload_to!r} (disk, host)"),
             (self.offload_to == "disk" or self.offload_activations in ("none", "all"),
              "offload_to host takes --offload-activations all (the planner plans a spill directory's disk)"),

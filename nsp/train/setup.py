@@ -62,7 +62,7 @@ class Run:
     opt_state: Any
     store: nsp.storage.StateStore
     tx: optax.GradientTransformation
-    train_batches: data_lib.Batcher
+    train_batches: data_lib.Batcher  # or, with --features, nsp.train.features.FeatureBatches
     eval_batches: list[np.ndarray]
     mesh: Any
     step: int

@@ -27,7 +27,8 @@ def loss_fn(graphdef, params, tokens, block_call=None):
     return cross_entropy_loss(logits, tokens[:, 1:])
 
 
-def make_train_step(graphdef, tx: optax.GradientTransformation, mesh=None, block_call=None, freeze=None):
+def make_train_step(graphdef, tx: optax.GradientTransformation, mesh=None, block_call=None, freeze=None,
+                    features_from: int = 0):
     """``(train_step, eval_step)``, both jitted.
 
     ``train_step(params, opt_state, tokens) -> (params, opt_state, loss)``: forward/backward of ``loss_fn``, then
@@ -38,12 +39,19 @@ def make_train_step(graphdef, tx: optax.GradientTransformation, mesh=None, block
 
     ``freeze`` (an ``nsp.train.freeze.Freeze``): the leaves it names are differentiated not at all and pass
     through the step unchanged; ``tx`` and its state see only the trainable tree (``Freeze.split``).
+
+    ``features_from`` (> 0): the train step's batch is a frozen backbone's features (``nsp.train.features``:
+    ``{"x", "tokens"}``) and only blocks ``features_from ..`` and the head run; the eval step still takes tokens.
     """
     from nsp.train.freeze import Freeze
 
     freeze = freeze or Freeze()
 
     def loss(trainable, frozen, tokens):
+        if features_from:
+            from nsp.train.features import loss_from_features
+
+            return loss_from_features(graphdef, Freeze.merge(trainable, frozen), tokens, features_from)
         return loss_fn(graphdef, Freeze.merge(trainable, frozen), tokens, block_call=block_call)
 
     def update(value_and_grad, params, opt_state, tokens):
@@ -119,6 +127,8 @@ def put_batch(batch: np.ndarray, mesh=None, *, global_rows: int | None = None) -
     """A host batch on the device(s) as ``make_train_step``'s steps take it: split over ``mesh``'s ``"data"`` axis
     when there is a mesh. One process of several passes either the whole global batch (its rows are taken) or
     only its rows (``local_rows``) with ``global_rows``, the global batch's row count."""
+    if isinstance(batch, dict):  # a features batch (nsp.train.features): each of its arrays alike
+        return {k: put_batch(v, mesh, global_rows=global_rows) for k, v in batch.items()}
     if mesh is None:
         return jnp.asarray(batch)
     sharding = NamedSharding(mesh, P("data"))

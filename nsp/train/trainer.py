@@ -44,7 +44,7 @@ import numpy as np
 
 import nsp.distributed
 from nsp.storage import checkpoint as ckpt
-from nsp.train import activations, failure, process, store_resume
+from nsp.train import activations, failure, features, process, store_resume
 from nsp.train.config import TrainConfig, TrainError
 from nsp.train.layerwise import fmt_gib, peak_rss_bytes
 from nsp.train.metrics import MetricsWriter, StepMeter, StepWatch, step_line
@@ -68,14 +68,30 @@ def train_and_evaluate(config: TrainConfig, *, log: Callable[[str], None] = prin
     process.join(config)
     config = beside_earlier_default_runs(config.resolved(), log)
     run = build(config, log)
+    if config.features:  # the Tuner: batches of a frozen backbone's features (nsp.train.features)
+        try:
+            meta, run.train_batches = features.open_for(config)
+            features.check_backbone(config, meta, run.params, run.freeze)
+        except BaseException:
+            run.store.close()
+            raise
+        log(f"features: training blocks {meta.blocks}.. from {config.features} ({meta.dtype}, {meta.processes} "
+            f"extractor process{'es' if meta.processes > 1 else ''}, backbone from {meta.source})")
+        per_device = config.batch // (run.mesh.size if run.mesh is not None else 1)
+        if per_device != meta.rows_per_device:
+            log(f"features: computed {meta.rows_per_device} rows per device, this run's devices take {per_device}: "
+                "the features equal the run's own up to rounding (the same split makes them equal bit for bit)")
     try:
         block_call, spill = activations.spill_setup(config, run.graphdef, run.params, log,
-                                                    batch=run.train_batches.batch(run.step), mesh=run.mesh,
+                                                    batch=(run.train_batches.batch(run.step)
+                                                           if config.offload_activations != "none" else None),
+                                                    mesh=run.mesh,
                                                     store=run.store)
     except BaseException:
         run.store.close()
         raise
-    train_step, eval_step = make_train_step(run.graphdef, run.tx, run.mesh, block_call, run.freeze)
+    train_step, eval_step = make_train_step(run.graphdef, run.tx, run.mesh, block_call, run.freeze,
+                                            features_from=config.freeze_layers if config.features else 0)
     manager = ckpt.make_checkpoint_manager(Path(config.run_dir) / "ckpt", max_to_keep=config.keep_checkpoints)
     metrics = MetricsWriter(Path(config.run_dir), jax.process_index())
     schedule = learning_rate_schedule(config)

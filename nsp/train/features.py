@@ -1,0 +1,302 @@
+"""Near-data fine-tuning (NDPipe's FT-DMP): a frozen backbone's features computed where the data is, and the
+trainable top trained from them.
+
+``nsp features`` runs the frozen part of a pretrained GPT (the embeddings and the first ``--freeze-layers N``
+blocks, from ``--init-from``) forward over the batches a run would train on, and writes what comes out of block
+``N - 1`` (the residual stream, ``[rows, seq, width]``) with the batches' tokens as tensorstore arrays: one pair
+per extractor process (``process-PPPPP/features``, ``process-PPPPP/tokens``), each written only by its process,
+next to the data that process serves. ``nsp launch -n P -- nsp features ...`` runs P extractors, process ``p``
+taking steps ``p, p + P, ...``. The dtype is bf16 by default (half the bytes, lossy), recorded in
+``features.json``; ``--features-dtype float32`` keeps them as the model computes them (lossless for an fp32 model).
+
+``nsp train --features DIR`` (the Tuner) trains from them: each step reads its batch's features and tokens,
+runs blocks ``N ..`` and the head, and differentiates with respect to the trainable params only, as a run with
+``--freeze-layers N`` does; the frozen leaves come from ``--init-from`` as usual and must be the ones the
+features were computed with (``features.json`` holds their SHA-256). Trained from fp32 features, the params are
+those of ``nsp train --init-from ... --freeze-layers N`` on the same batches, bit for bit.
+
+Per token, features are larger than the tokens they come from (``width`` values against one byte): the bytes
+moved grow, what shrinks is the compute the Tuner does (``FeatureMeta.bytes_*`` records both sizes).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from nsp.train.config import TrainConfig, TrainError
+
+FORMAT = "nsp-features"
+FORMAT_VERSION = 1
+META = "features.json"
+DTYPES = ("bfloat16", "float32")
+
+
+@dataclasses.dataclass(frozen=True)
+class FeatureMeta:
+    """What ``features.json`` records: how the features were made, so a Tuner can check it trains on the same.
+
+    Attributes:
+      blocks: the frozen blocks (the features are block ``blocks - 1``'s output); the embeddings are frozen too.
+      dtype: the features' dtype (``bfloat16`` or ``float32``).
+      model, width, seq, batch, seed, data: the run they serve (its batches are a function of seed and step).
+      steps: steps extracted (rows ``steps * batch``).
+      rows_per_device: rows of a batch each device computed (the batch split over the extractor's devices): a
+        Tuner whose devices take as many rows each trains on its own features bit for bit.
+      processes: extractor processes; process ``p`` holds steps ``p, p + processes, ...``.
+      source: the checkpoint step directory the backbone came from.
+      backbone_sha256: SHA-256 over the frozen leaves' names, shapes, dtypes and bytes.
+      bytes_features, bytes_tokens: the features' bytes and the tokens' (int32 in the arrays; one byte each as
+        text).
+    """
+
+    blocks: int
+    dtype: str
+    model: str
+    width: int
+    seq: int
+    batch: int
+    seed: int
+    data: str
+    steps: int
+    processes: int
+    rows_per_device: int
+    source: str
+    backbone_sha256: str
+    bytes_features: int
+    bytes_tokens: int
+    format: str = FORMAT
+    version: int = FORMAT_VERSION
+
+    def to_json(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def read(cls, directory: str | os.PathLike) -> FeatureMeta:
+        path = Path(directory) / META
+        try:
+            data = json.loads(path.read_text())
+        except FileNotFoundError:
+            raise TrainError(f"--features {directory}: no {META} (not written by nsp features, or not finished)") from None
+        except (OSError, ValueError) as e:
+            raise TrainError(f"--features {directory}: cannot read {META}: {e}") from None
+        if data.get("format") != FORMAT or data.get("version") != FORMAT_VERSION:
+            raise TrainError(f"--features {directory}: {META} is not nsp features format {FORMAT_VERSION}")
+        return cls(**data)
+
+
+def backbone_sha256(params, freeze) -> str:
+    """SHA-256 over the frozen leaves of ``params`` (names in order, shapes, dtypes, bytes)."""
+    from nsp.train.freeze import leaf_name
+
+    digest = hashlib.sha256()
+    for path, x in jax.tree_util.tree_flatten_with_path(params)[0]:
+        name = leaf_name(path)
+        if name in freeze.names:
+            a = np.asarray(x)
+            digest.update(f"{name}|{a.shape}|{a.dtype}|".encode())
+            digest.update(np.ascontiguousarray(a).tobytes())
+    return digest.hexdigest()
+
+
+def process_share() -> tuple[int, int]:
+    """``(process index, process count)`` of an extractor: what ``nsp launch`` sets (``JAX_PROCESS_ID``,
+    ``JAX_NUM_PROCESSES``), else one process."""
+    count = int(os.environ.get("JAX_NUM_PROCESSES", "1") or 1)
+    index = int(os.environ.get("JAX_PROCESS_ID", "0") or 0)
+    if not 0 <= index < count:
+        raise TrainError(f"process {index} of {count}: JAX_PROCESS_ID must be in 0 .. JAX_NUM_PROCESSES - 1")
+    return index, count
+
+
+def _array_spec(path: Path, shape: tuple[int, ...], dtype: str, chunk: tuple[int, ...]) -> dict:
+    return {"driver": "zarr3", "kvstore": {"driver": "file", "path": str(path)},
+            "metadata": {"shape": list(shape), "data_type": dtype,
+                         "chunk_grid": {"name": "regular", "configuration": {"chunk_shape": list(chunk)}}}}
+
+
+def _process_dir(directory: Path, index: int) -> Path:
+    return directory / f"process-{index:05d}"
+
+
+def extract(config: TrainConfig, out: str | os.PathLike, *, dtype: str = "bfloat16",
+            log: Callable[[str], None] = print) -> FeatureMeta:
+    """Runs the frozen backbone of ``config`` (``--init-from``, ``--freeze-layers``) over this process's share of
+    the batches of steps ``0 .. config.steps - 1`` and writes its features and tokens under ``out`` (module
+    docstring). Process 0 writes ``features.json`` once every process's part is there.
+
+    Raises:
+      TrainError: no ``--init-from`` or ``--freeze-layers``, another ``--freeze`` (the features are those of the
+        first blocks), an unknown dtype, ``out`` holding another extraction.
+    """
+    import tensorstore as ts
+
+    from nsp.train import freeze as freeze_lib
+    from nsp.train.setup import init_model, load_data, model_config
+
+    if not config.init_from or config.freeze_layers < 1:
+        raise TrainError("nsp features needs --init-from (the pretrained model) and --freeze-layers N (the "
+                         "backbone whose features it writes)")
+    if config.freeze:
+        raise TrainError("nsp features: the features are those of the first --freeze-layers blocks; --freeze "
+                         "REGEX does not apply")
+    if dtype not in DTYPES:
+        raise TrainError(f"--features-dtype {dtype!r}: one of {', '.join(DTYPES)}")
+    index, count = process_share()
+    directory = Path(out)
+    mine_dir = _process_dir(directory, index)
+    if (directory / META).exists() or mine_dir.exists():
+        raise TrainError(f"{directory} already holds features: remove it or give another --features-out")
+    data = load_data(config)
+    vocab = int(data.tokens.vocab_size)
+    width = model_config(config, vocab).n_embd
+    graphdef, fresh = init_model(config, vocab)
+    params = freeze_lib.load_params(config.init_from, fresh)
+    frozen = freeze_lib.resolve(config, params)
+    source = str(freeze_lib.checkpoint_step_dir(config.init_from))
+    n = config.freeze_layers
+
+    # Each device computes its rows of a batch, as the Tuner's devices will: a matmul's rounding can depend on
+    # how many rows it multiplies, so the same split is what makes the features the run's own, bit for bit.
+    devices = jax.devices()
+    split = len(devices) if len(devices) > 1 and config.batch % len(devices) == 0 else 1
+    rows_in = None
+    if split > 1:
+        mesh = jax.make_mesh((split,), ("data",), axis_types=(jax.sharding.AxisType.Auto,), devices=devices)
+        rows_in = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("data"))
+        params = jax.device_put(params, jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()))
+
+    @jax.jit
+    def backbone(params, tokens):
+        model = nnx.merge(graphdef, params)
+        return model.blocks(model.embed(tokens[:, :-1]), 0, n).astype(dtype)
+
+    steps = list(range(index, config.steps, count))
+    rows = len(steps) * config.batch
+    mine_dir.mkdir(parents=True)
+    features = ts.open(_array_spec(mine_dir / "features", (rows, config.seq, width), dtype,
+                                   (config.batch, config.seq, width)), create=True).result()
+    tokens = ts.open(_array_spec(mine_dir / "tokens", (rows, config.seq + 1), "int32", (config.batch, config.seq + 1)),
+                     create=True).result()
+    log(f"features: blocks 0-{n - 1} of {config.model} from {source}, {len(steps)} of {config.steps} steps "
+        f"(process {index} of {count}, each batch over {split} device{'s' if split > 1 else ''}), {dtype}, into "
+        f"{mine_dir}")
+    t0, last = time.perf_counter(), 0.0
+    for i, step in enumerate(steps):
+        batch = data.train_batches.batch(step)
+        x = backbone(params, jax.device_put(batch, rows_in) if rows_in is not None else jnp.asarray(batch))
+        at = slice(i * config.batch, (i + 1) * config.batch)
+        writes = [features[at].write(np.asarray(x)), tokens[at].write(batch)]
+        for w in writes:
+            w.result()
+        if time.perf_counter() - last > 10 or i + 1 == len(steps):
+            last = time.perf_counter()
+            log(f"features: {i + 1}/{len(steps)} steps, {(i + 1) * config.batch / (last - t0):,.0f} sequences/s")
+    (mine_dir / "done.json").write_text(json.dumps({"process": index, "steps": steps}))
+    meta = FeatureMeta(blocks=n, dtype=dtype, model=config.model, width=width, seq=config.seq, batch=config.batch,
+                       seed=config.seed, data=config.data, steps=config.steps, processes=count,
+                       rows_per_device=config.batch // split, source=source,
+                       backbone_sha256=backbone_sha256(params, frozen),
+                       bytes_features=config.steps * config.batch * config.seq * width * jnp.dtype(dtype).itemsize,
+                       bytes_tokens=config.steps * config.batch * (config.seq + 1))
+    if index == 0:
+        _write_meta_when_complete(directory, meta, log)
+    return meta
+
+
+def _write_meta_when_complete(directory: Path, meta: FeatureMeta, log: Callable[[str], None],
+                              timeout_s: float = 3600.0) -> None:
+    """Process 0: ``features.json`` once every extractor's ``done.json`` is there (written last, atomically):
+    a Tuner never opens a part-written set."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        missing = [p for p in range(meta.processes) if not (_process_dir(directory, p) / "done.json").exists()]
+        if not missing:
+            break
+        if time.monotonic() > deadline:
+            raise TrainError(f"features: processes {missing} did not finish within {timeout_s:.0f} s")
+        time.sleep(0.2)
+    tmp = directory / (META + ".tmp")
+    tmp.write_text(json.dumps(meta.to_json(), indent=1))
+    os.replace(tmp, directory / META)
+    log(f"features: {meta.steps} steps x {meta.batch} sequences in {directory} ({meta.bytes_features / 1e6:,.1f} MB "
+        f"of features for {meta.bytes_tokens / 1e6:,.2f} MB of tokens)")
+
+
+class FeatureBatches:
+    """The Tuner's training batches: ``batch(step, rows)`` is ``{"x": features, "tokens": tokens}`` of that step
+    (the rows a run drawing ``Batcher.batch(step)`` would have seen), read from the extractors' arrays."""
+
+    def __init__(self, directory: str | os.PathLike, meta: FeatureMeta):
+        import tensorstore as ts
+
+        self.directory, self.meta = Path(directory), meta
+        self._features, self._tokens = [], []
+        for p in range(meta.processes):
+            part = _process_dir(self.directory, p)
+            try:
+                self._features.append(ts.open({"driver": "zarr3", "kvstore": {"driver": "file",
+                                                                            "path": str(part / "features")}},
+                                              open=True).result())
+                self._tokens.append(ts.open({"driver": "zarr3", "kvstore": {"driver": "file",
+                                                                          "path": str(part / "tokens")}},
+                                            open=True).result())
+            except ValueError as e:
+                raise TrainError(f"--features {directory}: process {p}'s part cannot be opened: {e}") from None
+
+    def batch(self, step: int, rows: slice | None = None) -> dict[str, np.ndarray]:
+        if not 0 <= step < self.meta.steps:
+            raise TrainError(f"--features {self.directory}: holds steps 0 .. {self.meta.steps - 1}, step {step} asked")
+        p, i = step % self.meta.processes, step // self.meta.processes
+        at = slice(i * self.meta.batch, (i + 1) * self.meta.batch)
+        x = self._features[p][at].read().result()
+        tokens = self._tokens[p][at].read().result()
+        if rows is not None:
+            x, tokens = x[rows], tokens[rows]
+        return {"x": np.asarray(x), "tokens": np.asarray(tokens)}
+
+
+def open_for(config: TrainConfig) -> tuple[FeatureMeta, FeatureBatches]:
+    """The features ``config.features`` names, checked against the run: the same blocks, batch, sequence, seed,
+    data and model, and enough steps.
+
+    Raises:
+      TrainError: naming what differs.
+    """
+    meta = FeatureMeta.read(config.features)
+    wanted = {"blocks (--freeze-layers)": (meta.blocks, config.freeze_layers), "batch": (meta.batch, config.batch),
+              "seq": (meta.seq, config.seq), "seed": (meta.seed, config.seed), "data": (meta.data, config.data),
+              "model": (meta.model, config.model)}
+    for name, (there, here) in wanted.items():
+        if there != here:
+            raise TrainError(f"--features {config.features}: made with {name} {there!r}, this run has {here!r}")
+    if config.steps > meta.steps:
+        raise TrainError(f"--features {config.features}: holds {meta.steps} steps, the run asks for {config.steps}")
+    return meta, FeatureBatches(config.features, meta)
+
+
+def check_backbone(config: TrainConfig, meta: FeatureMeta, params, freeze) -> None:
+    """Refuses a run whose frozen leaves are not those the features were computed with."""
+    if backbone_sha256(params, freeze) != meta.backbone_sha256:
+        raise TrainError(f"--features {config.features}: computed with another backbone ({meta.source}) than this "
+                         f"run's frozen params (--init-from {config.init_from})")
+
+
+def loss_from_features(graphdef, params, batch: dict[str, Any], first_block: int):
+    """Cross-entropy of blocks ``first_block ..`` and the head on a features batch (``FeatureBatches.batch``)."""
+    from nsp.models import cross_entropy_loss
+
+    model = nnx.merge(graphdef, params)
+    x = batch["x"].astype(model.wte.embedding[...].dtype)  # the residual stream's dtype (the params')
+    logits = model.head(model.blocks(x, first_block, model.config.n_layer))
+    return cross_entropy_loss(logits, batch["tokens"][:, 1:])
