@@ -79,7 +79,8 @@ def _features(args: argparse.Namespace) -> int:
 
     values = {f.name: getattr(args, f.name) for f in dataclasses.fields(TrainConfig)}
     try:
-        extract(TrainConfig(**values).resolved(), args.features_out, dtype=args.features_dtype)
+        extract(TrainConfig(**values).resolved(), args.features_out, dtype=args.features_dtype,
+                runs=args.features_runs)
     except (TrainError, ValueError, nsp.storage.StoreError) as e:
         print(f"nsp features: error: {e}", file=sys.stderr)
         return 2
@@ -344,6 +345,9 @@ def main(argv: list[str] | None = None) -> int:
     fe.add_argument("--features-out", required=True, help="the directory the features go to (new)")
     fe.add_argument("--features-dtype", choices=["bfloat16", "float32"], default="bfloat16",
                     help="bfloat16: half the bytes, lossy; float32: as an fp32 model computes them")
+    fe.add_argument("--features-runs", type=int, default=1,
+                    help="extract in this many sub-datasets of consecutive steps, each marked done as it is "
+                    "written: nsp train --features run beside it trains on one while the next is extracted")
     fe.set_defaults(func=_features)
 
     la = sub.add_parser("launch", help="run a command as N local processes of one multi-process run",

@@ -106,3 +106,41 @@ def test_extractor_processes_each_write_their_own_part(pretrained, tmp_path):
     for step in range(5):
         for key in ("x", "tokens"):
             np.testing.assert_array_equal(two.batch(step)[key], one.batch(step)[key])
+
+
+def test_a_tuner_beside_the_extractor_trains_run_by_run_to_the_same_params(pretrained, tmp_path):
+    # The pipelined schedule: the extractor writes 4 sub-datasets one after another, the Tuner starts as soon as
+    # the set is described and trains each run once it is marked done.
+    import time
+
+    fine = [*COMMON, "--init-from", str(pretrained), "--freeze-layers", "1", "--steps", "4"]
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=1")
+    nsp = [sys.executable, "-m", "nsp.cli"]
+    extractor = subprocess.Popen([*nsp, "features", *fine, "--features-out", str(tmp_path / "f"),
+                                  "--features-dtype", "float32", "--features-runs", "4"], env=env,
+                                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    deadline = time.monotonic() + 120
+    while not (tmp_path / "f" / "features.json").exists():
+        assert extractor.poll() is None and time.monotonic() < deadline, extractor.communicate()[0]
+        time.sleep(0.05)
+    tuner = subprocess.run([*nsp, "train", *fine, "--features", str(tmp_path / "f"), "--run-dir",
+                            str(tmp_path / "tuner")], env=env, capture_output=True, text=True, timeout=300)
+    assert extractor.wait(timeout=120) == 0, extractor.communicate()[0]
+    assert tuner.returncode == 0, tuner.stdout + tuner.stderr
+    assert "features: waited" in tuner.stdout
+    assert sorted(p.name for p in (tmp_path / "f" / "process-00000").glob("run-*.done")) == [
+        f"run-{r:05d}.done" for r in range(4)]
+    whole = subprocess.run([*nsp, "train", *fine, "--run-dir", str(tmp_path / "whole")], env=env,
+                           capture_output=True, text=True, timeout=300)
+    assert whole.returncode == 0, whole.stdout + whole.stderr
+    a, b = _params(tmp_path / "whole", 4), _params(tmp_path / "tuner", 4)
+    for name in a:
+        np.testing.assert_array_equal(b[name], a[name], err_msg=name)
+    # A run its extractor never marks done: the Tuner says so instead of waiting for ever.
+    from nsp.train import features
+
+    (tmp_path / "f" / "process-00000" / "run-00003.done").unlink()
+    batches = features.FeatureBatches(tmp_path / "f", features.FeatureMeta.read(tmp_path / "f"), wait_s=0.3)
+    batches.batch(2)
+    with pytest.raises(features.TrainError, match="extractor process 0 marked nothing for 0 s and run 4 of 4"):
+        batches.batch(3)

@@ -51,6 +51,9 @@ class FeatureMeta:
       dtype: the features' dtype (``bfloat16`` or ``float32``).
       model, width, seq, batch, seed, data: the run they serve (its batches are a function of seed and step).
       steps: steps extracted (rows ``steps * batch``).
+      runs, steps_per_run: the steps in ``runs`` sub-datasets of ``steps_per_run`` consecutive steps, extracted
+        in order; each process marks each run done (``process-PPPPP/run-RRRRR.done``), so a Tuner can train on
+        run r while run r + 1 is extracted (NDPipe's pipelined FT-DMP).
       rows_per_device: rows of a batch each device computed (the batch split over the extractor's devices): a
         Tuner whose devices take as many rows each trains on its own features bit for bit.
       processes: extractor processes; process ``p`` holds steps ``p, p + processes, ...``.
@@ -72,6 +75,8 @@ class FeatureMeta:
     processes: int
     rows_per_device: int
     source: str
+    runs: int
+    steps_per_run: int
     backbone_sha256: str
     bytes_features: int
     bytes_tokens: int
@@ -87,7 +92,8 @@ class FeatureMeta:
         try:
             data = json.loads(path.read_text())
         except FileNotFoundError:
-            raise TrainError(f"--features {directory}: no {META} (not written by nsp features, or not finished)") from None
+            raise TrainError(f"--features {directory}: no {META} (not written by nsp features, or its process 0 "
+                             "has not started)") from None
         except (OSError, ValueError) as e:
             raise TrainError(f"--features {directory}: cannot read {META}: {e}") from None
         if data.get("format") != FORMAT or data.get("version") != FORMAT_VERSION:
@@ -129,11 +135,12 @@ def _process_dir(directory: Path, index: int) -> Path:
     return directory / f"process-{index:05d}"
 
 
-def extract(config: TrainConfig, out: str | os.PathLike, *, dtype: str = "bfloat16",
+def extract(config: TrainConfig, out: str | os.PathLike, *, dtype: str = "bfloat16", runs: int = 1,
             log: Callable[[str], None] = print) -> FeatureMeta:
     """Runs the frozen backbone of ``config`` (``--init-from``, ``--freeze-layers``) over this process's share of
     the batches of steps ``0 .. config.steps - 1`` and writes its features and tokens under ``out`` (module
-    docstring). Process 0 writes ``features.json`` once every process's part is there.
+    docstring), in ``runs`` sub-datasets of consecutive steps, each marked done as it is written. Process 0
+    writes ``features.json`` first (what the set will hold), so a Tuner can start on the first run.
 
     Raises:
       TrainError: no ``--init-from`` or ``--freeze-layers``, another ``--freeze`` (the features are those of the
@@ -152,10 +159,12 @@ def extract(config: TrainConfig, out: str | os.PathLike, *, dtype: str = "bfloat
                          "REGEX does not apply")
     if dtype not in DTYPES:
         raise TrainError(f"--features-dtype {dtype!r}: one of {', '.join(DTYPES)}")
+    if not 1 <= runs <= config.steps:
+        raise TrainError(f"--features-runs {runs}: between 1 and --steps ({config.steps})")
     index, count = process_share()
     directory = Path(out)
     mine_dir = _process_dir(directory, index)
-    if (directory / META).exists() or mine_dir.exists():
+    if mine_dir.exists() or (index == 0 and (directory / META).exists()):
         raise TrainError(f"{directory} already holds features: remove it or give another --features-out")
     data = load_data(config)
     vocab = int(data.tokens.vocab_size)
@@ -183,7 +192,16 @@ def extract(config: TrainConfig, out: str | os.PathLike, *, dtype: str = "bfloat
 
     steps = list(range(index, config.steps, count))
     rows = len(steps) * config.batch
+    per_run = -(-config.steps // runs)
+    meta = FeatureMeta(blocks=n, dtype=dtype, model=config.model, width=width, seq=config.seq, batch=config.batch,
+                       seed=config.seed, data=config.data, steps=config.steps, processes=count,
+                       rows_per_device=config.batch // split, source=source, runs=runs, steps_per_run=per_run,
+                       backbone_sha256=backbone_sha256(params, frozen),
+                       bytes_features=config.steps * config.batch * config.seq * width * jnp.dtype(dtype).itemsize,
+                       bytes_tokens=config.steps * config.batch * (config.seq + 1))
     mine_dir.mkdir(parents=True)
+    if index == 0:
+        _write_json(directory / META, meta.to_json())
     features = ts.open(_array_spec(mine_dir / "features", (rows, config.seq, width), dtype,
                                    (config.batch, config.seq, width)), create=True).result()
     tokens = ts.open(_array_spec(mine_dir / "tokens", (rows, config.seq + 1), "int32", (config.batch, config.seq + 1)),
@@ -191,7 +209,7 @@ def extract(config: TrainConfig, out: str | os.PathLike, *, dtype: str = "bfloat
     log(f"features: blocks 0-{n - 1} of {config.model} from {source}, {len(steps)} of {config.steps} steps "
         f"(process {index} of {count}, each batch over {split} device{'s' if split > 1 else ''}), {dtype}, into "
         f"{mine_dir}")
-    t0, last = time.perf_counter(), 0.0
+    t0, last, done_run = time.perf_counter(), 0.0, -1
     for i, step in enumerate(steps):
         batch = data.train_batches.batch(step)
         x = backbone(params, jax.device_put(batch, rows_in) if rows_in is not None else jnp.asarray(batch))
@@ -199,71 +217,93 @@ def extract(config: TrainConfig, out: str | os.PathLike, *, dtype: str = "bfloat
         writes = [features[at].write(np.asarray(x)), tokens[at].write(batch)]
         for w in writes:
             w.result()
+        run = step // per_run
+        last_of_run = i + 1 == len(steps) or steps[i + 1] // per_run != run
+        if last_of_run:  # this process's part of the run is written: a Tuner may read it
+            for r in range(done_run + 1, run + 1):
+                _write_json(mine_dir / _run_marker(r), {"process": index, "run": r})
+            done_run = run
         if time.perf_counter() - last > 10 or i + 1 == len(steps):
             last = time.perf_counter()
-            log(f"features: {i + 1}/{len(steps)} steps, {(i + 1) * config.batch / (last - t0):,.0f} sequences/s")
-    (mine_dir / "done.json").write_text(json.dumps({"process": index, "steps": steps}))
-    meta = FeatureMeta(blocks=n, dtype=dtype, model=config.model, width=width, seq=config.seq, batch=config.batch,
-                       seed=config.seed, data=config.data, steps=config.steps, processes=count,
-                       rows_per_device=config.batch // split, source=source,
-                       backbone_sha256=backbone_sha256(params, frozen),
-                       bytes_features=config.steps * config.batch * config.seq * width * jnp.dtype(dtype).itemsize,
-                       bytes_tokens=config.steps * config.batch * (config.seq + 1))
+            log(f"features: {i + 1}/{len(steps)} steps (run {run + 1} of {runs}), "
+                f"{(i + 1) * config.batch / (last - t0):,.0f} sequences/s")
+    for r in range(done_run + 1, runs):  # runs with none of this process's steps
+        _write_json(mine_dir / _run_marker(r), {"process": index, "run": r})
+    _write_json(mine_dir / "done.json", {"process": index, "steps": steps})
     if index == 0:
-        _write_meta_when_complete(directory, meta, log)
+        log(f"features: {meta.steps} steps x {meta.batch} sequences into {directory} ({meta.bytes_features / 1e6:,.1f} "
+            f"MB of features for {meta.bytes_tokens / 1e6:,.2f} MB of tokens)")
     return meta
 
 
-def _write_meta_when_complete(directory: Path, meta: FeatureMeta, log: Callable[[str], None],
-                              timeout_s: float = 3600.0) -> None:
-    """Process 0: ``features.json`` once every extractor's ``done.json`` is there (written last, atomically):
-    a Tuner never opens a part-written set."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        missing = [p for p in range(meta.processes) if not (_process_dir(directory, p) / "done.json").exists()]
-        if not missing:
-            break
-        if time.monotonic() > deadline:
-            raise TrainError(f"features: processes {missing} did not finish within {timeout_s:.0f} s")
-        time.sleep(0.2)
-    tmp = directory / (META + ".tmp")
-    tmp.write_text(json.dumps(meta.to_json(), indent=1))
-    os.replace(tmp, directory / META)
-    log(f"features: {meta.steps} steps x {meta.batch} sequences in {directory} ({meta.bytes_features / 1e6:,.1f} MB "
-        f"of features for {meta.bytes_tokens / 1e6:,.2f} MB of tokens)")
+def _run_marker(run: int) -> str:
+    return f"run-{run:05d}.done"
+
+
+def _write_json(path: Path, data: dict) -> None:
+    """``data`` to ``path``, whole or not at all (a reader polling for it never sees a part)."""
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(data, indent=1))
+    os.replace(tmp, path)
 
 
 class FeatureBatches:
     """The Tuner's training batches: ``batch(step, rows)`` is ``{"x": features, "tokens": tokens}`` of that step
-    (the rows a run drawing ``Batcher.batch(step)`` would have seen), read from the extractors' arrays."""
+    (the rows a run drawing ``Batcher.batch(step)`` would have seen), read from the extractors' arrays.
 
-    def __init__(self, directory: str | os.PathLike, meta: FeatureMeta):
+    A step whose run its extractor has not marked done yet is waited for (extraction running beside the Tuner:
+    the pipelined schedule), at most ``wait_s`` seconds without the extractor marking anything; ``waited_s`` is
+    the time spent so."""
+
+    def __init__(self, directory: str | os.PathLike, meta: FeatureMeta, *, wait_s: float = 600.0):
+        self.directory, self.meta, self.wait_s = Path(directory), meta, wait_s
+        self._parts: dict[int, tuple[Any, Any]] = {}
+        self._ready: set[tuple[int, int]] = set()
+        self.waited_s = 0.0
+
+    def _part(self, p: int) -> tuple[Any, Any]:
         import tensorstore as ts
 
-        self.directory, self.meta = Path(directory), meta
-        self._features, self._tokens = [], []
-        for p in range(meta.processes):
+        if p not in self._parts:
             part = _process_dir(self.directory, p)
             try:
-                self._features.append(ts.open({"driver": "zarr3", "kvstore": {"driver": "file",
-                                                                            "path": str(part / "features")}},
-                                              open=True).result())
-                self._tokens.append(ts.open({"driver": "zarr3", "kvstore": {"driver": "file",
-                                                                          "path": str(part / "tokens")}},
-                                            open=True).result())
+                self._parts[p] = tuple(
+                    ts.open({"driver": "zarr3", "kvstore": {"driver": "file", "path": str(part / name)}},
+                            open=True).result() for name in ("features", "tokens"))
             except ValueError as e:
-                raise TrainError(f"--features {directory}: process {p}'s part cannot be opened: {e}") from None
+                raise TrainError(f"--features {self.directory}: process {p}'s part cannot be opened: {e}") from None
+        return self._parts[p]
+
+    def _wait(self, p: int, run: int) -> None:
+        if (p, run) in self._ready:
+            return
+        marker = _process_dir(self.directory, p) / _run_marker(run)
+        t0 = time.perf_counter()
+        progress = lambda: len(list(_process_dir(self.directory, p).glob("run-*.done")))  # noqa: E731
+        seen, since = progress(), time.monotonic()
+        while not marker.exists():
+            time.sleep(0.02)
+            now = progress()
+            if now != seen:
+                seen, since = now, time.monotonic()
+            elif time.monotonic() - since > self.wait_s:
+                raise TrainError(f"--features {self.directory}: extractor process {p} marked nothing for "
+                                 f"{self.wait_s:.0f} s and run {run + 1} of {self.meta.runs} is not done (is it "
+                                 "running?)")
+        self.waited_s += time.perf_counter() - t0
+        self._ready.add((p, run))
 
     def batch(self, step: int, rows: slice | None = None) -> dict[str, np.ndarray]:
         if not 0 <= step < self.meta.steps:
             raise TrainError(f"--features {self.directory}: holds steps 0 .. {self.meta.steps - 1}, step {step} asked")
         p, i = step % self.meta.processes, step // self.meta.processes
+        self._wait(p, step // self.meta.steps_per_run)
+        features, tokens = self._part(p)
         at = slice(i * self.meta.batch, (i + 1) * self.meta.batch)
-        x = self._features[p][at].read().result()
-        tokens = self._tokens[p][at].read().result()
+        x, t = features[at].read().result(), tokens[at].read().result()
         if rows is not None:
-            x, tokens = x[rows], tokens[rows]
-        return {"x": np.asarray(x), "tokens": np.asarray(tokens)}
+            x, t = x[rows], t[rows]
+        return {"x": np.asarray(x), "tokens": np.asarray(t)}
 
 
 def open_for(config: TrainConfig) -> tuple[FeatureMeta, FeatureBatches]:

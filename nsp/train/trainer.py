@@ -176,6 +176,9 @@ def train_and_evaluate(config: TrainConfig, *, log: Callable[[str], None] = prin
                 + " -> ".join(f"{x:.4f}" for x in losses)
                 + (f", eval {summary['eval_loss']:.4f}" if "eval_loss" in summary else "")
                 + f" | peak RSS {fmt_gib(peak_rss_bytes())}")
+        if config.features:
+            log(f"features: waited {run.train_batches.waited_s:.1f} s for extractors over "
+                f"{time.perf_counter() - run_t0:.1f} s of training")
         if interrupted or run.step < config.steps:
             log(f"stopped at step {run.step} of {config.steps}; "
                 + ("continue with the same command and --resume" if resumable else
