@@ -335,6 +335,7 @@ def main() -> None:
     parser.add_argument("--dir", default=None, help="where the spill areas go (default: a temp dir here)")
     parser.add_argument("--timeout", type=float, default=900)
     parser.add_argument("--quick", action="store_true", help="4 layers of width 256, batch 8, 3 steps, no cap part")
+    parser.add_argument("--skip-planner", action="store_true", help="leave out part 3")
     parser.add_argument("--verbose", action="store_true")
     parser.add_argument("--json", default=None)
     parser.add_argument("--child", choices=CONTENDERS + ("planner",), help=argparse.SUPPRESS)
@@ -364,8 +365,10 @@ def main() -> None:
                      ("peak_rss_gib", "peak RSS (GiB)", ".2f"), ("rss_vs_keep", "RSS vs keep", ".2f"),
                      ("residual_mb_per_step", "residuals (MB)", ".1f"),
                      ("spilled_mb_per_step", "spilled (MB)", ".1f")])
-        print("part 3: the planner's predictions at budgets between offloading every block and none", flush=True)
-        planned = planner_accuracy(args, shared)
+        planned = []
+        if not args.skip_planner:
+            print("part 3: the planner's predictions at budgets between offloading every block and none", flush=True)
+            planned = planner_accuracy(args, shared)
         print_table(f"the planner at batch {args.batch} x {args.seq}", planned,
                     [("budget_gib", "budget (GiB)", ".2f"), ("blocks", "blocks", "d"),
                      ("predicted_peak_gib", "peak pred.", ".2f"), ("measured_peak_gib", "peak meas.", ".2f"),
