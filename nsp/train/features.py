@@ -330,13 +330,3 @@ def check_backbone(config: TrainConfig, meta: FeatureMeta, params, freeze) -> No
     if backbone_sha256(params, freeze) != meta.backbone_sha256:
         raise TrainError(f"--features {config.features}: computed with another backbone ({meta.source}) than this "
                          f"run's frozen params (--init-from {config.init_from})")
-
-
-def loss_from_features(graphdef, params, batch: dict[str, Any], first_block: int):
-    """Cross-entropy of blocks ``first_block ..`` and the head on a features batch (``FeatureBatches.batch``)."""
-    from nsp.models import cross_entropy_loss
-
-    model = nnx.merge(graphdef, params)
-    x = batch["x"].astype(model.wte.embedding[...].dtype)  # the residual stream's dtype (the params')
-    logits = model.head(model.blocks(x, first_block, model.config.n_layer))
-    return cross_entropy_loss(logits, batch["tokens"][:, 1:])

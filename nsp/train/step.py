@@ -27,6 +27,15 @@ def loss_fn(graphdef, params, tokens, block_call=None):
     return cross_entropy_loss(logits, tokens[:, 1:])
 
 
+def loss_from_features(graphdef, params, batch, first_block: int):
+    """``loss_fn`` from a frozen backbone's features (``nsp.train.features``): blocks ``first_block ..`` and the
+    head on ``batch["x"]`` (cast to the residual stream's dtype, the params'), scored on ``batch["tokens"]``."""
+    model = nnx.merge(graphdef, params)
+    x = batch["x"].astype(model.wte.embedding[...].dtype)
+    logits = model.head(model.blocks(x, first_block, model.config.n_layer))
+    return cross_entropy_loss(logits, batch["tokens"][:, 1:])
+
+
 def make_train_step(graphdef, tx: optax.GradientTransformation, mesh=None, block_call=None, freeze=None,
                     features_from: int = 0):
     """``(train_step, eval_step)``, both jitted.
@@ -49,8 +58,6 @@ def make_train_step(graphdef, tx: optax.GradientTransformation, mesh=None, block
 
     def loss(trainable, frozen, tokens):
         if features_from:
-            from nsp.train.features import loss_from_features
-
             return loss_from_features(graphdef, Freeze.merge(trainable, frozen), tokens, features_from)
         return loss_fn(graphdef, Freeze.merge(trainable, frozen), tokens, block_call=block_call)
 
