@@ -12,7 +12,9 @@ import resource
 import sys
 
 
-def _status_kib(field: str) -> int | None:
+def status_kib(field: str) -> int | None:
+    """A field of ``/proc/self/status`` in KiB (``VmRSS``: resident now; ``VmHWM``: its peak); None when
+    unreadable."""
     try:
         with open("/proc/self/status") as f:
             for line in f:
@@ -25,7 +27,7 @@ def _status_kib(field: str) -> int | None:
 
 def peak_bytes() -> int:
     """The most resident memory this process has held (since it started, or since ``reset_peak``)."""
-    hwm = _status_kib("VmHWM")
+    hwm = status_kib("VmHWM")
     if hwm is not None:
         return hwm * 1024
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
@@ -46,7 +48,7 @@ def reset_peak() -> bool:
             f.write("5")
     except OSError:
         return False
-    return _status_kib("VmHWM") is not None
+    return status_kib("VmHWM") is not None
 
 
 def release_free_memory() -> bool:
