@@ -167,8 +167,9 @@ def available_budget() -> int:
     return nsp.rss.current_bytes() + int(0.9 * available)
 
 
-def _median_time(fn: Callable[[], Any], repeats: int = 3) -> float:
-    jax.block_until_ready(fn())  # compile and warm up
+def _median_time(fn: Callable[[], Any], repeats: int = 3, *, warm_up: bool = True) -> float:
+    if warm_up:
+        jax.block_until_ready(fn())  # compile and warm up
     times = []
     for _ in range(repeats):
         t0 = time.perf_counter()
@@ -263,12 +264,7 @@ def profile_blocks(model, loss_of: Callable[..., jax.Array], params, batch, spil
         # The step's own peak from here (where the system lets the peak restart): what the profiling held before
         # is gone by the first step, which is what the plan predicts for.
         nsp.rss.reset_peak()
-        times = []
-        for _ in range(STEP_REPEATS):
-            t0 = time.perf_counter()
-            jax.block_until_ready(step_all(params, batch))
-            times.append(time.perf_counter() - t0)
-        all_s = statistics.median(times)
+        all_s = _median_time(lambda: step_all(params, batch), STEP_REPEATS, warm_up=False)
         peak_all = nsp.rss.peak_bytes()
         profiling_peak = max(profiling_peak, peak_all)
         area.reset()

@@ -280,9 +280,12 @@ class FeatureBatches:
         marker = _process_dir(self.directory, p) / _run_marker(run)
         t0 = time.perf_counter()
         progress = lambda: len(list(_process_dir(self.directory, p).glob("run-*.done")))  # noqa: E731
-        seen, since = progress(), time.monotonic()
+        seen, since, checked = progress(), time.monotonic(), time.monotonic()
         while not marker.exists():
             time.sleep(0.02)
+            if time.monotonic() - checked < 1.0 and self.wait_s >= 1.0:
+                continue  # the marker is checked often, the extractor's progress (a directory listing) once a second
+            checked = time.monotonic()
             now = progress()
             if now != seen:
                 seen, since = now, time.monotonic()
