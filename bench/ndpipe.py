@@ -3,7 +3,11 @@
     python bench/ndpipe.py                 # the record in bench/results/ndpipe.json
     python bench/ndpipe.py --quick         # fewer steps, N = 1 and 2: a smoke run
 
-A GPT is pretrained once (``--pretrain-steps``), then fine-tuned for ``--steps`` steps on the same batches by:
+A GPT is pretrained once as a language model (``--pretrain-steps``), then fine-tuned for ``--steps`` steps on the
+same batches, for two tasks: ``classify`` (NDPipe's own kind: which top-level package of the standard library a
+chunk of source comes from, a classifier on the pooled features, every block frozen in the frozen schedules, so
+an extractor sends one vector per sequence; accuracy reported) and ``lm`` (language modelling, the first
+``--freeze-layers`` blocks frozen, per-token features). Each task by:
 
   full         ``nsp train --init-from PRE``: every param trains, the trainer reads the tokens (all the data
                goes to the trainer)
@@ -14,12 +18,17 @@ A GPT is pretrained once (``--pretrain-steps``), then fine-tuned for ``--steps``
 
 each timed end to end (from the first process started to the last one finished: start-up, compilation and data
 loading included, as a user waits for them), for N = 1, 2, 4 extractors. Bytes moved: what crosses from where the
-data is to the trainer (the tokens, one byte each, for full and frozen; the features and tokens for ndpipe, as
-``features.json`` counts them). Every process runs on this machine's cores: the extractors and the Tuner compete
-for them, as they would not on separate storage servers; the record names the core count.
+data is to the trainer (the tokens, one byte each, for full and frozen; the features and tokens or labels for
+ndpipe, as ``features.json`` counts them). Every process runs on this machine's cores: the extractors and the
+Tuner compete for them, as they would not on separate storage servers; the record names the core count.
+
+Beside the times: the held-out loss (and accuracy, for ``classify``) each schedule ends with, and, for the
+frozen schedule, the size of the checkpoint delta (``nsp ckpt delta``) from its first checkpoint (step 0) to its
+last against the last checkpoint's full size: what a store holding the starting version is sent.
 
 Targets (the issue's): ndpipe >= 1.5x faster than full at N = 4; the pipelined schedule >= 1.3x faster than
-the serial one. The record goes to ``bench/results/ndpipe.json`` (or ``--json``).
+the serial one; the delta after a frozen-backbone fine-tune <= 10% of a full checkpoint. The record goes to
+``bench/results/ndpipe.json`` (or ``--json``).
 """
 
 from __future__ import annotations
@@ -54,7 +63,8 @@ def _run(args: list[str], timeout: float) -> float:
 
 def _ndpipe(common: list[str], fine: list[str], n: int, runs: int, out: Path, pipelined: bool,
             timeout: float) -> tuple[float, float, dict]:
-    """(end-to-end seconds, the Tuner's wait for features, features.json) of N extractors and a Tuner."""
+    """(end-to-end seconds, the Tuner's wait for features, features.json) of N extractors and a Tuner (its run
+    directory: ``out / "tuner"``)."""
     feats = out / "features"
     t0 = time.perf_counter()
     extractors = subprocess.Popen(NSP + ["launch", "-n", str(n), "--", *NSP, "features", *common, *fine,
@@ -79,6 +89,65 @@ def _ndpipe(common: list[str], fine: list[str], n: int, runs: int, out: Path, pi
     return seconds, waited, json.loads((feats / "features.json").read_text())
 
 
+def _final_eval(run_dir: Path) -> dict:
+    """The last held-out metrics a run logged (``eval_loss``, and ``eval_accuracy`` for a classifier)."""
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    last = [r for r in rows if "eval_loss" in r][-1]
+    return {k: last[k] for k in ("eval_loss", "eval_accuracy") if k in last}
+
+
+def _delta(run_dir: Path, work: Path, timeout: float) -> dict:
+    """``nsp ckpt delta`` from a run's first checkpoint to its last: the manifest's sizes."""
+    steps = sorted(int(p.name) for p in (run_dir / "ckpt").iterdir() if p.name.isdigit())
+    out = work / "delta"
+    shutil.rmtree(out, ignore_errors=True)
+    _run(["ckpt", "delta", str(run_dir / "ckpt" / str(steps[0])), str(run_dir / "ckpt" / str(steps[-1])), str(out)],
+         timeout)
+    stats = json.loads((out / "DELTA.json").read_text())["stats"]
+    shutil.rmtree(out, ignore_errors=True)
+    return {"delta_from_step": steps[0], "delta_to_step": steps[-1], "delta_bytes": stats["delta_bytes"],
+            "checkpoint_bytes": stats["full_bytes"], "delta_ratio": stats["ratio"]}
+
+
+def fine_tune(task: str, args, common: list[str], pre: Path, base: Path) -> list[dict]:
+    """Every schedule of one task: its rows."""
+    task_args = ["--task", task, "--eval-batches", str(args.eval_batches)] if task == "classify" else []
+    blocks = args.classify_freeze_layers if task == "classify" else args.freeze_layers
+    fine = [*task_args, "--init-from", str(pre), "--steps", str(args.steps), "--seed", "11"]
+    frozen = [*fine, "--freeze-layers", str(blocks)]
+    token_bytes = args.steps * args.batch * (args.seq + (0 if task == "classify" else 1))
+    rows = []
+    for name, extra in (("full", fine), ("frozen", frozen)):
+        run_dir = base / f"{task}-{name}"
+        seconds = _run(["train", *common, *extra, "--run-dir", str(run_dir)], args.timeout)
+        row = {"task": task, "schedule": name, "extractors": 0, "seconds": seconds, "bytes_moved": token_bytes,
+               **_final_eval(run_dir)}
+        if name == "frozen":
+            row.update(_delta(run_dir, base, args.timeout))
+        rows.append(row)
+        print(f"  {task:8s} {name:14s} {seconds:7.1f} s", flush=True)
+        shutil.rmtree(run_dir, ignore_errors=True)
+    for n in [int(x) for x in args.extractors.split(",")]:
+        for pipelined in (True, False):
+            name = "ndpipe" if pipelined else "ndpipe-serial"
+            out = base / f"{task}-{name}-{n}"
+            seconds, waited, meta = _ndpipe(common, frozen, n, args.runs, out, pipelined, args.timeout)
+            rows.append({"task": task, "schedule": name, "extractors": n, "seconds": seconds,
+                         "tuner_waited_s": waited, "bytes_moved": meta["bytes_features"] + meta["bytes_tokens"],
+                         "bytes_features": meta["bytes_features"], "pooled": meta.get("pooled", False),
+                         **_final_eval(out / "tuner")})
+            print(f"  {task:8s} {name:14s} N={n} {seconds:7.1f} s (the Tuner waited {waited:.1f} s)", flush=True)
+            shutil.rmtree(out, ignore_errors=True)
+    full = next(r["seconds"] for r in rows if r["schedule"] == "full")
+    for r in rows:
+        r["speedup_vs_full"] = full / r["seconds"]
+        serial = next((s["seconds"] for s in rows if s["schedule"] == "ndpipe-serial"
+                       and s["extractors"] == r["extractors"]), None)
+        if r["schedule"] == "ndpipe" and serial:
+            r["speedup_vs_serial"] = serial / r["seconds"]
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="small")
@@ -86,7 +155,11 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--steps", type=int, default=48, help="fine-tuning steps")
     parser.add_argument("--pretrain-steps", type=int, default=20)
-    parser.add_argument("--freeze-layers", type=int, default=3)
+    parser.add_argument("--tasks", default="classify,lm")
+    parser.add_argument("--freeze-layers", type=int, default=3, help="blocks frozen for the lm task")
+    parser.add_argument("--classify-freeze-layers", type=int, default=4,
+                        help="blocks frozen for the classify task (all of them: pooled features)")
+    parser.add_argument("--eval-batches", type=int, default=16, help="held-out batches of the classify task")
     parser.add_argument("--runs", type=int, default=4, help="sub-datasets of the pipelined schedule")
     parser.add_argument("--extractors", default="1,2,4")
     parser.add_argument("--dir", default=None, help="where the runs go (default: a temp dir)")
@@ -104,38 +177,19 @@ def main() -> None:
         pre = base / "pre"
         print(f"ndpipe: pretraining {args.model} for {args.pretrain_steps} steps", flush=True)
         _run(["train", *common, "--run-dir", str(pre), "--steps", str(args.pretrain_steps)], args.timeout)
-        fine = ["--init-from", str(pre), "--steps", str(args.steps), "--seed", "11"]
-        frozen = [*fine, "--freeze-layers", str(args.freeze_layers)]
-        token_bytes = args.steps * args.batch * (args.seq + 1)
-        for name, extra in (("full", fine), ("frozen", frozen)):
-            seconds = _run(["train", *common, *extra, "--run-dir", str(base / name)], args.timeout)
-            rows.append({"schedule": name, "extractors": 0, "seconds": seconds, "bytes_moved": token_bytes})
-            print(f"  {name:14s} {seconds:7.1f} s", flush=True)
-        for n in [int(x) for x in args.extractors.split(",")]:
-            for pipelined in (True, False):
-                name = "ndpipe" if pipelined else "ndpipe-serial"
-                out = base / f"{name}-{n}"
-                seconds, waited, meta = _ndpipe(common, frozen, n, args.runs, out, pipelined, args.timeout)
-                rows.append({"schedule": name, "extractors": n, "seconds": seconds, "tuner_waited_s": waited,
-                             "bytes_moved": meta["bytes_features"] + meta["bytes_tokens"],
-                             "bytes_features": meta["bytes_features"]})
-                print(f"  {name:14s} N={n} {seconds:7.1f} s (the Tuner waited {waited:.1f} s)", flush=True)
-                shutil.rmtree(out, ignore_errors=True)
+        for task in args.tasks.split(","):
+            rows += fine_tune(task, args, common, pre, base)
     finally:
         shutil.rmtree(base, ignore_errors=True)
-    full = next(r["seconds"] for r in rows if r["schedule"] == "full")
-    for r in rows:
-        r["speedup_vs_full"] = full / r["seconds"]
-        serial = next((s["seconds"] for s in rows if s["schedule"] == "ndpipe-serial"
-                       and s["extractors"] == r["extractors"]), None)
-        if r["schedule"] == "ndpipe" and serial:
-            r["speedup_vs_serial"] = serial / r["seconds"]
     print_table(f"fine-tuning {args.model} for {args.steps} steps ({args.batch} x {args.seq} tokens), end to end",
-                rows, [("schedule", "schedule", ""), ("extractors", "N", "d"), ("seconds", "seconds", ".1f"),
-                       ("speedup_vs_full", "vs full", ".2f"), ("speedup_vs_serial", "vs serial", ".2f"),
-                       ("tuner_waited_s", "Tuner waited (s)", ".1f"), ("bytes_moved", "bytes moved", ",d")])
+                rows, [("task", "task", ""), ("schedule", "schedule", ""), ("extractors", "N", "d"),
+                       ("seconds", "seconds", ".1f"), ("speedup_vs_full", "vs full", ".2f"),
+                       ("speedup_vs_serial", "vs serial", ".2f"), ("tuner_waited_s", "Tuner waited (s)", ".1f"),
+                       ("bytes_moved", "bytes moved", ",d"), ("eval_loss", "held-out loss", ".4f"),
+                       ("eval_accuracy", "accuracy", ".3f"), ("delta_ratio", "delta/ckpt", ".3f")])
     write_json("ndpipe", {"model": args.model, "seq": args.seq, "batch": args.batch, "steps": args.steps,
                           "pretrain_steps": args.pretrain_steps, "freeze_layers": args.freeze_layers,
+                          "classify_freeze_layers": args.classify_freeze_layers, "tasks": args.tasks.split(","),
                           "runs": args.runs, "quick": args.quick, "rows": rows}, args.json)
 
 

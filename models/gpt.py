@@ -100,6 +100,11 @@ class GPTConfig:
     # The MLP's nonlinearity: "gelu" (GPT-2's tanh approximation) or "relu" (OPT's). After a ReLU about half of
     # the MLP's hidden activations are exact zeros, which activation offload's sparse format stores compactly.
     activation: str = "gelu"
+    # 0: a language model. > 0: the model also gets a sequence classifier (``GPT.classify``): the residual stream
+    # after the last block, averaged over the positions, the final LayerNorm, then a Linear to ``num_classes``
+    # logits. Its leaves (``cls``) are built after all the others, so the language model's leaves hold the same
+    # values as in a model without it, and a pretrained language model's checkpoint starts a classifier.
+    num_classes: int = 0
 
     def __post_init__(self):
         for name in ("vocab_size", "block_size", "n_layer", "n_head", "n_embd"):
@@ -111,6 +116,10 @@ class GPTConfig:
                 f"GPTConfig.n_embd ({self.n_embd}) must be divisible by n_head ({self.n_head}); "
                 f"the nearest valid n_head values are {_divisors_near(self.n_embd, self.n_head)}"
             )
+        if isinstance(self.num_classes, bool) or not isinstance(self.num_classes, (int, np.integer)) \
+                or self.num_classes < 0 or self.num_classes == 1:
+            raise ValueError(f"GPTConfig.num_classes must be 0 (a language model) or at least 2, got "
+                             f"{self.num_classes!r}")
         if not isinstance(self.f32_accum, (bool, np.bool_)):
             raise ValueError(f"GPTConfig.f32_accum must be a bool, got {self.f32_accum!r}")
         object.__setattr__(self, "f32_accum", bool(self.f32_accum))
@@ -144,7 +153,8 @@ class GPTConfig:
         mlp = (C * 4 * C + b * 4 * C) + (4 * C * C + b * C)  # c_fc + c_proj
         blocks = self.n_layer * (2 * layer_norm + attn + mlp)
         embeddings = self.vocab_size * C + self.block_size * C
-        return blocks + layer_norm + (0 if non_embedding else embeddings)
+        classifier = C * self.num_classes + b * self.num_classes
+        return blocks + layer_norm + classifier + (0 if non_embedding else embeddings)
 
 
 def _divisors_near(n: int, k: int) -> list[int]:
@@ -212,6 +222,13 @@ def _layer_norm(config: GPTConfig, rngs: nnx.Rngs) -> nnx.LayerNorm:
         config.n_embd, epsilon=1e-5, use_bias=config.bias, use_fast_variance=False,
         dtype=config.dtype, param_dtype=config.param_dtype, rngs=rngs,
     )
+
+
+def _classifier(config: GPTConfig, rngs: nnx.Rngs) -> nnx.Linear:
+    # Initialised as the model's other Linear layers: weights N(0, 0.02), bias 0.
+    return nnx.Linear(config.n_embd, config.num_classes, use_bias=config.bias, dtype=config.dtype,
+                      param_dtype=config.param_dtype, kernel_init=_normal(0.02),
+                      bias_init=nnx.initializers.zeros_init(), rngs=rngs)
 
 
 @jax.custom_vjp
@@ -349,6 +366,8 @@ class GPT(nnx.Module):
         self.drop = nnx.Dropout(config.dropout, rngs=_dropout_rngs(config, rngs))
         self.h = nnx.List([Block(config, rngs=rngs) for _ in range(config.n_layer)])
         self.ln_f = _layer_norm(config, rngs)
+        if config.num_classes:
+            self.cls = _classifier(config, rngs)
 
     def __call__(
         self,
@@ -410,6 +429,20 @@ class GPT(nnx.Module):
         wte = self.wte.embedding[...].astype(self.config.dtype)
         return jnp.einsum("btc,vc->btv", x, wte, preferred_element_type=jnp.float32)  # tied output projection
 
+    # Sequence classification (``config.num_classes > 0``): ``classify(pool(blocks(embed(tokens))))``. Pooling comes
+    # before the final LayerNorm so that everything up to the pooled vector can be a frozen backbone's output: one
+    # ``[C]`` vector per sequence is what an extractor then sends (``nsp.train.features``).
+
+    def pool(self, x: jax.Array) -> jax.Array:
+        """The residual stream ``[B, T, C]`` averaged over its positions (in float32): ``[B, C]`` in its dtype."""
+        return jnp.mean(x.astype(jnp.float32), axis=1).astype(x.dtype)
+
+    def classify(self, pooled: jax.Array) -> jax.Array:
+        """Float32 class logits ``[B, num_classes]`` of pooled sequences ``[B, C]`` (``pool``)."""
+        if not self.config.num_classes:
+            raise ValueError("GPT.classify needs a model built with GPTConfig(num_classes=K), K >= 2")
+        return self.cls(self.ln_f(pooled)).astype(jnp.float32)
+
 
 def abstract_gpt(config: GPTConfig) -> GPT:
     """A GPT whose parameters are ``jax.ShapeDtypeStruct`` (nothing allocated, nothing computed): for parameter
@@ -438,6 +471,7 @@ def gpt_parts(config: GPTConfig) -> list[tuple[tuple[str | int, ...], Any]]:
         (("wpe",), lambda rngs: embed(config.block_size, rngs=rngs)),
         *[(("h", i), lambda rngs: Block(config, rngs=rngs)) for i in range(config.n_layer)],
         (("ln_f",), lambda rngs: _layer_norm(config, rngs)),
+        *([(("cls",), lambda rngs: _classifier(config, rngs))] if config.num_classes else []),
     ]
 
 

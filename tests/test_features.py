@@ -144,3 +144,32 @@ def test_a_tuner_beside_the_extractor_trains_run_by_run_to_the_same_params(pretr
     batches.batch(2)
     with pytest.raises(features.TrainError, match="extractor process 0 marked nothing for 0 s and run 4 of 4"):
         batches.batch(3)
+
+
+@pytest.mark.parametrize("blocks", [2, 1], ids=["pooled", "per-token"])
+def test_a_classifier_trains_from_fp32_features_to_the_same_params_bit_for_bit(pretrained, tmp_path, capsys, blocks):
+    # A language model's checkpoint starts a classifier (its head starts fresh). With every block frozen the
+    # extractors send one pooled vector per sequence; with fewer, per-token features and the Tuner runs the rest.
+    fine = ["--task", "classify", "--classes", "4", "--init-from", str(pretrained), "--freeze-layers", str(blocks),
+            "--steps", "3", "--seed", "5", "--eval-batches", "2"]
+    assert main(["train", *COMMON, *fine, "--run-dir", str(tmp_path / "whole")]) == 0
+    assert "4 classes of" in capsys.readouterr().out
+    assert main(["features", *COMMON, *fine, "--features-out", str(tmp_path / "f"),
+                 "--features-dtype", "float32"]) == 0
+    meta = json.loads((tmp_path / "f" / "features.json").read_text())
+    assert meta["task"] == "classify" and meta["classes"] == 4 and meta["pooled"] == (blocks == 2)
+    per_row = 64 if blocks == 2 else 32 * 64
+    assert meta["bytes_features"] == 3 * 4 * per_row * 4 and meta["bytes_tokens"] == 3 * 4 * 32
+    assert main(["train", *COMMON, *fine, "--features", str(tmp_path / "f"), "--run-dir", str(tmp_path / "tuner")]) == 0
+    whole, tuner = _params(tmp_path / "whole", 3), _params(tmp_path / "tuner", 3)
+    assert whole.keys() == tuner.keys() and any("cls" in name for name in whole)
+    for name in whole:
+        np.testing.assert_array_equal(tuner[name], whole[name], err_msg=name)
+    rows = [json.loads(line) for line in (tmp_path / "tuner" / "metrics.jsonl").read_text().splitlines()]
+    assert 0 <= rows[-1]["eval_accuracy"] <= 1
+    # Features of one task do not serve the other.
+    capsys.readouterr()
+    lm = ["--init-from", str(pretrained), "--freeze-layers", str(blocks), "--steps", "3", "--seed", "5"]
+    if blocks < 2:
+        assert main(["train", *COMMON, *lm, "--features", str(tmp_path / "f"), "--run-dir", str(tmp_path / "x")]) == 2
+        assert "made with task 'classify', this run has 'lm'" in capsys.readouterr().err

@@ -32,6 +32,12 @@ class TrainConfig:
     run_dir: str = "runs/default"
     # Training text: a text file, a directory of text files, or a token file; empty = the Python stdlib sources.
     data: str = ""
+    # What the model learns: "lm" (next-token prediction) or "classify" (which top-level package a chunk of source
+    # comes from: a head on the GPT's pooled features, accuracy reported; nsp.train.labels). With classify, --data
+    # is a directory of source trees (empty = the Python stdlib), each file labelled by its top-level directory.
+    task: str = "lm"
+    # With --task classify: the classes, the top-level packages holding the most bytes of source.
+    classes: int = 8
     # Where the optimizer state lives: "file" (disk), "memory" (host RAM) or "csd".
     tier: str = "file"
     # Directory of the state store; empty = RUN_DIR/store.
@@ -164,6 +170,11 @@ class TrainConfig:
             (self.optimizer in KINDS, f"unknown optimizer {self.optimizer!r} ({', '.join(sorted(KINDS))})"),
             (self.tier in ("file", "memory", "csd"), f"unknown tier {self.tier!r} (file, memory, csd)"),
             (self.activation in ("gelu", "relu"), f"unknown activation {self.activation!r} (gelu, relu)"),
+            (self.task in ("lm", "classify"), f"unknown task {self.task!r} (lm, classify)"),
+            (self.classes >= 2, "classes must be >= 2"),
+            (self.task == "lm" or not (self.stage_gradients or self.bf16_params),
+             "task classify: not with --stage-gradients or --bf16-params (made for language models too big to "
+             "hold)"),
             (_offload_choice(self.offload_activations),
              f"unknown offload_activations {self.offload_activations!r} (none, all, auto, or a memory budget "
              "such as 6GiB)"),

@@ -16,7 +16,10 @@ features were computed with (``features.json`` holds their SHA-256). Trained fro
 those of ``nsp train --init-from ... --freeze-layers N`` on the same batches, bit for bit.
 
 Per token, features are larger than the tokens they come from (``width`` values against one byte): the bytes
-moved grow, what shrinks is the compute the Tuner does (``FeatureMeta.bytes_*`` records both sizes).
+moved grow, what shrinks is the compute the Tuner does (``FeatureMeta.bytes_*`` records both sizes). A classifier
+(``--task classify``) whose backbone is every block sends one pooled ``[width]`` vector per sequence instead
+(``GPT.pool``): smaller than the sequence's tokens once ``seq`` exceeds ``width`` times the dtype's bytes, and the
+Tuner then runs only the final LayerNorm and the classifier.
 """
 
 from __future__ import annotations
@@ -61,6 +64,10 @@ class FeatureMeta:
       backbone_sha256: SHA-256 over the frozen leaves' names, shapes, dtypes and bytes.
       bytes_features, bytes_tokens: the features' bytes and the tokens' (int32 in the arrays; one byte each as
         text).
+      task: ``lm`` (the second array holds each row's tokens) or ``classify`` (it holds each row's label).
+      classes: the classifier's classes (``classify``), else 0.
+      pooled: the features are one ``[width]`` vector per sequence, the blocks' output averaged over its
+        positions (``classify`` with every block frozen: ``GPT.pool``), not one per token.
     """
 
     blocks: int
@@ -80,6 +87,9 @@ class FeatureMeta:
     backbone_sha256: str
     bytes_features: int
     bytes_tokens: int
+    task: str = "lm"
+    classes: int = 0
+    pooled: bool = False
     format: str = FORMAT
     version: int = FORMAT_VERSION
 
@@ -185,36 +195,46 @@ def extract(config: TrainConfig, out: str | os.PathLike, *, dtype: str = "bfloat
         rows_in = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("data"))
         params = jax.device_put(params, jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()))
 
+    classify = config.task == "classify"
+    pooled = classify and n == model_config(config, vocab).n_layer  # only the classifier is left to train
+    targets = "labels" if classify else "tokens"
+
     @jax.jit
     def backbone(params, tokens):
         model = nnx.merge(graphdef, params)
-        return model.blocks(model.embed(tokens[:, :-1]), 0, n).astype(dtype)
+        x = model.blocks(model.embed(tokens if classify else tokens[:, :-1]), 0, n)
+        return (model.pool(x) if pooled else x).astype(dtype)
 
     steps = list(range(index, config.steps, count))
     rows = len(steps) * config.batch
     per_run = -(-config.steps // runs)
+    row_shape = (width,) if pooled else (config.seq, width)
     meta = FeatureMeta(blocks=n, dtype=dtype, model=config.model, width=width, seq=config.seq, batch=config.batch,
                        seed=config.seed, data=config.data, steps=config.steps, processes=count,
                        rows_per_device=config.batch // split, source=source, runs=runs, steps_per_run=per_run,
                        backbone_sha256=backbone_sha256(params, frozen),
-                       bytes_features=config.steps * config.batch * config.seq * width * jnp.dtype(dtype).itemsize,
-                       bytes_tokens=config.steps * config.batch * (config.seq + 1))
+                       bytes_features=config.steps * config.batch * int(np.prod(row_shape)) * jnp.dtype(dtype).itemsize,
+                       bytes_tokens=config.steps * config.batch * (config.seq + (0 if classify else 1)),
+                       task=config.task, classes=config.classes if classify else 0, pooled=pooled)
     mine_dir.mkdir(parents=True)
     if index == 0:
         _write_json(directory / META, meta.to_json())
-    features = ts.open(_array_spec(mine_dir / "features", (rows, config.seq, width), dtype,
-                                   (config.batch, config.seq, width)), create=True).result()
-    tokens = ts.open(_array_spec(mine_dir / "tokens", (rows, config.seq + 1), "int32", (config.batch, config.seq + 1)),
+    features = ts.open(_array_spec(mine_dir / "features", (rows, *row_shape), dtype, (config.batch, *row_shape)),
+                       create=True).result()
+    target_shape = () if classify else (config.seq + 1,)
+    tokens = ts.open(_array_spec(mine_dir / targets, (rows, *target_shape), "int32", (config.batch, *target_shape)),
                      create=True).result()
-    log(f"features: blocks 0-{n - 1} of {config.model} from {source}, {len(steps)} of {config.steps} steps "
+    log(f"features: blocks 0-{n - 1} of {config.model}{' pooled' if pooled else ''} from {source}, {len(steps)} of "
+        f"{config.steps} steps "
         f"(process {index} of {count}, each batch over {split} device{'s' if split > 1 else ''}), {dtype}, into "
         f"{mine_dir}")
     t0, last, done_run = time.perf_counter(), 0.0, -1
     for i, step in enumerate(steps):
         batch = data.train_batches.batch(step)
-        x = backbone(params, jax.device_put(batch, rows_in) if rows_in is not None else jnp.asarray(batch))
+        inputs, target = (batch["tokens"], batch["labels"]) if classify else (batch, batch)
+        x = backbone(params, jax.device_put(inputs, rows_in) if rows_in is not None else jnp.asarray(inputs))
         at = slice(i * config.batch, (i + 1) * config.batch)
-        writes = [features[at].write(np.asarray(x)), tokens[at].write(batch)]
+        writes = [features[at].write(np.asarray(x)), tokens[at].write(target)]
         for w in writes:
             w.result()
         run = step // per_run
@@ -231,7 +251,7 @@ def extract(config: TrainConfig, out: str | os.PathLike, *, dtype: str = "bfloat
         _write_json(mine_dir / _run_marker(r), {"process": index, "run": r})
     _write_json(mine_dir / "done.json", {"process": index, "steps": steps})
     if index == 0:
-        log(f"features: {meta.steps} steps x {meta.batch} sequences into {directory} ({meta.bytes_features / 1e6:,.1f} "
+        log(f"features: {meta.steps} steps x {meta.batch} sequences into {directory} ({meta.bytes_features / 1e6:,.2f} "
             f"MB of features for {meta.bytes_tokens / 1e6:,.2f} MB of tokens)")
     return meta
 
@@ -248,7 +268,8 @@ def _write_json(path: Path, data: dict) -> None:
 
 
 class FeatureBatches:
-    """The Tuner's training batches: ``batch(step, rows)`` is ``{"x": features, "tokens": tokens}`` of that step
+    """The Tuner's training batches: ``batch(step, rows)`` is ``{"x": features, "tokens": tokens}`` (``{"x",
+    "labels"}`` for ``--task classify``) of that step
     (the rows a run drawing ``Batcher.batch(step)`` would have seen), read from the extractors' arrays.
 
     A step whose run its extractor has not marked done yet is waited for (extraction running beside the Tuner:
@@ -258,6 +279,7 @@ class FeatureBatches:
     def __init__(self, directory: str | os.PathLike, meta: FeatureMeta, *, wait_s: float = 600.0):
         self.directory, self.meta, self.wait_s = Path(directory), meta, wait_s
         self._parts: dict[int, tuple[Any, Any]] = {}
+        self._targets = "labels" if meta.task == "classify" else "tokens"
         self._ready: set[tuple[int, int]] = set()
         self.waited_s = 0.0
 
@@ -269,7 +291,7 @@ class FeatureBatches:
             try:
                 self._parts[p] = tuple(
                     ts.open({"driver": "zarr3", "kvstore": {"driver": "file", "path": str(part / name)}},
-                            open=True).result() for name in ("features", "tokens"))
+                            open=True).result() for name in ("features", self._targets))
             except ValueError as e:
                 raise TrainError(f"--features {self.directory}: process {p}'s part cannot be opened: {e}") from None
         return self._parts[p]
@@ -306,7 +328,7 @@ class FeatureBatches:
         x, t = features[at].read().result(), tokens[at].read().result()
         if rows is not None:
             x, t = x[rows], t[rows]
-        return {"x": np.asarray(x), "tokens": np.asarray(t)}
+        return {"x": np.asarray(x), self._targets: np.asarray(t)}
 
 
 def open_for(config: TrainConfig) -> tuple[FeatureMeta, FeatureBatches]:
@@ -319,7 +341,8 @@ def open_for(config: TrainConfig) -> tuple[FeatureMeta, FeatureBatches]:
     meta = FeatureMeta.read(config.features)
     wanted = {"blocks (--freeze-layers)": (meta.blocks, config.freeze_layers), "batch": (meta.batch, config.batch),
               "seq": (meta.seq, config.seq), "seed": (meta.seed, config.seed), "data": (meta.data, config.data),
-              "model": (meta.model, config.model)}
+              "model": (meta.model, config.model), "task": (meta.task, config.task),
+              "classes": (meta.classes, config.classes if config.task == "classify" else 0)}
     for name, (there, here) in wanted.items():
         if there != here:
             raise TrainError(f"--features {config.features}: made with {name} {there!r}, this run has {here!r}")

@@ -139,7 +139,8 @@ def checkpoint_step_dir(source: str | Path) -> Path:
 
 def load_params(source: str | Path, template) -> Any:
     """The params saved with the checkpoint ``source`` names (``checkpoint_step_dir``), as a tree shaped like
-    ``template`` (this run's fresh params) in its dtypes.
+    ``template`` (this run's fresh params) in its dtypes. A classifier's head (``cls``, ``--task classify``) that
+    the checkpoint lacks (a pretrained language model's) keeps ``template``'s fresh values.
 
     Raises:
       TrainError: no checkpoint there, or its params are another model's (a leaf missing, extra or of another
@@ -157,6 +158,9 @@ def load_params(source: str | Path, template) -> Any:
     leaves = []
     for path, like in paths:
         name = leaf_name(path)
+        if name not in by_name and name.split("/")[0] == "cls":
+            leaves.append(jnp.asarray(like))  # a classifier on a language model: the new head starts fresh
+            continue
         if name not in by_name:
             raise TrainError(f"--init-from {step_dir}: the checkpoint has no leaf {name} {tuple(like.shape)} "
                              "(a model of another config)")

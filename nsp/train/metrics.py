@@ -58,6 +58,7 @@ def step_line(row: dict, config: TrainConfig) -> str:
     """The log line of a logged step's metrics ``row``."""
     return (f"step {row['step']:>5}/{config.steps} {_bar(row['step'], config.steps)} loss {row['loss']:.4f}"
             + (f" eval {row['eval_loss']:.4f}" if "eval_loss" in row else "")
+            + (f" acc {row['eval_accuracy']:.1%}" if "eval_accuracy" in row else "")
             + (f" | {row['tokens_per_s'] / 1e3:.1f}k tok/s" if row["tokens_per_s"] >= 100 else
                f" | {row['tokens_per_s']:.2f} tok/s")
             + f" | step {row['step_s'] * 1e3:.0f} ms (fwd/bwd "

@@ -43,7 +43,7 @@ from nsp.models import GPT, get_config
 from nsp.storage import checkpoint as ckpt
 from nsp.train import data as data_lib
 from nsp.train import freeze as freeze_lib
-from nsp.train import process, store_resume
+from nsp.train import labels, process, store_resume
 from nsp.train.config import TrainConfig, TrainError
 from nsp.train.layerwise import LayerwiseInit, SetupProgress, fmt_gib, peak_rss_bytes
 from nsp.train.optimizer import make_optimizer
@@ -75,17 +75,24 @@ class Run:
 class TrainData:
     """The tokens of a run and the batches drawn from them (``load_data``)."""
 
-    tokens: data_lib.TokenData
-    train_tokens: np.ndarray  # the first 95%
-    held_out_tokens: np.ndarray  # the last 5%, contiguous
-    train_batches: data_lib.Batcher  # batch(step) is a function of (seed, step)
-    eval_batches: list[np.ndarray]  # config.eval_batches fixed batches of the held-out tokens (seed + 1)
+    tokens: data_lib.TokenData  # or, with --task classify, the labelled source (nsp.train.labels.LabelledSource)
+    train_tokens: np.ndarray | None  # the first 95% (None with --task classify: held out by file)
+    held_out_tokens: np.ndarray | None  # the last 5%, contiguous
+    train_batches: data_lib.Batcher  # batch(step) is a function of (seed, step); labels.ClassBatcher for classify
+    eval_batches: list  # config.eval_batches fixed batches of the held-out tokens (seed + 1)
 
 
 def load_data(config: TrainConfig) -> TrainData:
     """``config.data`` (the Python stdlib sources when empty) in windows of ``config.seq + 1`` tokens, 5% held out;
-    training batches seeded by ``config.seed``, held-out ones by ``config.seed + 1``. Raises
-    ``nsp.train.data.DataError`` when the data cannot serve that (too few tokens, an unreadable file)."""
+    training batches seeded by ``config.seed``, held-out ones by ``config.seed + 1``. With ``--task classify``, the
+    labelled source tree ``config.data`` (``nsp.train.labels``: held out by file, batches of ``{"tokens",
+    "labels"}``). Raises ``nsp.train.data.DataError`` when the data cannot serve that (too few tokens, an
+    unreadable file, too few classes)."""
+    if config.task == "classify":  # labelled chunks of source, classes balanced (nsp.train.labels)
+        source = labels.load_source(config.data, config.classes, config.seq)
+        return TrainData(source, None, None, labels.ClassBatcher(source.train, config.batch, config.seq, config.seed),
+                         [labels.ClassBatcher(source.held_out, config.batch, config.seq, config.seed + 1).batch(i)
+                          for i in range(config.eval_batches)])
     tokens = data_lib.load_tokens(config.data or None, seq_len=config.seq)
     train_tokens, held_out = data_lib.split(tokens, held_out_fraction=0.05, seq_len=config.seq)
     eval_batcher = data_lib.Batcher(held_out, config.batch, config.seq, seed=config.seed + 1)
@@ -96,9 +103,11 @@ def load_data(config: TrainConfig) -> TrainData:
 
 def model_config(config: TrainConfig, vocab_size: int):
     """The ``GPTConfig`` of a run: ``config.model`` with ``vocab_size`` tokens, bfloat16 compute with
-    ``config.bf16``, bf16 x bf16 -> fp32 dots with ``config.f32_accum``, the MLP's ``config.activation``."""
+    ``config.bf16``, bf16 x bf16 -> fp32 dots with ``config.f32_accum``, the MLP's ``config.activation``, and a
+    classifier of ``config.classes`` classes with ``--task classify``."""
     return get_config(config.model, vocab_size=vocab_size, dtype=jnp.bfloat16 if config.bf16 else jnp.float32,
-                      f32_accum=config.f32_accum, activation=config.activation)
+                      f32_accum=config.f32_accum, activation=config.activation,
+                      num_classes=config.classes if config.task == "classify" else 0)
 
 
 def init_model(config: TrainConfig, vocab_size: int) -> tuple[Any, Any]:
@@ -407,8 +416,10 @@ def _log_shape(base: Base, params, log: Callable[[str], None]) -> None:
     n_params = sum(x.size for x in jax.tree_util.tree_leaves(params))
     if base.freeze:
         log(f"frozen: {freeze_lib.describe(base.freeze, params)}")
-    log(f"model {config.model}: {n_params / 1e6:.2f}M params, vocab {tokens.vocab_size}; data: {tokens.source} "
-        f"({tokens.num_tokens / 1e6:.2f}M tokens); store: {config.tier} tier"
+    data = (f"{tokens.source} ({tokens.num_tokens / 1e6:.2f}M tokens)" if config.task == "lm" else
+            f"{len(tokens.names)} classes of {tokens.root} ({', '.join(tokens.names)}), chance "
+            f"{1 / len(tokens.names):.1%}")
+    log(f"model {config.model}: {n_params / 1e6:.2f}M params, vocab {tokens.vocab_size}; data: {data}; store: {config.tier} tier"
         f"{'' if config.tier == 'memory' else ' at ' + str(base.store_path)}, {base.num_shards} shard(s)"
         + (f" ({len(base.shards)} of them on process {jax.process_index()} of {jax.process_count()})"
            if base.shards else "")

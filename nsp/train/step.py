@@ -1,4 +1,5 @@
-"""The jitted step of ``nsp train``: ``loss_fn`` (next-token cross-entropy of the GPT), ``make_train_step`` (the
+"""The jitted step of ``nsp train``: ``loss_fn`` (next-token cross-entropy of the GPT, or the class cross-entropy
+of its classifier with ``--task classify``), ``make_train_step`` (the
 jitted train and eval steps: forward/backward, then the optax chain, data parallel over a mesh with gradients
 averaged in an order that does not depend on the process layout), and placing data on the devices:
 ``put_batch`` (a host batch), ``local_rows`` (the rows of a global batch this process feeds) and ``replicate``
@@ -22,16 +23,46 @@ from nsp.models import cross_entropy_loss
 def loss_fn(graphdef, params, tokens, block_call=None):
     """Mean next-token cross-entropy of the GPT ``(graphdef, params)`` on ``tokens`` ``[batch, seq + 1]``: it reads
     ``tokens[:, :-1]`` and predicts ``tokens[:, 1:]``. ``block_call``: how each block is applied (``GPT.__call__``;
-    ``nsp.offload.offload_blocks`` spills their activations)."""
+    ``nsp.offload.offload_blocks`` spills their activations).
+
+    A labelled batch (``--task classify``: ``{"tokens": [batch, seq], "labels": [batch]}``, ``nsp.train.labels``)
+    gives the mean cross-entropy of the model's classifier (``GPT.classify``) instead."""
+    if isinstance(tokens, dict):
+        return cross_entropy_loss(class_logits(graphdef, params, tokens["tokens"], block_call), tokens["labels"])
     logits = nnx.merge(graphdef, params)(tokens[:, :-1], block_call=block_call)
     return cross_entropy_loss(logits, tokens[:, 1:])
 
 
+def class_logits(graphdef, params, tokens, block_call=None):
+    """Float32 class logits ``[batch, classes]`` of int ``tokens`` ``[batch, seq]``: every block, pooled, then the
+    classifier."""
+    model = nnx.merge(graphdef, params)
+    x = model.blocks(model.embed(tokens), 0, model.config.n_layer, block_call=block_call)
+    return model.classify(model.pool(x))
+
+
+def eval_metrics(graphdef, params, batch):
+    """The held-out metrics of one batch: the loss (``loss_fn``), and with a labelled batch also the accuracy,
+    as ``{"loss": ..., "accuracy": ...}``."""
+    if not isinstance(batch, dict):
+        return {"loss": loss_fn(graphdef, params, batch)}
+    logits = class_logits(graphdef, params, batch["tokens"])
+    return {"loss": cross_entropy_loss(logits, batch["labels"]),
+            "accuracy": jnp.mean((jnp.argmax(logits, axis=-1) == batch["labels"]).astype(jnp.float32))}
+
+
 def loss_from_features(graphdef, params, batch, first_block: int):
     """``loss_fn`` from a frozen backbone's features (``nsp.train.features``): blocks ``first_block ..`` and the
-    head on ``batch["x"]`` (cast to the residual stream's dtype, the params'), scored on ``batch["tokens"]``."""
+    head on ``batch["x"]`` (cast to the residual stream's dtype, the params'), scored on ``batch["tokens"]``.
+    A classification batch (``batch["labels"]``) holds per-token features (``[batch, seq, width]``: blocks
+    ``first_block ..``, pooling and the classifier run) or, when every block is frozen, pooled ones (``[batch,
+    width]``: only the classifier runs)."""
     model = nnx.merge(graphdef, params)
     x = batch["x"].astype(model.wte.embedding[...].dtype)
+    if "labels" in batch:
+        if x.ndim == 3:
+            x = model.pool(model.blocks(x, first_block, model.config.n_layer))
+        return cross_entropy_loss(model.classify(x), batch["labels"])
     logits = model.head(model.blocks(x, first_block, model.config.n_layer))
     return cross_entropy_loss(logits, batch["tokens"][:, 1:])
 
@@ -42,7 +73,7 @@ def make_train_step(graphdef, tx: optax.GradientTransformation, mesh=None, block
 
     ``train_step(params, opt_state, tokens) -> (params, opt_state, loss)``: forward/backward of ``loss_fn``, then
     ``tx``; it donates ``params`` and ``opt_state`` (do not use them after the call). ``eval_step(params, tokens)
-    -> loss``. With a ``mesh`` (axis ``"data"``), params and optax state are replicated and the batch is split
+    -> {"loss": ...}`` (and ``"accuracy"`` for a labelled batch: ``eval_metrics``). With a ``mesh`` (axis ``"data"``), params and optax state are replicated and the batch is split
     over the devices (``put_batch`` places it so). ``block_call`` as for ``loss_fn`` (the train step's only: the
     eval step has no backward pass whose activations to keep).
 
@@ -69,7 +100,7 @@ def make_train_step(graphdef, tx: optax.GradientTransformation, mesh=None, block
         updates, opt_state = tx.update(grads, opt_state, trainable)
         return Freeze.merge(optax.apply_updates(trainable, updates), frozen), opt_state, value
 
-    evaluate = functools.partial(loss_fn, graphdef)
+    evaluate = functools.partial(eval_metrics, graphdef)
     if mesh is None:
         train_step = functools.partial(update, jax.value_and_grad(loss))
         return jax.jit(train_step, donate_argnums=(0, 1)), jax.jit(evaluate)

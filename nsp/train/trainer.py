@@ -161,13 +161,13 @@ def train_and_evaluate(config: TrainConfig, *, log: Callable[[str], None] = prin
                     watch.end()
                 row = meter.row(run.step, loss, float(schedule(run.step - 1)), run.agree_s, jax.process_index())
                 if config.eval_every and (run.step % config.eval_every == 0 or final) or final:
-                    row["eval_loss"] = _evaluate(run, eval_step)
+                    row.update(_evaluate(run, eval_step))
                 metrics.write(row)
                 log(step_line(row, config))
                 meter.restart(run.step)
                 summary = row
             elif config.eval_every and run.step % config.eval_every == 0:
-                metrics.write({"step": run.step, "eval_loss": _evaluate(run, eval_step)})
+                metrics.write({"step": run.step, **_evaluate(run, eval_step)})
             if config.ckpt_every and run.step % config.ckpt_every == 0 and not final:
                 save()
         save()
@@ -175,6 +175,7 @@ def train_and_evaluate(config: TrainConfig, *, log: Callable[[str], None] = prin
             log(f"done: {len(losses)} logged step(s) in {time.perf_counter() - run_t0:.1f} s, loss "
                 + " -> ".join(f"{x:.4f}" for x in losses)
                 + (f", eval {summary['eval_loss']:.4f}" if "eval_loss" in summary else "")
+                + (f", accuracy {summary['eval_accuracy']:.1%}" if "eval_accuracy" in summary else "")
                 + f" | peak RSS {fmt_gib(peak_rss_bytes())}")
         if config.features:
             log(f"features: waited {run.train_batches.waited_s:.1f} s for extractors over "
@@ -235,8 +236,11 @@ def _compile_ahead(run: Run, train_step, log: Callable[[str], None]):
     return compiled
 
 
-def _evaluate(run: Run, eval_step) -> float:
-    return float(np.mean([float(eval_step(run.params, put_batch(b, run.mesh))) for b in run.eval_batches]))
+def _evaluate(run: Run, eval_step) -> dict[str, float]:
+    """The held-out metrics averaged over the run's eval batches, named as the metrics rows name them:
+    ``eval_loss`` (and ``eval_accuracy`` with ``--task classify``)."""
+    each = [eval_step(run.params, put_batch(b, run.mesh)) for b in run.eval_batches]
+    return {f"eval_{name}": float(np.mean([float(m[name]) for m in each])) for name in each[0]}
 
 
 def _save_checkpoint(run: Run, manager) -> None:
