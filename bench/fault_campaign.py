@@ -11,6 +11,12 @@ as each shard's engine is made, and wrap its file backend in a fault-injecting o
 normal run has none. Then it checks every page of the store's committed version (`nsp store verify`),
 resumes with `--resume`, and compares the final params with an uninterrupted run of the same seed, bit for bit.
 `--train-args` adds options to every run (`--offload-activations all`: activations spilled in each step).
+
+`--slots 1` runs every trial on a one-slot store (one copy of the state and a redo journal): every kill point
+above, plus halfway through a shard's journal write (NSP_DEBUG_KILL_IN_JOURNAL), between a window's journal record
+and its page renames (NSP_DEBUG_KILL_AT_SWITCH), and inside recovery (mode `recovery`: the run is killed inside an
+update, then the store's recovery, which `nsp store verify`'s open runs, is killed after N of its own page writes,
+and the store is verified and resumed after that).
 Lost steps = steps the killed run had finished minus the step it resumed from. The last line reads
 `bit-identical: K/N, corrupt: C`.
 """
@@ -32,6 +38,8 @@ from pathlib import Path
 import numpy as np
 
 MODES = ("random", "update", "commit", "snapshot")
+#: The kill points only a one-slot store has (--slots 1 cycles through MODES and these).
+ONE_SLOT_MODES = ("journal", "switch", "recovery")
 
 
 #: Extra `nsp train` options of every run (--train-args), e.g. activation offload.
@@ -75,8 +83,13 @@ def run_trial(i: int, mode: str, args, corpus: Path, workdir: Path, rng: random.
     # Targeted points: a random occurrence of the point within the run. Each shard's backend counts its own
     # page writes (3 per step for the tiny model: one page per state), the commit counter is the process's
     # (4 shards commit each step), and a checkpoint snapshots every 2 steps.
-    if mode == "update":
+    # A one-slot store's shards each write one journal and switch one window (its one page) in per step.
+    if mode in ("update", "recovery"):
         trial_env["NSP_DEBUG_KILL_AFTER_WRITES"] = str(rng.randrange(4, 3 * args.steps + 3))
+    elif mode == "journal":
+        trial_env["NSP_DEBUG_KILL_IN_JOURNAL"] = str(rng.randrange(1, 4 * args.steps))
+    elif mode == "switch":
+        trial_env["NSP_DEBUG_KILL_AT_SWITCH"] = str(rng.randrange(1, 4 * args.steps))
     elif mode == "commit":
         trial_env["NSP_DEBUG_KILL_AT_COMMIT"] = str(rng.randrange(5, 4 * args.steps))
     elif mode == "snapshot":
@@ -102,6 +115,13 @@ def run_trial(i: int, mode: str, args, corpus: Path, workdir: Path, rng: random.
     killed = proc.returncode == -9
     done = steps_done(run_dir)
     store = run_dir / "store"
+    recovery_killed = None
+    if mode == "recovery" and (store / "nsp_store.json").exists():
+        # Open the store (recovery runs there) with a kill after N of recovery's page writes.
+        kill_env = dict(env, NSP_DEBUG_KILL_AFTER_WRITES=str(rng.randrange(0, 3)))
+        check = subprocess.run([sys.executable, "-m", "nsp.cli", "store", "verify", str(store)], env=kill_env,
+                               capture_output=True, text=True)
+        recovery_killed = check.returncode == -9
     corrupt = False
     if (store / "nsp_store.json").exists():
         check = subprocess.run([sys.executable, "-m", "nsp.cli", "store", "verify", str(store)], env=env,
@@ -128,6 +148,8 @@ def run_trial(i: int, mode: str, args, corpus: Path, workdir: Path, rng: random.
     result = {"trial": i, "mode": mode, "topk": topk, "killed": killed, "steps_done": done,
               "resumed_from": resumed_from, "lost_steps": None if resumed_from is None else done - resumed_from,
               "corrupt": corrupt, "bit_identical": identical, "resume_rc": resume.returncode}
+    if recovery_killed is not None:
+        result["recovery_killed"] = recovery_killed
     if resume.returncode != 0:
         result["error"] = (resume.stderr or "").strip().splitlines()[-1:] or [err[-200:]]
     shutil.rmtree(run_dir, ignore_errors=True)
@@ -149,18 +171,23 @@ def main() -> int:
     parser.add_argument("--random-window", type=float, default=0.0,
                         help="random kills land within this many seconds of the start (default: the length of "
                              "an uninterrupted run)")
-    parser.add_argument("--modes", default=",".join(MODES),
-                        help=f"kill modes to cycle through, comma-separated (default: {','.join(MODES)})")
+    parser.add_argument("--modes", default=None,
+                        help=f"kill modes to cycle through, comma-separated (default: {','.join(MODES)}; with "
+                             f"--slots 1 also {','.join(ONE_SLOT_MODES)})")
+    parser.add_argument("--slots", type=int, choices=(1, 2), default=2,
+                        help="version slots of every run's store (1: one slot and a redo journal)")
     parser.add_argument("--dir", default=None, help="work directory (default: a temp dir here)")
     parser.add_argument("--json", default=None)
     parser.add_argument("--train-args", default="",
                         help="extra nsp train options of every run, e.g. '--offload-activations all --activation relu' "
                         "(activations spilled to disk in each step: scratch, never state)")
     args = parser.parse_args()
-    args.modes = [m.strip() for m in args.modes.split(",") if m.strip()]
-    if not args.modes or any(m not in MODES for m in args.modes):
-        parser.error(f"--modes must name some of {', '.join(MODES)}")
-    EXTRA_ARGS[:] = args.train_args.split()
+    allowed = MODES + (ONE_SLOT_MODES if args.slots == 1 else ())
+    args.modes = [m.strip() for m in (args.modes or ",".join(allowed)).split(",") if m.strip()]
+    if not args.modes or any(m not in allowed for m in args.modes):
+        parser.error(f"--modes must name some of {', '.join(allowed)}"
+                     + ("" if args.slots == 1 else f" ({', '.join(ONE_SLOT_MODES)} need --slots 1)"))
+    EXTRA_ARGS[:] = args.train_args.split() + (["--slots", "1"] if args.slots == 1 else [])
     rng = random.Random(args.seed)
     Path(args.dir or os.getcwd()).mkdir(parents=True, exist_ok=True)
     workdir = Path(tempfile.mkdtemp(prefix="nsp-faults-", dir=args.dir or os.getcwd()))
@@ -183,7 +210,8 @@ def main() -> int:
             # Random kills land within a run's length; the last reference runs with a warm cache, as trials do.
             args.reference_seconds = time.perf_counter() - t0
             args.reference[topk] = final_params(ref_dir)
-        print(f"{args.trials} trials of `nsp train` (tiny, file tier, 4 shards, {args.steps} steps, checkpoint "
+        print(f"{args.trials} trials of `nsp train` (tiny, file tier, {args.slots} version slot"
+              f"{'s' if args.slots == 2 else ' and a redo journal'}, 4 shards, {args.steps} steps, checkpoint "
               f"every 2), killed with SIGKILL, resumed, compared with an uninterrupted run")
         for i in range(args.trials):
             mode = args.modes[i % len(args.modes)]
@@ -210,7 +238,8 @@ def main() -> int:
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     from common import write_json
 
-    path = write_json("fault_campaign", {"trials": results, "steps": args.steps, "seed": args.seed}, args.json)
+    path = write_json("fault_campaign", {"trials": results, "steps": args.steps, "seed": args.seed,
+                                         "slots": args.slots, "modes": args.modes}, args.json)
     print(f"\nlost steps: max {max(lost, default=0)}, mean {np.mean(lost) if lost else 0:.1f} "
           f"(checkpoints every 2 steps)\nwrote {path}")
     print(f"bit-identical: {identical}/{n}, corrupt: {corrupt}")

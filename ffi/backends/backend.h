@@ -102,6 +102,24 @@ class Backend {
   // Whether writing one slot leaves the other's version whole (false when both slots are one memory: an
   // in-place store, which cannot replay a step).
   virtual bool KeepsPrevious() const { return true; }
+  // One-slot stores (the file tier's with slots=1; ffi/engine/redo_journal.h): slot 1 is not a second copy of the
+  // state but scratch beside slot 0's pages (a page file "<page>.next" beside "<page>"), written by an update a
+  // window of pages at a time. The checksums of the scratch pages [first, end) of the states `used` marks, state
+  // by state (as a journal record holds them); "" or an error.
+  virtual std::string ScratchChecksums(int64_t /*first*/, int64_t /*end*/, const bool* /*used*/,
+                                       std::vector<uint32_t>* /*out*/) {
+    return "this backend keeps no one-slot store";
+  }
+  // Switches the scratch pages [first, end) in over slot 0's, each by an atomic rename (a snapshot's hard link to
+  // an old page keeps the old bytes), and records their checksums as slot 0's (`crcs`, as ScratchChecksums gives
+  // them). `recovering`: a scratch page that is absent was switched in before a kill (not an error). The renames
+  // are durable after the next Sync(0).
+  virtual std::string SwitchPages(int64_t /*first*/, int64_t /*end*/, const bool* /*used*/, const uint32_t* /*crcs*/,
+                                  bool /*recovering*/) {
+    return "this backend keeps no one-slot store";
+  }
+  // Removes every scratch page (what a failed or killed update left that no journal record names).
+  virtual std::string DiscardScratch() { return {}; }
   // Called by the engine as it commits `version`, before it writes anything of the shard's manifest (only for a
   // shard that has one): the last moment the version before is still the committed one. Real backends have
   // nothing to do here; the fault-injecting one may kill the process, as a crash at that moment would.
@@ -135,6 +153,7 @@ struct FileIoSettings {
   bool direct_writes = true;             // NSP_BUFFERED_WRITES unset: page writes from engine buffers go direct
   bool rewrite_in_place = true;          // NSP_REPLACE_PAGES unset: a page nothing else shares is rewritten in place
   bool lay_out_slots = true;             // NSP_NO_SLOT_LAYOUT unset: a slot's page files are made in read order
+  bool one_slot = false;                 // the store keeps one slot (set by the store, not the environment)
 };
 // Returns "" or an error naming a variable whose value is not one it takes.
 std::string FileIoSettingsFromEnv(FileIoSettings* settings);
@@ -151,7 +170,12 @@ struct FaultPlan {
   // SIGKILL just before the Nth commit of the process (counted over every backend that has this set), and
   // before each later one: a crash between a version's last page write and its manifest.
   int64_t kill_at_commit = -1;
-  bool any() const { return fail_writes_after >= 0 || kill_after_writes >= 0 || kill_at_commit >= 0; }
+  // SIGKILL just before the Nth page switch of the process (a one-slot window whose journal record is durable,
+  // none of its pages renamed in yet), and before each later one.
+  int64_t kill_at_switch = -1;
+  bool any() const {
+    return fail_writes_after >= 0 || kill_after_writes >= 0 || kill_at_commit >= 0 || kill_at_switch >= 0;
+  }
 };
 
 // The plan the environment asks for, read where a backend is made (never in an update): NSP_DEBUG_FAIL_WRITES_AFTER,

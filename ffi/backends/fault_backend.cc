@@ -62,6 +62,16 @@ class FaultInjectingBackend final : public Backend {
   void StreamFinished(bool ok) override { inner_->StreamFinished(ok); }
   bool KeepsPrevious() const override { return inner_->KeepsPrevious(); }
 
+  std::string ScratchChecksums(int64_t first, int64_t end, const bool* used, std::vector<uint32_t>* out) override {
+    return inner_->ScratchChecksums(first, end, used, out);
+  }
+  std::string SwitchPages(int64_t first, int64_t end, const bool* used, const uint32_t* crcs,
+                          bool recovering) override {
+    static std::atomic<int64_t> switches{0};  // the process's, as commits are
+    if (plan_.kill_at_switch >= 0 && ++switches >= plan_.kill_at_switch) ::raise(SIGKILL);
+    return inner_->SwitchPages(first, end, used, crcs, recovering);
+  }
+  std::string DiscardScratch() override { return inner_->DiscardScratch(); }
   // The commit count is the process's: the campaign aims at "the Nth commit" of a run whose shards commit in
   // turn, not at one shard's.
   void BeforeCommit(int64_t version) override {
@@ -91,6 +101,7 @@ FaultPlan FaultPlanFromEnv() {
   plan.fail_writes_after = EnvCount("NSP_DEBUG_FAIL_WRITES_AFTER");
   plan.kill_after_writes = EnvCount("NSP_DEBUG_KILL_AFTER_WRITES");
   plan.kill_at_commit = EnvCount("NSP_DEBUG_KILL_AT_COMMIT");
+  plan.kill_at_switch = EnvCount("NSP_DEBUG_KILL_AT_SWITCH");
   return plan;
 }
 

@@ -3,6 +3,7 @@
 // when nothing else shares it, and checked against the checksum recorded for its place. The page-file
 // primitives it builds on are page_file.h's; which way it reads is read_mode.h's choice.
 #include <fcntl.h>
+#include <dirent.h>
 #include <sys/stat.h>
 #include <sys/uio.h>
 #include <unistd.h>
@@ -39,7 +40,8 @@ class FileBackend final : public Backend {
         read_mode_(io.read_mode),
         direct_writes_(io.direct_writes),
         rewrite_in_place_(io.rewrite_in_place),
-        lay_out_slots_(io.lay_out_slots && io.rewrite_in_place) {
+        lay_out_slots_(io.lay_out_slots && io.rewrite_in_place),
+        one_slot_(io.one_slot) {
     chunk_bytes_ = static_cast<size_t>(page_elems_) * sizeof(float);
     file_bytes_ = chunk_bytes_ + (checksum_ ? 4 : 0);
     // Only a shard's last page is partial; its padding needs these (allocated once, never in the update).
@@ -93,6 +95,59 @@ class FileBackend final : public Backend {
   }
 
   IoCounts Io() const override { return io_.Get(); }
+
+  bool KeepsPrevious() const override { return !one_slot_; }
+
+  std::string ScratchChecksums(int64_t first, int64_t end, const bool* used, std::vector<uint32_t>* out) override {
+    if (!one_slot_) return "internal error: scratch pages of a two-slot shard";
+    out->clear();
+    for (int s = 0; s < kNumStates; ++s) {
+      if (!used[s]) continue;
+      for (int64_t page = first; page < end; ++page) out->push_back(tables_[1][s].crc[static_cast<size_t>(page)]);
+    }
+    return {};
+  }
+
+  std::string SwitchPages(int64_t first, int64_t end, const bool* used, const uint32_t* crcs,
+                          bool recovering) override {
+    if (!one_slot_) return "internal error: a page switch on a two-slot shard";
+    size_t i = 0;
+    for (int s = 0; s < kNumStates; ++s) {
+      if (!used[s]) continue;
+      for (int64_t page = first; page < end; ++page, ++i) {
+        const std::string next = PagePath(1, s, page), path = PagePath(0, s, page);
+        if (::rename(next.c_str(), path.c_str()) != 0) {
+          // Recovering, an absent scratch page was renamed in before the kill (its record came first).
+          if (!(recovering && errno == ENOENT)) return page_file::ErrnoMessage("cannot switch in", next);
+        }
+        Record(0, s, page, crcs[i]);
+        tables_[1][s].known[static_cast<size_t>(page)] = 0;
+      }
+    }
+    std::lock_guard<std::mutex> lock(written_mu_);
+    written_[0].push_back({root_ + "/slot0", /*cached=*/false});  // the next Sync(0) makes the renames durable
+    return {};
+  }
+
+  std::string DiscardScratch() override {
+    if (!one_slot_) return {};
+    for (int s = 0; s < kNumStates; ++s) {
+      const std::string dir = root_ + "/slot0/" + StateName(s) + "/c";
+      DIR* d = ::opendir(dir.c_str());
+      if (d == nullptr) continue;  // a state the optimizer does not keep
+      std::vector<std::string> scratch;
+      while (dirent* e = ::readdir(d)) {
+        const std::string name = e->d_name;
+        if (name == "." || name == "..") continue;
+        if (name.find_first_not_of("0123456789") != std::string::npos) scratch.push_back(dir + "/" + name);
+      }
+      ::closedir(d);
+      for (const std::string& path : scratch) {
+        if (::unlink(path.c_str()) != 0 && errno != ENOENT) return page_file::ErrnoMessage("cannot remove", path);
+      }
+    }
+    return {};
+  }
 
   // The read mode (read_mode.h) decides between updates, from their times.
   void StreamStarted() override { read_mode_.StreamStarted(direct_.load()); }
@@ -449,7 +504,11 @@ class FileBackend final : public Backend {
            " of shard " + root_ + " (" + path + ") is corrupt";
   }
 
+  // A one-slot shard's slot 1 is scratch beside slot 0's page files (Backend::SwitchPages).
   std::string PagePath(int slot, int state, int64_t page) const {
+    if (one_slot_) {
+      return root_ + "/slot0/" + StateName(state) + "/c/" + std::to_string(page) + (slot == 1 ? ".next" : "");
+    }
     return root_ + "/slot" + std::to_string(slot) + "/" + StateName(state) + "/c/" + std::to_string(page);
   }
 
@@ -479,6 +538,7 @@ class FileBackend final : public Backend {
   const bool direct_writes_;
   const bool rewrite_in_place_;
   bool lay_out_slots_;  // PrepareSlot makes missing page files in read order (off, or the file system lacks fallocate)
+  const bool one_slot_;  // slot 1 is scratch beside slot 0 (a slots=1 store)
   struct Written {
     std::string path;
     bool cached;  // written through the page cache (to be dropped from it after the sync)

@@ -66,7 +66,7 @@ std::string ShardEngine::ManifestText(int64_t version) const {
   std::string text = "{\"store\": \"" + store_id_ + "\", \"shard\": " + std::to_string(shard_index_) +
                      ", \"version\": " + std::to_string(version) + ", \"checksums\": {";
   bool first_slot = true;
-  for (int slot = 0; slot < 2; ++slot) {
+  for (int slot = 0; slot < (one_slot_ ? 1 : 2); ++slot) {  // a one-slot shard's slot 1 is scratch
     std::string states;
     for (int s = 0; s < kNumStates; ++s) {
       if (!used_[s]) continue;
@@ -78,7 +78,7 @@ std::string ShardEngine::ManifestText(int64_t version) const {
     }
     if (states.empty()) continue;
     // The committed version's slot, and the slot beside it, which holds the version before (a replay reads it).
-    const int64_t held = slot == version % 2 ? version : version - 1;
+    const int64_t held = one_slot_ || slot == version % 2 ? version : version - 1;
     text += std::string(first_slot ? "" : ", ") + "\"" + std::to_string(slot) + "\": {\"version\": " +
             std::to_string(held) + ", " + states + "}";
     first_slot = false;
@@ -223,6 +223,7 @@ std::string ShardEngine::Step(ShardUpdate u, int64_t version) {
   std::lock_guard<std::mutex> lock(step_mu_);
   const AddElapsedNs timer(&stats_.update_ns);  // the step's wall time, however it returns
   const ProgressScope progress(this);
+  if (one_slot_) return StepOneSlot(std::move(u), version);
   if (version == version_ - 1 && version >= 0 && previous_valid_) {
     // A replay overwrites the slot of the committed version: step the commit back first, so a crash during
     // the replay still leaves a whole committed version.

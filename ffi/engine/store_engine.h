@@ -25,6 +25,7 @@
 
 #include "backends/backend.h"
 #include "engine/gradient_stage.h"
+#include "engine/redo_journal.h"
 #include "engine/shard_pieces.h"
 #include "kernels/update_kernel.h"
 
@@ -84,6 +85,10 @@ struct ShardUpdate {
   // params back, nothing is committed) and sets *skipped.
   bool check_finite = false;
   bool* skipped = nullptr;
+  // The pages the update covers: [first_page, end_page), end_page -1 for the shard's end. Only a one-slot step
+  // (which goes a window at a time) sets them; only the streamed pipeline takes part of a shard.
+  int64_t first_page = 0;
+  int64_t end_page = -1;
 };
 
 // What the caller of a versioned step knows of its gradient's finiteness.
@@ -146,6 +151,20 @@ class ShardEngine {
   // A step whose gradient is not finite (NaN/Inf: an overflowed loss scale, a diverged batch) is skipped: the
   // store stays at `version`, untouched, and the caller gets that version's params back.
   std::string Skip(const ShardUpdate& update, int64_t version);
+  // One slot (the file tier's, slots=1 stores): the shard keeps one copy of its state, and every step goes
+  // through the redo journal (redo_journal.h): gradient and hyperparameters made durable first, then a window of
+  // `window_pages` pages at a time written beside the old ones, recorded, and renamed in. `group`: the store's
+  // shards this process steps together (JournalBarrier); call after SetManifest. No replay, no in-pass check.
+  void SetOneSlot(int group, int64_t window_pages);
+  bool one_slot() const { return one_slot_; }
+  // Finishes, from the shard's redo journal, the update a kill (or a failed write) interrupted: renames in the
+  // pages its records name, recomputes the others from the version the journal read, commits the next version
+  // and removes the journal. Without a journal it only removes scratch files. Returns "" or an error; the
+  // committed version is version() after it.
+  std::string Recover();
+  // Whether the shard holds a redo journal's unfinished update (a failed one-slot step in this process): every
+  // step is refused until a reopen recovers it.
+  bool needs_recovery() const { return needs_recovery_; }
   // Whether a step can check its gradient inside the update pass (ShardUpdate::check_finite): the update writes
   // the other slot (in RAM, or the other slot's page files), so a half-done update of a non-finite gradient
   // leaves the committed version whole and is simply not committed, as a failed update is. After such a skip
@@ -213,6 +232,14 @@ class ShardEngine {
   // (page-addressable backends).
   StateSpan SlotSpan(const ShardUpdate& u, int64_t begin, int64_t n) const;
   std::string UpdateStreamed(const ShardUpdate& u);
+  // A one-slot step (SetOneSlot): the journal, the barrier, then ApplyWindows from page 0.
+  std::string StepOneSlot(ShardUpdate u, int64_t version);
+  // Writes the update's journal (its gradient as given, its hyperparameters) for `version`; "" or an error.
+  std::string WriteJournal(const ShardUpdate& u, int64_t version);
+  // The windows of a one-slot update from page `start` on (the ones before it are in place), then the commit of
+  // version + 1 and the journal's removal. A failure leaves needs_recovery_ set.
+  std::string ApplyWindows(ShardUpdate u, int64_t version, int64_t start);
+  std::string ShardDir() const { return manifest_.substr(0, manifest_.find_last_of('/')); }
   // Writes the params of committed version `version` into the update's outputs (a skipped step's result).
   std::string CommittedParamsOut(const ShardUpdate& u, int64_t version);
   // This page's gradient into *g (from the caller's memory, the pieces, or their stage file); "" or an error.
@@ -246,6 +273,10 @@ class ShardEngine {
   std::string ManifestText(int64_t version) const;
   int64_t version_ = 0;
   bool previous_valid_ = false;
+  bool one_slot_ = false;
+  bool needs_recovery_ = false;
+  int64_t window_pages_ = 16;
+  std::shared_ptr<JournalBarrier> barrier_;  // null: the shard steps alone
   int64_t size_, page_elems_, num_pages_;
   int pages_in_flight_;
   std::array<bool, kNumStates> used_;

@@ -120,7 +120,9 @@ std::string ShardEngine::UpdateStreamed(const ShardUpdate& u) {
     }
   }
   auto page_len = [&](int64_t page) { return std::min(page_elems_, size_ - page * page_elems_); };
-  if (std::string e = backend_->PrepareSlot(u.dst_slot, used_.data(), 0, num_pages_); !e.empty()) return e;
+  // The pages this update covers: the whole shard, or a one-slot step's window of it (ShardUpdate::first_page).
+  const int64_t first_page = u.first_page, end_page = u.end_page < 0 ? num_pages_ : u.end_page;
+  if (std::string e = backend_->PrepareSlot(u.dst_slot, used_.data(), first_page, end_page); !e.empty()) return e;
   backend_->StreamStarted();
   Queue free_sets, ready;
   WriteQueue writes;
@@ -140,7 +142,7 @@ std::string ShardEngine::UpdateStreamed(const ShardUpdate& u) {
   std::string why;
   const bool fed = feeder.Start([&] {
     Work w;
-    for (int64_t page = 0; page < num_pages_ && !error.failed() && free_sets.Pop(&w); ++page) {
+    for (int64_t page = first_page; page < end_page && !error.failed() && free_sets.Pop(&w); ++page) {
       if (states_read == 0) {  // nothing to read (SGD without momentum, from the caller's params)
         ready.Push({w.set, page});
         continue;
@@ -275,7 +277,7 @@ std::string ShardEngine::UpdateStreamed(const ShardUpdate& u) {
     *u.skipped = true;  // Step hands back the committed params and commits nothing
     return {};
   }
-  if (computed != num_pages_) return "internal error: not every page was updated";
+  if (computed != end_page - first_page) return "internal error: not every page was updated";
   return {};
 }
 

@@ -96,6 +96,13 @@ std::string ShardEngine::Update(const ShardUpdate& u) {
   if (u.grad == nullptr && u.pieces == nullptr) {
     if (std::string err = ValidateSparseIndices(u.indices, u.count, size_); !err.empty()) return err;
   }
+  if (u.first_page < 0 || u.first_page >= num_pages_ || (u.end_page >= 0 && (u.end_page <= u.first_page ||
+                                                                              u.end_page > num_pages_))) {
+    return "internal error: an update's pages are not a range of the shard's";
+  }
+  if ((u.first_page != 0 || u.end_page >= 0) && Addressable()) {
+    return "internal error: only a streamed update covers part of a shard";
+  }
   if (u.check_finite &&
       ((u.pieces == nullptr && u.grad == nullptr) || u.skipped == nullptr || !ChecksFiniteInPass() || u.params_in)) {
     return "internal error: an in-pass finiteness check needs a dense gradient (or pieces), a skipped flag and a "
@@ -117,7 +124,8 @@ std::string ShardEngine::Update(const ShardUpdate& u) {
     stats_.pages_read += states * num_pages_;
     stats_.pages_written += states * num_pages_;
   }
-  if (err.empty() && !(u.check_finite && *u.skipped)) stats_.updates += 1;
+  // A one-slot step updates its shard a window at a time: counted once, at its first window.
+  if (err.empty() && !(u.check_finite && *u.skipped) && u.first_page == 0) stats_.updates += 1;
   return err;
 }
 

@@ -51,6 +51,7 @@ std::unique_ptr<Backend> MakeBuiltInBackend(const BackendSpec& b) {
   // variables, read here, once per engine: a value the tier does not take fails the store's opening.
   FileIoSettings io;
   if (std::string err = FileIoSettingsFromEnv(&io); !err.empty()) throw nb::value_error(err.c_str());
+  io.one_slot = b.slots == 1;
   std::unique_ptr<Backend> backend = MakeFileBackend(s.shard_dir, s.size, s.page_elems, s.checksum, io);
   const FaultPlan faults = FaultPlanFromEnv();
   return faults.any() ? MakeFaultInjectingBackend(std::move(backend), faults) : std::move(backend);
@@ -73,6 +74,10 @@ std::shared_ptr<ShardEngine> MakeEngine(const BackendSpec& b) {
   const PluginConfig& s = b.shard;
   if (s.size < 1 || s.page_elems < 1) throw nb::value_error("size and page_elems must be >= 1");
   if (b.in_place && b.name != "memory") throw nb::value_error("only the memory tier updates in place");
+  if (b.slots != 1 && b.slots != 2) throw nb::value_error("a store keeps 1 or 2 version slots");
+  if (b.slots == 1 && b.name != "file") {
+    throw nb::value_error("one version slot (a redo journal) is the file tier's: its backend renames pages in");
+  }
   if (s.shard_index < 0 || s.num_devices < 1 || s.shard_index >= s.num_devices) {
     throw nb::value_error(("shard " + std::to_string(s.shard_index) + " of " + std::to_string(s.num_devices) +
                            " shards does not exist").c_str());

@@ -67,6 +67,7 @@ struct BackendSpec {
   std::string name;  // "memory", "file", or a plugin's name
   bool in_place = false;
   PluginConfig shard;
+  int slots = 2;  // 1: the file tier's one-slot store (redo journal), 2: two version slots
 };
 
 // module_backends.cc: the engine of one shard over its backend (built in, or a plugin loaded by name); raises

@@ -207,15 +207,15 @@ void DefineShardEngine(nb::module_& m) {
       .def("__init__",
            [](EngineRef* self, const std::string& backend, const std::string& root, int64_t size, int64_t page_elems,
               int pages_in_flight, std::array<bool, kNumStates> used, bool checksum, bool in_place,
-              const std::string& backend_options, int64_t shard, int64_t num_shards) {
+              const std::string& backend_options, int64_t shard, int64_t num_shards, int slots) {
              BackendSpec b{backend, in_place, {root, shard, num_shards, size, page_elems,
                                                std::vector<bool>(used.begin(), used.end()), checksum, pages_in_flight,
-                                               backend_options}};
+                                               backend_options}, slots};
              new (self) EngineRef{MakeEngine(b)};
            },
            nb::arg("backend"), nb::arg("root"), nb::arg("size"), nb::arg("page_elems"), nb::arg("pages_in_flight"),
            nb::arg("states_used"), nb::arg("checksum"), nb::arg("in_place") = false, nb::arg("backend_options") = "",
-           nb::arg("shard") = 0, nb::arg("num_shards") = 1,
+           nb::arg("shard") = 0, nb::arg("num_shards") = 1, nb::arg("slots") = 2,
            "An engine for one shard over `backend`: 'memory' and 'file' are built in; any other name is a backend "
            "library (libnsp_backend_<name>.so, looked for in NSP_BACKEND_PATH, then nsp/backends/), opened for "
            "shard `shard` of `num_shards` with `backend_options` (\"key=value;...\"). RuntimeError "
@@ -274,6 +274,21 @@ void DefineShardEngine(nb::module_& m) {
           },
           nb::arg("slot"), nb::arg("state"), "Reads every page, checking checksums; returns the problems found.")
       .def_prop_ro("version", [](EngineRef& ref) { return ref.get().version(); })
+      .def("set_one_slot", [](EngineRef& ref, int group, int64_t window_pages) {
+             ref.get().SetOneSlot(group, window_pages);
+           },
+           nb::arg("group"), nb::arg("window_pages"),
+           "Every step of this one-slot shard goes through its redo journal, `window_pages` pages switched in at a "
+           "time; `group`: the store's shards this process steps together. After set_manifest.")
+      .def("recover",
+           [](EngineRef& ref) {
+             ShardEngine& e = ref.get();
+             CheckWithoutGil([&] { return e.Recover(); });
+             return e.version();
+           },
+           "Finishes a one-slot update a kill interrupted, from the shard's redo journal; returns the committed "
+           "version.")
+      .def_prop_ro("needs_recovery", [](EngineRef& ref) { return ref.get().needs_recovery(); })
       .def_prop_ro("previous_valid", [](EngineRef& ref) { return ref.get().previous_valid(); })
       .def("forget_previous", [](EngineRef& ref) { ref.get().ForgetPrevious(); },
            "The version before the committed one may no longer be replayed.")

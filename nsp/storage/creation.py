@@ -94,7 +94,8 @@ class StoreCreation:
             return self.version
         if self.tier != "memory":  # every backend on disk keeps the file tier's files
             check_free_space(self.shard_paths, layout, optimizer, root=self.root, shards=self.local_shards,
-                             checksum=self.checksum, checkpoints=checkpoint_margin)
+                             checksum=self.checksum, checkpoints=checkpoint_margin, slots=self.slots,
+                             redo_window=self.redo_window)
         self.layout, self.optimizer = layout, optimizer
         asked_page_bytes, self.page_bytes = self.page_bytes, layout.page_elems * 4  # less when a shard is smaller
         try:
@@ -157,6 +158,9 @@ class StoreCreation:
         if len(self.local_shards) != self.num_shards:
             raise StoreError(f"store {self.root or '(memory)'} has shards in other processes: a fresh init of it "
                              "needs every process; open a new store for the new run")
+        if self.slots == 1:
+            raise StoreError(f"store {self.root} keeps one version slot: a fresh init over its state would overwrite "
+                             "the only copy before the new one is whole; open a new store for the new run")
         self.barrier()
         version = self.version + 1
         # Recorded before the commit: a crash between the two leaves a restart newer than the committed version,
@@ -165,7 +169,7 @@ class StoreCreation:
         if self.root is not None:
             atomic_write_json(self.root / RESTARTS, {"restarts": self._restarts})
         try:
-            self._write_first_version(produce, progress, slot=version % 2)
+            self._write_first_version(produce, progress, slot=self.slot_of(version))
             for engine in self._engines:
                 engine.commit(version)
                 engine.forget_previous()
@@ -273,7 +277,8 @@ class StoreCreation:
             raise StoreError("load_state fills a memory store; a file store is restored by placing its files")
         if shard not in self.local_shards:
             raise StoreError(f"shard {shard} is not one of this process's shards {list(self.local_shards)}")
-        self._engines[self.local_shards.index(shard)].write_state(self.version % 2, STATES.index(state), values)
+        self._engines[self.local_shards.index(shard)].write_state(self.slot_of(self.version), STATES.index(state),
+                                                                  values)
 
     def _make_engines(self, create: bool, version: int = 0, checksums: list[dict] | None = None) -> None:
         """One engine per shard at committed ``version``; ``checksums``: each shard's page checksums per slot
@@ -291,13 +296,15 @@ class StoreCreation:
             try:
                 engine = native.ShardEngine(self.backend, str(shard) if shard else "", self.layout.shard_size,
                                               self.layout.page_elems, self.pages_in_flight, used, self.checksum,
-                                              in_place=self.in_place, **device)
+                                              in_place=self.in_place, slots=self.slots, **device)
             except RuntimeError as e:  # "backend <name> not available: <why>"
                 for made in self._engines:
                     made.release()
                 self._engines = []
                 raise StoreError(str(e)) from None
             engine.set_manifest(str(shard / MANIFEST) if shard else "", version, self.store_id, i)
+            if self.slots == 1:  # the store's shards in this process step together (JournalBarrier)
+                engine.set_one_slot(len(self.local_shards), self.redo_window)
             for slot, states in (checksums[len(self._engines)] if checksums else {}).items():
                 for state, crcs in states.items():
                     if state != "version":
@@ -306,7 +313,7 @@ class StoreCreation:
 
     def _create_arrays(self, shard: Path, used: list[bool]) -> None:
         """Creates every slot's state arrays through tensorstore (it owns the format; the engine follows it)."""
-        for slot in (0, 1):
+        for slot in range(self.slots):
             for state, is_used in zip(STATES, used):
                 if not is_used:
                     continue

@@ -8,7 +8,9 @@ reads: one chunk per page, raw little-endian fp32 plus a CRC-32C trailer::
     ROOT/LOCK, SHARD/LOCK                 held by the single writer (every shard is locked, wherever it lives)
     SHARD/SHARD.json                      {"store": id, "shard": i, "root": ROOT}: whose shard this is
     SHARD/MANIFEST.json                   {"store", "shard", "version": t, "checksums": each page's CRC-32C per slot}
-    SHARD/slot{0,1}/{param,mu,nu}/        zarr v3 arrays (zarr.json + c/<page>)
+    SHARD/slot{0,1}/{param,mu,nu}/        zarr v3 arrays (zarr.json + c/<page>); a one-slot store (metadata
+                                          "slots": 1) has slot0 only, and while an update runs, its new pages
+                                          beside the old (c/<page>.next) and SHARD/redo.journal
 
 The ``csd`` tier, and any backend library a ``file`` or ``csd`` store names, keeps exactly these files too: its
 devices read and write the page files of their shard's directory.
@@ -117,9 +119,11 @@ def recorded_path(shard: Path, root: Path) -> str:
 
 
 def store_metadata(*, store_id: str, tier: str, page_bytes: int, checksum: bool, shard_paths: list[str],
-                   layout: dict, optimizer: dict, backend: str | None = None) -> dict:
+                   layout: dict, optimizer: dict, backend: str | None = None, slots: int = 2) -> dict:
     """The content of ``nsp_store.json`` (``layout``: ``Layout.to_json()``, ``optimizer``: the spec's fields;
-    ``backend``: what runs its shards, by default the tier's own, ``TIER_BACKENDS``)."""
+    ``backend``: what runs its shards, by default the tier's own, ``TIER_BACKENDS``; ``slots``: version slots,
+    recorded only for a one-slot store, so a two-slot store's file is what it always was)."""
+    extra = {"slots": 1} if slots == 1 else {}
     return {
         "format": "nsp-store",
         "format_version": FORMAT_VERSION,
@@ -131,7 +135,19 @@ def store_metadata(*, store_id: str, tier: str, page_bytes: int, checksum: bool,
         "shard_paths": shard_paths,
         "layout": layout,
         "optimizer": optimizer,
+        **extra,
     }
+
+
+def store_slots(meta: dict) -> int:
+    """The version slots a store (or a snapshot of one) keeps, from its metadata: 2 unless it records 1."""
+    return int(meta.get("slots", 2))
+
+
+def slot_of(slots: int, version: int) -> int:
+    """The slot that holds ``version``: ``version % 2`` with two slots; slot 0 always with one (a one-slot
+    store's updates switch each page in over the old one, ``ffi/engine/redo_journal.h``)."""
+    return 0 if slots == 1 else version % 2
 
 
 def store_backend(tier: str, recorded: str | None) -> str:

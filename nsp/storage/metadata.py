@@ -63,6 +63,8 @@ def check_metadata(meta: Any, where: str) -> dict:
         raise _field(where, "page_bytes", f"must be a multiple of 4096, got {page_bytes}")
     if not isinstance(meta.get("checksum"), bool):
         raise _field(where, "checksum", f"must be true or false, got {meta.get('checksum')!r}")
+    if "slots" in meta and (isinstance(meta["slots"], bool) or meta["slots"] not in (1, 2)):
+        raise _field(where, "slots", f"must be 1 or 2 (version slots), got {meta['slots']!r}")
     layout = check_layout(meta.get("layout"), where)
     if layout.page_elems * 4 != page_bytes:
         raise _field(where, "layout.page_elems", f"is {layout.page_elems}, but page_bytes {page_bytes} holds "
@@ -135,7 +137,8 @@ def check_shard_id(data: Any, where: str, store_id: str, shard: int, root: Path,
         raise _field(where, "shard", f"is {index}, but the store lists this directory as shard {shard}")
 
 
-def check_manifest(data: Any, where: str, store_id: str, shard: int, pages: int, used: tuple[bool, ...]) -> dict:
+def check_manifest(data: Any, where: str, store_id: str, shard: int, pages: int, used: tuple[bool, ...],
+                   slots: int = 2) -> dict:
     """Checks a shard's ``MANIFEST.json``; returns ``{"version": int, "checksums": {slot: {"version": the version
     that slot holds, state: [crc]}}}``."""
     if not isinstance(data, dict):
@@ -146,14 +149,15 @@ def check_manifest(data: Any, where: str, store_id: str, shard: int, pages: int,
     if _int(where, "shard", data.get("shard"), 0, _MAX_SHARDS) != shard:
         raise _field(where, "shard", f"is {data.get('shard')}, but this is shard {shard}")
     tables = data.get("checksums", {})
-    if not isinstance(tables, dict) or not set(tables) <= {"0", "1"}:
-        raise _field(where, "checksums", "must map slots '0' and '1' to per-state checksum lists")
+    if not isinstance(tables, dict) or not set(tables) <= ({"0", "1"} if slots == 2 else {"0"}):
+        raise _field(where, "checksums", "must map slots '0' and '1' to per-state checksum lists" if slots == 2
+                     else "must map slot '0' (the store keeps one slot) to per-state checksum lists")
     checksums: dict[int, dict[str, list[int]]] = {}
     for slot, states in tables.items():
         if not isinstance(states, dict):
             raise _field(where, f"checksums.{slot}", "must map states to checksum lists")
         held = _int(where, f"checksums.{slot}.version", states.get("version"), -1, (1 << 31) - 2)
-        if held >= 0 and held % 2 != int(slot):
+        if held >= 0 and slots == 2 and held % 2 != int(slot):
             raise _field(where, f"checksums.{slot}.version", f"is {held}, which lives in slot {held % 2}")
         checksums.setdefault(int(slot), {})["version"] = held
         for state, crcs in states.items():

@@ -17,7 +17,7 @@ from typing import Any
 from nsp import engine as native
 from nsp.storage.format import (LOCK, MANIFEST, METADATA, SHARD_ID, STATES, TIER_BACKENDS, TIERS, StoreError,
                                 array_dir, backend_options_string, inside, read_json, shard_dir, store_backend,
-                                write_manifest, write_shard_id)
+                                store_slots, write_manifest, write_shard_id)
 from nsp.storage.layout import PAGE_BYTES_DEFAULT, PAGES_IN_FLIGHT_DEFAULT, Layout, check_page_bytes
 from nsp.storage.metadata import check_manifest, check_metadata, check_shard_id
 from nsp.storage.store import OptimizerSpec, StateStore
@@ -36,6 +36,8 @@ def open(  # noqa: A001  (mirrors tensorstore.open / builtins.open on purpose)
     backend: str | None = None,
     backend_options: Mapping[str, Any] | None = None,
     shards: Sequence[int] | None = None,
+    slots: int | None = None,
+    redo_window: int = 16,
 ) -> StateStore:
     """Opens the store at ``path``, or creates an empty one there.
 
@@ -72,6 +74,15 @@ def open(  # noqa: A001  (mirrors tensorstore.open / builtins.open on purpose)
         the state and updates it in place: half the RAM (12 instead of 24 B/param for Adam) and the kernel's
         speed (no second copy to write), but a step cannot be replayed; updating from the version before the
         committed one is then an error like any stale version.
+      slots: ``file`` tier only: the version slots a new store keeps (recorded; ``None`` accepts an existing
+        store's). 2 (default): an update writes ``t+1`` beside ``t`` (24 bytes of disk per Adam parameter). 1: one
+        copy of the state (12 bytes per parameter) and a redo journal: each update first makes its gradient and
+        hyperparameters durable, then writes ``redo_window`` pages at a time beside the old ones and switches them
+        in by rename, a journal record per window; opening the store finishes an update a kill interrupted, so
+        a kill still leaves version ``t`` or ``t+1`` whole, bit for bit (``ffi/engine/redo_journal.h``). A
+        one-slot store cannot replay a step, adopt the caller's params or ``restart``, and all its shards are
+        held by one process.
+      redo_window: a one-slot store's pages switched in at a time per shard (their scratch is on disk at once).
 
     Returns:
       A ``StateStore``. An existing store is checked against the arguments; a new one holds no state until
@@ -94,6 +105,16 @@ def open(  # noqa: A001  (mirrors tensorstore.open / builtins.open on purpose)
         raise ValueError(f"num_shards must be >= 1, got {num_shards}")
     if pages_in_flight < 2:
         raise ValueError(f"pages_in_flight must be >= 2, got {pages_in_flight}")
+    if slots is not None and slots not in (1, 2):
+        raise ValueError(f"slots must be 1 or 2, got {slots!r}")
+    if redo_window < 1:
+        raise ValueError(f"redo_window must be >= 1, got {redo_window}")
+    if slots == 1 and (tier != "file" or (backend or "file") != "file"):
+        raise ValueError(f"slots=1 is the file tier's (its own backend renames each page in); not the {tier} tier"
+                         + (f" on backend {backend!r}" if backend else ""))
+    if slots == 1 and shards is not None and len(set(shards)) != (num_shards or 1):
+        raise ValueError("a one-slot store is stepped by one process holding all its shards (none may switch a page "
+                         "in before every shard's redo journal is durable); open all its shards here")
     if in_place and tier != "memory":
         raise ValueError(f"in_place=True is for the memory tier; the {tier} tier keeps two version slots so "
                          "that a crash leaves a whole committed version")
@@ -121,7 +142,7 @@ def open(  # noqa: A001  (mirrors tensorstore.open / builtins.open on purpose)
     meta_path = root / METADATA
     if meta_path.exists():
         return _open_existing(root, asked_tier, num_shards, page_bytes, shard_paths, pages_in_flight, backend,
-                              backend_options, shards)
+                              backend_options, shards, slots, redo_window)
     backend = backend or TIER_BACKENDS[tier]
     options = _options_string(backend, backend_options)
     _find_backend(backend)  # said now, not at the first initialize
@@ -136,7 +157,7 @@ def open(  # noqa: A001  (mirrors tensorstore.open / builtins.open on purpose)
     else:
         shard_list = [shard_dir(root, i) for i in range(num_shards)]
     store = StateStore(root, tier, num_shards, page_bytes, shard_list, pages_in_flight, checksum, backend=backend,
-                       backend_options=options, local_shards=shards)
+                       backend_options=options, local_shards=shards, slots=slots or 2, redo_window=redo_window)
     for i in store.local_shards:
         _claim_shard(store, i, shard_list[i])
     try:
@@ -215,7 +236,7 @@ def _claim_shard(store: StateStore, index: int, shard: Path) -> None:
 
 
 def _open_existing(root: Path, tier, num_shards, page_bytes, shard_paths, pages_in_flight, backend,
-                   backend_options, local_shards) -> StateStore:
+                   backend_options, local_shards, slots=None, redo_window=16) -> StateStore:
     # Everything read from disk is checked before anything is opened for writing.
     meta = check_metadata(read_json(root / METADATA, "store metadata"), str(root / METADATA))
     layout = meta["layout"]
@@ -228,8 +249,10 @@ def _open_existing(root: Path, tier, num_shards, page_bytes, shard_paths, pages_
     page_bytes = meta["page_bytes"] if page_bytes is None else page_bytes
     if page_bytes > meta["page_bytes"] and layout.shard_size <= meta["page_bytes"] // 4:
         page_bytes = meta["page_bytes"]  # the page asked for, shrunk to the store's small shards when created
+    held_slots = store_slots(meta)
+    slots = held_slots if slots is None else slots
     for name, asked, held in (("tier", tier, meta["tier"]), ("num_shards", num_shards, layout.num_shards),
-                              ("page_bytes", page_bytes, meta["page_bytes"])):
+                              ("page_bytes", page_bytes, meta["page_bytes"]), ("slots", slots, held_slots)):
         if asked != held:
             raise StoreError(f"store {root} was created with {name}={held!r}, opened with {name}={asked!r}")
     try:
@@ -249,19 +272,55 @@ def _open_existing(root: Path, tier, num_shards, page_bytes, shard_paths, pages_
                              f"shard ({ident} is missing)")
         check_shard_id(read_json(ident, "shard identity"), str(ident), store_id, i, root,
                        external=not inside(shard, root))
+    if held_slots == 1 and local_shards is not None and len(set(local_shards)) != num_shards:
+        raise StoreError(f"store {root} keeps one version slot: one process holds all its shards")
     store = StateStore(root, tier, num_shards, page_bytes, shards, pages_in_flight, meta["checksum"],
-                       store_id=store_id, backend=held_backend, backend_options=options, local_shards=local_shards)
+                       store_id=store_id, backend=held_backend, backend_options=options, local_shards=local_shards,
+                       slots=held_slots, redo_window=redo_window)
     try:
         store.acquire_locks()
-        version, checksums = _recover_version(store, layout, optimizer)
-        _check_pages_present(store, layout, optimizer, version)
-        _check_checksums_recorded(store, optimizer, version, checksums)
-        store.attach(layout, optimizer, version, checksums)
+        if held_slots == 1:
+            _open_one_slot(store, layout, optimizer)
+        else:
+            version, checksums = _recover_version(store, layout, optimizer)
+            _check_pages_present(store, layout, optimizer, version)
+            _check_checksums_recorded(store, optimizer, version, checksums)
+            store.attach(layout, optimizer, version, checksums)
     except BaseException:
         store.close()
         raise
     _say_external(store)
     return store
+
+
+def _open_one_slot(store: StateStore, layout: Layout, optimizer: OptimizerSpec) -> None:
+    """Attaches a one-slot store, finishing from its redo journals an update a kill interrupted. Its shards cannot
+    roll back (each keeps one copy), so they go forward: none switched a page in before every shard's journal was
+    durable (``JournalBarrier``), so each shard a version behind holds the journal that brings it level."""
+    used = optimizer.states_used()
+    manifests = []
+    for i, shard in zip(store.local_shards, store.local_shard_paths):
+        path = shard / MANIFEST
+        manifests.append(check_manifest(read_json(path, "shard manifest"), str(path), store.store_id, i,
+                                        layout.pages_per_shard, used, slots=1))
+    versions = [m["version"] for m in manifests]
+    if max(versions) - min(versions) > 1:
+        raise StoreError(f"shard versions {versions} differ by more than one step: the store is inconsistent")
+    for m in manifests:
+        _check_pages_present(store, layout, optimizer, m["version"])
+    for shard, m in zip(store.local_shard_paths, manifests):
+        _check_checksums_recorded(store, optimizer, m["version"], [m["checksums"]], [shard])
+    store.attach(layout, optimizer, min(versions), [m["checksums"] for m in manifests])
+    for engine, i, shard, m in zip(store._engines, store.local_shards, store.local_shard_paths, manifests):
+        if m["version"] != min(versions):
+            engine.set_manifest(str(shard / MANIFEST), m["version"], store.store_id, i)
+    try:
+        after = list(store._pool.map(lambda engine: engine.recover(), store._engines))
+    except RuntimeError as e:
+        raise StoreError(f"cannot recover store {store.root} from its redo journals: {e}") from None
+    if len(set(after)) != 1:
+        raise StoreError(f"store {store.root}: after recovery its shards hold versions {after} (a shard a version "
+                         "behind has no redo journal to go forward by): the store is inconsistent")
 
 
 def _check_pages_present(store: StateStore, layout: Layout, optimizer: OptimizerSpec, version: int) -> None:
@@ -272,7 +331,7 @@ def _check_pages_present(store: StateStore, layout: Layout, optimizer: Optimizer
         for state, used in zip(STATES, optimizer.states_used()):
             if not used:
                 continue
-            chunks = array_dir(shard, version % 2, state) / "c"
+            chunks = array_dir(shard, store.slot_of(version), state) / "c"
             present = sum(1 for p in chunks.iterdir() if p.name.isdigit()) if chunks.is_dir() else 0
             if present < pages:
                 raise StoreError(f"store {store.root}: its manifest names version {version}, but "
@@ -280,12 +339,12 @@ def _check_pages_present(store: StateStore, layout: Layout, optimizer: Optimizer
 
 
 def _check_checksums_recorded(store: StateStore, optimizer: OptimizerSpec, version: int,
-                              checksums: list[dict]) -> None:
+                              checksums: list[dict], shards: list | None = None) -> None:
     """Each manifest records the checksum of every page of the committed version, for the version its slot
     holds (a manifest naming a version its slot does not hold is damage)."""
     used = optimizer.states_used()
-    for shard, tables in zip(store.local_shard_paths, checksums):
-        recorded = tables.get(version % 2, {})
+    for shard, tables in zip(shards or store.local_shard_paths, checksums):
+        recorded = tables.get(store.slot_of(version), {})
         missing = [s for s, u in zip(STATES, used) if u and s not in recorded]
         if store.checksum and missing:
             raise StoreError(f"{shard / MANIFEST} records no page checksums of {missing} for version {version}: "

@@ -20,8 +20,8 @@ from pathlib import Path
 import numpy as np
 
 from nsp.storage.format import (METADATA, SHARD_ID, TIERS, StoreError, array_dir, atomic_write_json, fsync_dir,
-                                fsync_file, lock_holder, page_files, read_json, recorded_path, shard_dir,
-                                trailer_checksums, write_manifest, write_shard_id)
+                                fsync_file, lock_holder, page_files, read_json, recorded_path, shard_dir, slot_of,
+                                store_slots, trailer_checksums, write_manifest, write_shard_id)
 from nsp.storage.layout import PAGES_IN_FLIGHT_DEFAULT, Layout
 from nsp.storage.opening import open as open_store
 from nsp.storage.placement import Placer, check_mode, clear_dir, prepare_empty_dir
@@ -139,9 +139,10 @@ def place_shard(placer: Placer, snap: Path, info: dict, meta: dict, i: int, shar
     """Shard ``i`` of snapshot ``snap`` laid into the empty directory ``shard`` of the store at ``root`` (id
     ``store_id``): its arrays in the snapshot version's slot, its page checksums, its identity and its manifest."""
     version = int(info["version"])
-    slot = version % 2
+    slots = store_slots(meta)  # a one-slot store's snapshot restores to a one-slot store: its version in slot 0
+    slot = slot_of(slots, version)
     for state in info["states"]:
-        _place_array(placer, shard_dir(snap, i) / state, shard, slot, state)
+        _place_array(placer, shard_dir(snap, i) / state, shard, slot, state, other_slot=slots == 2)
     recorded = shard_dir(snap, i) / CHECKSUMS
     if recorded.exists():
         tables = read_json(recorded, "snapshot page checksums")["checksums"]
@@ -156,7 +157,7 @@ def place_shard(placer: Placer, snap: Path, info: dict, meta: dict, i: int, shar
     write_manifest(shard, store_id, i, version, {str(slot): tables} if tables else {})
 
 
-def _place_array(placer: Placer, src: Path, shard: Path, slot: int, state: str) -> None:
+def _place_array(placer: Placer, src: Path, shard: Path, slot: int, state: str, other_slot: bool = True) -> None:
     """A snapshot array into ``slot`` of a new shard, and an empty array in the other slot (the next update
     writes it)."""
     zarr_json = read_json(src / "zarr.json", "snapshot array metadata")
@@ -168,6 +169,10 @@ def _place_array(placer: Placer, src: Path, shard: Path, slot: int, state: str) 
     if placer.copied or placer.reflinked:
         for name, _ in page_files(dst):
             fsync_file(dst / "c" / name)
+    if not other_slot:
+        for d in (dst / "c", dst, dst.parent):
+            fsync_dir(d)
+        return
     other = array_dir(shard, 1 - slot, state)
     (other / "c").mkdir(parents=True)
     atomic_write_json(other / "zarr.json", _other_slot_metadata(zarr_json, 1 - slot))

@@ -133,10 +133,15 @@ def _warn_copied(store: StateStore, dest: Path, reason: str) -> None:
 
 def _snapshot_files(store: StateStore, dest: Path, mode: str) -> tuple[list[dict], dict]:
     version = store.version
-    slot = version % 2
+    slot = store.slot_of(version)
     used = store.optimizer.states_used()
     for shard in store.local_shard_paths:
         held = read_json(shard / MANIFEST, "shard manifest").get("version")
+        # A one-slot shard holds only its committed version (its pages are switched in by rename, so the links
+        # made here keep that version's bytes whatever later updates write).
+        if store.slots == 1 and held != version:
+            raise StoreError(f"shard {shard} is at version {held}, the open store at {version}: a one-slot store "
+                             "snapshots only a version every shard holds; reopen it (recovery brings them level)")
         # A shard may have committed one version ahead of the others (a failed multi-shard update); its slot
         # `version % 2` still holds `version` whole. Anything else means someone else wrote this store.
         if held not in (version, version + 1):

@@ -8,6 +8,9 @@ holds, in every shard directory:
   ``pages_per_shard`` page files of ``page_bytes`` plus a 4-byte CRC-32C trailer with checksums. Every page is
   written whole (the last one of a shard too, padded), and every file takes whole blocks of its file system, so a
   4 MiB page with its trailer takes 4 MiB + 4 KiB on a 4 KiB-block disk;
+- or, for a one-slot store (``slots=1``), one copy of them plus its redo journal (``ffi/engine/redo_journal.h``:
+  the update's gradient, at most 4 bytes per element, and a record per window of pages) and the scratch of one
+  window in flight (``redo_window`` pages of every state, written beside the old ones before they are switched in);
 - room for checkpoints: a snapshot hard-links the committed slot's page files, and the engine replaces a linked
   file (a fresh file renamed over it) instead of rewriting it in place, so while a snapshot lives the shard can
   hold one more version of its pages (``checkpoints``: how many snapshots may pin their own pages at once);
@@ -40,6 +43,8 @@ _CRC_TRAILER_BYTES = 4  # the zarr crc32c codec's trailer on every page file
 # Upper bounds of what the metadata files hold, per item (generous: the bound must never fall short).
 _DIR_ENTRY_BYTES = 64  # one page file's name in its directory (ext4: 8 bytes + the name, rounded to 4)
 _MANIFEST_CRC_BYTES = 11  # one page checksum in a manifest: up to 10 digits and a comma
+_JOURNAL_HEADER_BYTES = 4096  # a redo journal's header (hyperparameters) and its checksum, rounded up
+_RECORD_FIXED_BYTES = 28  # a journal record's magic, page range and checksum
 _MANIFEST_FIXED_BYTES = 1024  # a manifest's store id, shard, version and keys
 _LEAF_JSON_BYTES = 512  # one leaf in nsp_store.json (path, shape, dtype, offset), beyond its path's length
 _METADATA_FIXED_BYTES = 4096  # the rest of nsp_store.json (ids, tier, shard paths, optimizer)
@@ -67,16 +72,18 @@ def version_bytes(layout: Layout, optimizer: OptimizerSpec, *, checksum: bool = 
 
 
 def shard_metadata_bytes(layout: Layout, optimizer: OptimizerSpec, *,
-                         block_bytes: int = BLOCK_BYTES_DEFAULT) -> int:
+                         block_bytes: int = BLOCK_BYTES_DEFAULT, slots: int = VERSION_SLOTS) -> int:
     """An upper bound of what one shard's metadata takes on disk: its directories, small files, and the manifest
     with the temporary copy each commit renames over it."""
     states, pages = _states(optimizer), layout.pages_per_shard
+    if slots == 1:  # one slot's arrays, whose page directories also name the window's scratch pages
+        pages *= 2
     # The shard, its two slots, and per slot and state an array directory (zarr.json beside it) and the
     # directory of its pages, which grows with their names.
-    dirs = (3 + VERSION_SLOTS * states) * block_bytes
-    dirs += VERSION_SLOTS * states * _blocks(max(1, pages * _DIR_ENTRY_BYTES), block_bytes)
-    files = (2 + VERSION_SLOTS * states) * block_bytes  # LOCK, SHARD.json, each array's zarr.json
-    manifest = _MANIFEST_FIXED_BYTES + VERSION_SLOTS * states * pages * _MANIFEST_CRC_BYTES
+    dirs = (3 + slots * states) * block_bytes
+    dirs += slots * states * _blocks(max(1, pages * _DIR_ENTRY_BYTES), block_bytes)
+    files = (2 + slots * states) * block_bytes  # LOCK, SHARD.json, each array's zarr.json
+    manifest = _MANIFEST_FIXED_BYTES + slots * states * pages * _MANIFEST_CRC_BYTES
     return dirs + files + 2 * _blocks(manifest, block_bytes)
 
 
@@ -88,17 +95,38 @@ def root_metadata_bytes(layout: Layout, *, block_bytes: int = BLOCK_BYTES_DEFAUL
 
 
 def shard_bytes(layout: Layout, optimizer: OptimizerSpec, *, checksum: bool = True, checkpoints: int = 1,
-                block_bytes: int = BLOCK_BYTES_DEFAULT) -> int:
-    """What one shard takes on disk at most: its two version slots, ``checkpoints`` more versions of its pages
-    (the pages live snapshots keep), and its metadata (without the root's)."""
+                block_bytes: int = BLOCK_BYTES_DEFAULT, slots: int = VERSION_SLOTS, redo_window: int = 16) -> int:
+    """What one shard takes on disk at most: its version slots (two; or one, with its redo journal and a window
+    of scratch pages), ``checkpoints`` more versions of its pages (the pages live snapshots keep), and its
+    metadata (without the root's)."""
     if checkpoints < 0:
         raise ValueError(f"checkpoints must be >= 0, got {checkpoints}")
+    if slots not in (1, 2):
+        raise ValueError(f"slots must be 1 or 2, got {slots}")
     pages = version_bytes(layout, optimizer, checksum=checksum, block_bytes=block_bytes)
-    return (VERSION_SLOTS + checkpoints) * pages + shard_metadata_bytes(layout, optimizer, block_bytes=block_bytes)
+    meta = shard_metadata_bytes(layout, optimizer, block_bytes=block_bytes, slots=slots)
+    if slots == 2:
+        return (VERSION_SLOTS + checkpoints) * pages + meta
+    return (1 + checkpoints) * pages + journal_bytes(layout, optimizer, redo_window=redo_window, checksum=checksum,
+                                                     block_bytes=block_bytes) + meta
+
+
+def journal_bytes(layout: Layout, optimizer: OptimizerSpec, *, redo_window: int = 16, checksum: bool = True,
+                  block_bytes: int = BLOCK_BYTES_DEFAULT) -> int:
+    """What a one-slot shard's update adds at most: its redo journal (the gradient as given: dense, at most fp32;
+    compressed pairs take 8 bytes each, so as much while they send at most half the elements, as Top-K does; a
+    header; a record per window) and one window of scratch pages."""
+    states, pages = _states(optimizer), layout.pages_per_shard
+    window = min(max(1, redo_window), pages)
+    records = -(-pages // window) * (_RECORD_FIXED_BYTES + 4 * states * window)
+    journal = _blocks(_JOURNAL_HEADER_BYTES + 4 * layout.shard_size + records, block_bytes)
+    page = page_file_bytes(layout.page_elems * 4, checksum=checksum, block_bytes=block_bytes)
+    return journal + window * states * page
 
 
 def required_bytes(layout: Layout, optimizer: OptimizerSpec, *, checksum: bool = True, checkpoints: int = 1,
-                   shards: int | None = None, block_bytes: int = BLOCK_BYTES_DEFAULT) -> int:
+                   shards: int | None = None, block_bytes: int = BLOCK_BYTES_DEFAULT, slots: int = VERSION_SLOTS,
+                   redo_window: int = 16) -> int:
     """The disk a store needs at most, all its shards on one file system of ``block_bytes`` blocks: for a plan
     or a command line to print before creating it (``check_free_space`` checks each file system's part).
 
@@ -110,9 +138,12 @@ def required_bytes(layout: Layout, optimizer: OptimizerSpec, *, checksum: bool =
         pages; once the store has moved on, those are extra). 0: no checkpoints on this disk.
       shards: how many of the layout's shards (default: all of them).
       block_bytes: the file system's allocation block.
+      slots: the store's version slots (1: one copy of the state and a redo journal; ``nsp.storage.open``).
+      redo_window: a one-slot store's pages in flight per shard (their scratch is counted).
     """
     shards = layout.num_shards if shards is None else shards
-    per_shard = shard_bytes(layout, optimizer, checksum=checksum, checkpoints=checkpoints, block_bytes=block_bytes)
+    per_shard = shard_bytes(layout, optimizer, checksum=checksum, checkpoints=checkpoints, block_bytes=block_bytes,
+                            slots=slots, redo_window=redo_window)
     return shards * per_shard + root_metadata_bytes(layout, block_bytes=block_bytes)
 
 
@@ -145,13 +176,14 @@ class FileSystemNeed:
 
 def check_free_space(shard_paths: Sequence[str | os.PathLike], layout: Layout, optimizer: OptimizerSpec, *,
                      root: str | os.PathLike | None = None, shards: Sequence[int] | None = None,
-                     checksum: bool = True, checkpoints: int = 1) -> list[FileSystemNeed]:
+                     checksum: bool = True, checkpoints: int = 1, slots: int = VERSION_SLOTS,
+                     redo_window: int = 16) -> list[FileSystemNeed]:
     """Checks that every file system the store's shards (and its root) live on can hold what it will write there.
 
     Args:
       shard_paths: each shard's directory (``StateStore.shard_paths``); one that does not exist yet is asked
         about through its nearest existing parent.
-      layout, optimizer, checksum, checkpoints: as for ``required_bytes``.
+      layout, optimizer, checksum, checkpoints, slots, redo_window: as for ``required_bytes``.
       root: the store's directory, where ``nsp_store.json`` lives (None: count no root metadata).
       shards: the shards to count (default: all; one process of several counts its own).
 
@@ -178,14 +210,14 @@ def check_free_space(shard_paths: Sequence[str | os.PathLike], layout: Layout, o
     for device, group in groups.items():
         block = _block_bytes(group["directory"])
         needed = len(group["shards"]) * shard_bytes(layout, optimizer, checksum=checksum, checkpoints=checkpoints,
-                                                    block_bytes=block)
+                                                    block_bytes=block, slots=slots, redo_window=redo_window)
         if group["root"]:
             needed += root_metadata_bytes(layout, block_bytes=block)
         free = shutil.disk_usage(group["directory"]).free + group["reclaimable"]
         needs.append(FileSystemNeed(group["directory"], device, tuple(group["shards"]), group["root"], needed, free))
     short = [need for need in needs if need.short]
     if short:
-        raise StoreError(_shortage_message(short, layout, optimizer, checkpoints))
+        raise StoreError(_shortage_message(short, layout, optimizer, checkpoints, slots))
     return needs
 
 
@@ -198,7 +230,7 @@ def format_bytes(n: int) -> str:
 
 
 def _shortage_message(short: list[FileSystemNeed], layout: Layout, optimizer: OptimizerSpec,
-                      checkpoints: int) -> str:
+                      checkpoints: int, slots: int = VERSION_SLOTS) -> str:
     states = [s for s, used in zip(STATES, optimizer.states_used()) if used]
     where = "; ".join(
         f"the file system of {need.directory} ({_what_lives(need)}) needs {format_bytes(need.needed)} "
@@ -207,10 +239,16 @@ def _shortage_message(short: list[FileSystemNeed], layout: Layout, optimizer: Op
     ram = memory_bytes(layout, optimizer)
     kept = (f", plus room for the pages of {checkpoints} live checkpoint{'s' if checkpoints > 1 else ''}"
             if checkpoints else "")
-    return (f"not enough disk for the store: {where}. Each shard keeps {VERSION_SLOTS} versions of "
-            f"{'/'.join(states)} ({layout.shard_size:,} fp32 elements each, in pages of "
-            f"{_page_size(layout.page_elems * 4)}){kept}. Fewer version slots is not available: a store on "
-            f"disk keeps two so that a crash leaves a whole version. "
+    if slots == 1:
+        kept_how = (f"Each shard keeps one version of {'/'.join(states)} ({layout.shard_size:,} fp32 elements each, in "
+                    f"pages of {_page_size(layout.page_elems * 4)}), its redo journal and a window of scratch "
+                    f"pages{kept}. ")
+    else:
+        kept_how = (f"Each shard keeps {VERSION_SLOTS} versions of {'/'.join(states)} ({layout.shard_size:,} fp32 "
+                    f"elements each, in pages of {_page_size(layout.page_elems * 4)}){kept}. Fewer version slots is not "
+                    f"available to a store made with two; a new one-slot store (slots=1, nsp train --slots 1) "
+                    f"keeps one, with a redo journal so that a kill still leaves a whole version. ")
+    return (f"not enough disk for the store: {where}. {kept_how}"
             f"Instead: a smaller model; another store directory (--store-dir, or shard_paths spread over several "
             f"disks) on a file system with the space; or the memory tier if RAM allows ({format_bytes(ram)}, "
             f"{format_bytes(ram // VERSION_SLOTS)} with in_place=True)")

@@ -32,7 +32,7 @@ import numpy as np
 from nsp.storage.creation import StoreCreation
 # METADATA stays importable from here: nsp.storage.store.METADATA names a store's metadata file.
 from nsp.storage.format import (METADATA, STATES, TIER_BACKENDS, StoreError, inside, lock_store,  # noqa: F401
-                                recorded_path, store_metadata)
+                                recorded_path, slot_of, store_metadata)
 from nsp.storage.handle import StoreHandle
 from nsp.storage.layout import Layout, Leaf
 from nsp.storage.lifetime import Lifetime
@@ -51,7 +51,7 @@ class StateStore(StoreCreation):
     def __init__(self, root: Path | None, tier: str, num_shards: int, page_bytes: int,
                  shard_paths: list[Path], pages_in_flight: int, checksum: bool, in_place: bool = False,
                  store_id: str | None = None, backend: str | None = None, backend_options: str = "",
-                 local_shards: Sequence[int] | None = None):
+                 local_shards: Sequence[int] | None = None, slots: int = 2, redo_window: int = 16):
         self.root = root
         self.store_id = store_id or uuid.uuid4().hex  # whose shards these are (SHARD.json, every manifest)
         self.tier = tier
@@ -70,6 +70,10 @@ class StateStore(StoreCreation):
         self.pages_in_flight = pages_in_flight
         self.checksum = checksum
         self.in_place = in_place  # memory tier only: one copy of the state, updated in place (no replay)
+        # file tier: 1 keeps one slot and a redo journal (ffi/engine/redo_journal.h), switching `redo_window`
+        # pages in at a time; 2 keeps two version slots
+        self.slots = slots
+        self.redo_window = redo_window
         self.layout: Layout | None = None
         self.optimizer: OptimizerSpec | None = None
         self._staleness = 0  # how updates run, as initialize was told (StoreHandle.staleness)
@@ -203,7 +207,12 @@ class StateStore(StoreCreation):
         return store_metadata(store_id=self.store_id, tier=self.tier, backend=self.backend,
                               page_bytes=self.page_bytes, checksum=self.checksum,
                               shard_paths=[recorded_path(p, self.root) for p in self.shard_paths],
-                              layout=self.layout.to_json(), optimizer=dataclasses.asdict(self.optimizer))
+                              layout=self.layout.to_json(), optimizer=dataclasses.asdict(self.optimizer),
+                              slots=self.slots)
+
+    def slot_of(self, version: int) -> int:
+        """The version slot that holds ``version`` (slot 0 always in a one-slot store)."""
+        return slot_of(self.slots, version)
 
     # ---- updates ---------------------------------------------------------------------------------------------
 
@@ -255,7 +264,8 @@ class StateStore(StoreCreation):
         out = np.empty(self.layout.padded_total, np.float32)
         size = self.layout.shard_size
         list(self._pool.map(
-            lambda i: self._engines[i].read_state(version % 2, STATES.index(state), out[i * size:(i + 1) * size]),
+            lambda i: self._engines[i].read_state(self.slot_of(version), STATES.index(state),
+                                                  out[i * size:(i + 1) * size]),
             range(self.num_shards)))
         return out
 
@@ -270,7 +280,7 @@ class StateStore(StoreCreation):
         if version not in self.held_versions():
             raise StoreError(f"the store no longer holds version {version} (it holds {self.held_versions()})")
         out = np.empty(self.layout.shard_size, np.float32)
-        self._engines[self.local_shards.index(shard)].read_state(version % 2, STATES.index(state), out)
+        self._engines[self.local_shards.index(shard)].read_state(self.slot_of(version), STATES.index(state), out)
         return out
 
     def read_leaves(self, state: str = "param", version: int | None = None) -> Iterator[tuple[Leaf, np.ndarray]]:
@@ -299,8 +309,8 @@ class StateStore(StoreCreation):
                 first = at // page
                 n = min(-(-upto // page) * page, size) - first * page  # whole pages (the shard's last one short)
                 pages = np.empty(n, np.float32)
-                self._engines[self.local_shards.index(shard)].read_pages(version % 2, STATES.index(state), first,
-                                                                         pages)
+                engine = self._engines[self.local_shards.index(shard)]
+                engine.read_pages(self.slot_of(version), STATES.index(state), first, pages)
                 skip = first * page  # where the pages start, within the shard
                 out[begin - leaf.offset:shard * size + upto - leaf.offset] = pages[at - skip:upto - skip]
                 begin = shard * size + upto
@@ -317,7 +327,7 @@ class StateStore(StoreCreation):
         version = self.version
         used = [i for i, u in enumerate(self.optimizer.states_used()) if u]
         jobs = [(engine, state) for engine in self._engines for state in used]
-        problems = [p for found in self._pool.map(lambda job: job[0].verify(version % 2, job[1]), jobs)
+        problems = [p for found in self._pool.map(lambda job: job[0].verify(self.slot_of(version), job[1]), jobs)
                     for p in found]
         pages = len(jobs) * self.layout.pages_per_shard
         return {"version": version, "pages": pages, "bytes": len(jobs) * self.layout.shard_size * 4,

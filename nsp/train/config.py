@@ -42,6 +42,9 @@ class TrainConfig:
     tier: str = "file"
     # Directory of the state store; empty = RUN_DIR/store.
     store_dir: str = ""
+    # Version slots of a new file-tier store: 2 (an update writes t+1 beside t) or 1 (one copy of the state on
+    # disk, half the disk, and a redo journal so that a kill still leaves t or t+1 whole: nsp.storage.open).
+    slots: int = 2
     # Store page size in MiB (also the zarr chunk size on disk).
     page_mib: float = 4.0
     # Optimizer whose state the store keeps: adamw, adam, sgd or adagrad.
@@ -169,6 +172,8 @@ class TrainConfig:
             (self.staleness in (0, 1), "staleness must be 0 or 1"),
             (self.optimizer in KINDS, f"unknown optimizer {self.optimizer!r} ({', '.join(sorted(KINDS))})"),
             (self.tier in ("file", "memory", "csd"), f"unknown tier {self.tier!r} (file, memory, csd)"),
+            (self.slots in (1, 2), "slots must be 1 or 2"),
+            (self.slots == 2 or self.tier == "file", "slots 1 (a redo journal) needs the file tier"),
             (self.activation in ("gelu", "relu"), f"unknown activation {self.activation!r} (gelu, relu)"),
             (self.task in ("lm", "classify"), f"unknown task {self.task!r} (lm, classify)"),
             (self.classes >= 2, "classes must be >= 2"),

@@ -254,8 +254,9 @@ class Base:
     freeze: freeze_lib.Freeze  # the leaves --freeze/--freeze-layers keep out of the store and the backward pass
 
     def store_kw(self) -> dict:
+        # slots: asked for only when 1, so that a resumed store keeps what it was made with either way.
         return dict(tier=self.config.tier, num_shards=self.num_shards, page_bytes=self.config.page_bytes,
-                    shards=self.shards)
+                    shards=self.shards, **({"slots": 1} if self.config.slots == 1 else {}))
 
     def abstract_bf16_params(self) -> Any:
         """With --bf16-params: the params' shapes in bfloat16, for a store's layout and a restore's template."""

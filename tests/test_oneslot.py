@@ -1,0 +1,219 @@
+"""One-slot stores (``nsp.storage.open(..., slots=1)``): one copy of the state on disk and a redo journal.
+
+Each update is compared bit for bit with a two-slot store given the same gradients; real processes are killed
+(SIGKILL, through the fault-injecting backend's variables) inside the journal's write, inside an update's window,
+between a window's journal record and its renames, at the commit, and inside recovery itself; the reopened store
+must hold version t or t+1 whole, exactly the two-slot store's bytes of that version. Tiny stores: pages of 4 KiB.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import jax
+import numpy as np
+import pytest
+
+from nsp import storage
+from nsp.storage import OptimizerSpec, StoreError
+from nsp.storage.restore import restore_store
+from nsp.storage.snapshot import snapshot_store
+
+PAGE = 4096  # 1024 fp32 per page
+SPEC = OptimizerSpec("adamw", weight_decay=0.01)
+STEPS = 4
+
+
+def make_params():
+    rng = np.random.default_rng(0)
+    return {"a": rng.standard_normal((40, 70)).astype(np.float32), "b": rng.standard_normal(1500).astype(np.float32)}
+
+
+def grad_for(step, layout):
+    return np.random.default_rng(100 + step).standard_normal(layout.padded_total).astype(np.float32)
+
+
+def compressed_for(step, layout):
+    """Top-K-like pairs: per shard, sorted shard positions and their values."""
+    rng = np.random.default_rng(200 + step)
+    idx = [np.sort(rng.choice(layout.shard_size, 150, replace=False)).astype(np.int32)
+           for _ in range(layout.num_shards)]
+    return idx, [rng.standard_normal(150).astype(np.float32) for _ in range(layout.num_shards)]
+
+
+def do_step(store, step):
+    if step % 2:
+        return store.update(grad_for(step, store.layout), version=step - 1, lr=0.01, step=step)
+    idx, val = compressed_for(step, store.layout)
+    return store.update(indices=idx, values=val, version=step - 1, lr=0.01, step=step)
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    """Every version's p, m, v as a two-slot store computes them."""
+    path = tmp_path_factory.mktemp("ref") / "store"
+    states = []
+    with storage.open(path, num_shards=2, page_bytes=PAGE) as store:
+        store.initialize(make_params(), SPEC)
+        states.append({s: store.read(s) for s in ("param", "mu", "nu")})
+        for step in range(1, STEPS + 1):
+            do_step(store, step)
+            states.append({s: store.read(s) for s in ("param", "mu", "nu")})
+    return states
+
+
+def assert_version_whole(store, reference, version):
+    for state in ("param", "mu", "nu"):
+        np.testing.assert_array_equal(store.read(state), reference[version][state], err_msg=f"{state} v{version}")
+
+
+def open_one(path, **kw):
+    kw.setdefault("num_shards", 2)
+    kw.setdefault("page_bytes", PAGE)
+    kw.setdefault("redo_window", 2)
+    return storage.open(path, slots=1, **kw)
+
+
+def test_one_slot_steps_equal_two_slot_steps(tmp_path, reference):
+    with open_one(tmp_path / "s") as store:
+        store.initialize(make_params(), SPEC)
+        assert store.layout.pages_per_shard > 2  # several windows per update
+        for step in range(1, STEPS + 1):
+            out = do_step(store, step)
+            np.testing.assert_array_equal(out["params"], reference[step]["param"])
+        assert_version_whole(store, reference, STEPS)
+        assert store.verify()["problems"] == []
+        assert store.held_versions() == [STEPS]  # no replay: one copy
+    meta = json.loads((tmp_path / "s" / "nsp_store.json").read_text())
+    assert meta["slots"] == 1
+    shard = tmp_path / "s" / "shards" / "00000"
+    assert not (shard / "slot1").exists() and not (shard / "redo.journal").exists()
+    assert sorted(os.listdir(shard / "slot0" / "param" / "c")) == [str(i) for i in range(3)]
+    with storage.open(tmp_path / "s") as store:  # reopening knows it keeps one slot
+        assert store.slots == 1 and store.version == STEPS
+        assert_version_whole(store, reference, STEPS)
+        with pytest.raises(RuntimeError, match=f"version {STEPS - 1}"):
+            do_step(store, STEPS)  # a replay of the last step: a one-slot store keeps no version before
+    with pytest.raises(StoreError, match="slots=1, opened with slots=2"):
+        storage.open(tmp_path / "s", slots=2)
+
+
+def test_one_slot_refuses_what_it_cannot_keep(tmp_path):
+    with pytest.raises(ValueError, match="file tier"):
+        storage.open(None, tier="memory", slots=1)
+    with pytest.raises(ValueError, match="slots must be 1 or 2"):
+        storage.open(tmp_path / "x", slots=3)
+    with open_one(tmp_path / "s") as store:
+        store.initialize(make_params(), SPEC)
+        with pytest.raises(StoreError, match="one version slot"):
+            store.restart(make_params(), SPEC)
+
+
+def test_required_bytes_counts_one_slot(tmp_path):
+    layout = storage.Layout.from_tree(jax.tree_util.tree_map(
+        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), {"w": np.zeros((1024, 1 << 20), np.float32)}),
+        num_shards=1)
+    two = storage.required_bytes(layout, SPEC, checkpoints=0)
+    one = storage.required_bytes(layout, SPEC, checkpoints=0, slots=1, redo_window=16)
+    state = 3 * 1024 * (1 << 22)
+    # One slot, plus the journal (the gradient: one state's size at most) and 16 pages of 3 states in flight.
+    assert one < 0.7 * two
+    # (each page file also takes a 4 KiB block for its checksum trailer: 12 MiB here, and metadata)
+    assert state + state // 3 + 16 * 3 * (4 << 20) <= one < state + state // 3 + 16 * 3 * (4 << 20) + (32 << 20)
+    with_ckpt = storage.required_bytes(layout, SPEC, checkpoints=1, slots=1, redo_window=16)
+    assert with_ckpt - one >= state  # a live checkpoint keeps one version of the pages
+
+
+# ---- kills ---------------------------------------------------------------------------------------------------------
+
+WORKER = textwrap.dedent("""
+    import sys
+    sys.path.insert(0, {tests!r})
+    from test_oneslot import do_step, open_one
+    from pathlib import Path
+    path = Path({path!r})
+    with open_one(path) as store:
+        for step in range(store.version + 1, {steps} + 1):
+            do_step(store, step)
+""")
+
+
+def run_worker(path, env_extra, steps=STEPS):
+    code = WORKER.format(tests=os.path.dirname(__file__), path=str(path), steps=steps)
+    env = dict(os.environ, **env_extra)
+    return subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+
+
+def killed_store(tmp_path, env_extra, reference):
+    path = tmp_path / "s"
+    with open_one(path) as store:
+        store.initialize(make_params(), SPEC)
+    proc = run_worker(path, env_extra)
+    assert proc.returncode == -9, proc.stderr[-2000:]
+    return path
+
+
+# Each kill point: (variable, occurrence). Two shards of 3 pages, windows of 2 pages: an update makes 2 windows
+# per shard (switches), 9 page writes per shard, one journal per shard.
+KILLS = [
+    ("NSP_DEBUG_KILL_IN_JOURNAL", 1), ("NSP_DEBUG_KILL_IN_JOURNAL", 4),  # halfway through a shard's journal
+    ("NSP_DEBUG_KILL_AFTER_WRITES", 4), ("NSP_DEBUG_KILL_AFTER_WRITES", 14),  # inside a window, steps 1 and 2
+    ("NSP_DEBUG_KILL_AT_SWITCH", 2), ("NSP_DEBUG_KILL_AT_SWITCH", 7),  # record durable, renames not done
+    ("NSP_DEBUG_KILL_AT_COMMIT", 1), ("NSP_DEBUG_KILL_AT_COMMIT", 4),  # every page in, manifest not yet
+]
+
+
+@pytest.mark.parametrize("var,at", KILLS)
+def test_a_kill_leaves_t_or_t_plus_one_whole(tmp_path, reference, var, at):
+    path = killed_store(tmp_path, {var: str(at)}, reference)
+    with storage.open(path) as store:  # recovery
+        version = store.version
+        assert_version_whole(store, reference, version)
+        assert store.verify()["problems"] == []
+        for step in range(version + 1, STEPS + 1):  # and it steps on, bit for bit
+            do_step(store, step)
+        assert_version_whole(store, reference, STEPS)
+    shard = path / "shards" / "00000" / "slot0" / "param" / "c"
+    assert sorted(os.listdir(shard)) == ["0", "1", "2"]  # no scratch left behind
+
+
+@pytest.mark.parametrize("kill_in_recovery", [1, 3])
+def test_a_kill_inside_recovery_is_recovered(tmp_path, reference, kill_in_recovery):
+    path = killed_store(tmp_path, {"NSP_DEBUG_KILL_AFTER_WRITES": "12"}, reference)  # step 2, first window
+    assert (path / "shards" / "00000" / "redo.journal").exists()
+    proc = run_worker(path, {"NSP_DEBUG_KILL_AFTER_WRITES": str(kill_in_recovery)}, steps=0)  # open = recover
+    assert proc.returncode == -9, proc.stderr[-2000:]
+    with storage.open(path) as store:
+        assert store.version in (1, 2)
+        assert_version_whole(store, reference, store.version)
+
+
+# ---- checkpoints ---------------------------------------------------------------------------------------------------
+
+
+def test_snapshot_of_a_one_slot_store_keeps_its_version(tmp_path, reference):
+    """A snapshot hard-links the only slot's pages; the updates after it switch fresh files in by rename, so the
+    linked files keep the snapshot's bytes (they are never written in place)."""
+    with open_one(tmp_path / "s") as store:
+        store.initialize(make_params(), SPEC)
+        do_step(store, 1)
+        info = snapshot_store(store, tmp_path / "snap", mode="link")
+        linked = tmp_path / "snap" / "shards" / "00000" / "param" / "c" / "0"
+        assert os.stat(linked).st_nlink == 2
+        before = linked.read_bytes()
+        for step in (2, 3):
+            do_step(store, step)
+        assert linked.read_bytes() == before and os.stat(linked).st_nlink == 1
+        assert_version_whole(store, reference, 3)
+    assert info["version"] == 1
+    with restore_store(tmp_path / "snap", tmp_path / "r", mode="link") as restored:
+        assert restored.slots == 1 and restored.version == 1
+        assert_version_whole(restored, reference, 1)
+        do_step(restored, 2)  # steps on from the restored version; the snapshot stays as it was
+        assert_version_whole(restored, reference, 2)
+        assert restored.verify()["problems"] == []
+    assert linked.read_bytes() == before
