@@ -72,3 +72,19 @@ def test_a_classifier_leaves_the_language_model_as_it_was():
     with pytest.raises(ValueError, match="num_classes must be 0"):
         get_config("tiny", num_classes=1)
     assert get_config("tiny", num_classes=3).num_params() == sum(x.size for x in jax.tree_util.tree_leaves(clf_state))
+
+
+def test_the_classification_loss_from_per_token_and_pooled_features_is_the_loss_from_tokens():
+    from nsp.train.step import loss_fn, loss_from_features
+
+    graphdef, params = nnx.split(GPT(get_config("tiny", num_classes=4), rngs=nnx.Rngs(1)), nnx.Param)
+    rng = np.random.default_rng(0)
+    batch = {"tokens": rng.integers(0, 256, (4, 16)).astype(np.int32), "labels": np.array([0, 1, 2, 3], np.int32)}
+    model = nnx.merge(graphdef, params)
+    want = float(loss_fn(graphdef, params, batch))
+    per_token = model.blocks(model.embed(batch["tokens"]), 0, 1)
+    pooled = model.pool(model.blocks(per_token, 1, 2))
+    for first, x in ((1, per_token), (2, pooled)):
+        got = float(loss_from_features(graphdef, params, {"x": x, "labels": batch["labels"]}, first))
+        np.testing.assert_allclose(got, want, rtol=1e-6)
+    assert abs(want - np.log(4)) < 0.5  # a fresh head: about chance
