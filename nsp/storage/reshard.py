@@ -1,0 +1,370 @@
+"""Resharding: a checkpoint's store cut again for another shard count or process count.
+
+Each state of a store (``param``, ``mu``, ``nu``) is one fp32 vector of the layout's ``padded_total`` elements, the
+real ones first and zeros after, cut into ``num_shards`` equal contiguous shards (``layout.py``). A run of N
+processes x D devices has N*D shards, and its checkpoint holds them in N parts (``store/process-NNNNN``; the item
+itself for one process). Another layout needs the same vectors cut again: the leaves, and so the real elements,
+are the same; only the shard count changes (with it the shard size, the padding, and for shards smaller than a page
+the page size). Nothing else in a store depends on it: the optimizer update is elementwise, and the version and the
+step are the same for every shard. So each new shard is one range of the old vectors: ``ItemSource`` reads exactly
+that range from the old shards' pages with tensorstore (each page's CRC-32C trailer is checked as it is read, and
+first against the checksum the shard's manifest recorded, where the snapshot has one) and ``write_snapshot``
+writes it as the new shard's pages, as a snapshot that ``restore.py`` restores like any other.
+
+- ``restore_resharded``: what a process of a run resumed on another layout does: builds a snapshot of its own new
+  shards beside its store, restores it (hard links), removes it; the memory tier loads the ranges straight in.
+- ``nsp.storage.reshard_checkpoint`` (``nsp ckpt reshard``) does a whole checkpoint step offline.
+- ``ItemSource.read`` serves any range of a multi-process item (``export.py`` reads whole vectors through it).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import shutil
+import time
+import uuid
+from collections.abc import Sequence
+from pathlib import Path
+
+import jax
+import numpy as np
+import tensorstore as ts
+
+from nsp.storage.format import (METADATA, StoreError, atomic_write_json, fsync_dir, fsync_file, page_files,
+                                read_json, shard_dir, trailer_checksums, zarr_spec)
+from nsp.storage.layout import PAGES_IN_FLIGHT_DEFAULT, Layout
+from nsp.storage.opening import open as open_store
+from nsp.storage.restore import restore_store
+from nsp.storage.snapshot import (CHECKSUMS, SNAPSHOT, SNAPSHOT_FORMAT, SNAPSHOT_FORMAT_VERSION, _layout_summary,
+                                  load_snapshot_info, open_snapshot_array)
+from nsp.storage.store import OptimizerSpec, StateStore
+
+#: Elements moved per read/write while re-cutting (64 MiB of fp32): two of these are in memory at a time.
+CHUNK_ELEMS = 16 * 2**20
+
+
+def layout_for(layout: Layout, num_shards: int, page_bytes: int) -> Layout:
+    """``layout``'s leaves cut into ``num_shards`` shards, with the page size ``Layout.from_tree`` picks for that
+    count (so a run on the new layout finds exactly this layout in its store)."""
+    like = [jax.ShapeDtypeStruct(leaf.shape, np.dtype(leaf.dtype)) for leaf in layout.leaves]
+    page_elems = Layout.from_tree(like, num_shards=num_shards, page_bytes=page_bytes).page_elems
+    return Layout(layout.leaves, int(num_shards), page_elems)
+
+
+def process_shards(num_shards: int, processes: int, process: int) -> list[int]:
+    """The shards process ``process`` of ``processes`` holds: its devices' (contiguous, the same count each)."""
+    if processes < 1 or num_shards % processes:
+        raise StoreError(f"{num_shards} shards cannot be split evenly over {processes} processes (each process "
+                         "holds the shards of its devices, the same number each)")
+    per = num_shards // processes
+    return list(range(process * per, (process + 1) * per))
+
+
+@dataclasses.dataclass
+class Part:
+    """One process's part of a store item: where it is, whether it is there whole, and the shards it holds."""
+
+    process: int | None  # None: the item is one lone process's snapshot
+    path: Path
+    present: bool
+    shards: list[int]
+    problem: str | None = None  # why a part that should be there is not usable
+    info: dict | None = None
+
+
+class ItemSource:
+    """The state vectors of a checkpoint's store item (a snapshot, or the ``process-NNNNN`` parts of one), read
+    by range of the flat vector whichever parts hold it.
+
+    Parts that are missing or unfinished are recorded (``parts``, ``missing_shards``), not refused: ``read``
+    refuses a range that needs one, naming the process whose part it is. ``check()`` refuses any.
+    """
+
+    def __init__(self, item_dir: str | os.PathLike, *, processes: int | None = None):
+        """``processes``: how many processes wrote the item (the step's meta records it), to name parts that
+        are missing altogether; by default what the parts present imply."""
+        self.path = Path(item_dir).absolute()
+        if not self.path.is_dir():
+            raise StoreError(f"checkpoint store item {self.path} does not exist")
+        self.parts: list[Part] = []
+        if (self.path / SNAPSHOT).exists() or not any(self.path.glob("process-*")):
+            info = load_snapshot_info(self.path)  # raises naming what is wrong with a lone snapshot
+            self.parts.append(Part(None, self.path, True, _held(info), info=info))
+        else:
+            for part in sorted(p for p in self.path.glob("process-*") if p.is_dir()):
+                try:
+                    info = load_snapshot_info(part)
+                except StoreError as e:
+                    self.parts.append(Part(int(part.name.split("-")[1]), part, False, [], str(e)))
+                    continue
+                self.parts.append(Part(int(part.name.split("-")[1]), part, True, _held(info), info=info))
+        good = [p for p in self.parts if p.present]
+        if not good:
+            raise StoreError(f"checkpoint store item {self.path} holds no complete part: "
+                             + "; ".join(p.problem or p.path.name for p in self.parts))
+        first = good[0].info
+        for p in good[1:]:
+            for key in ("version", "layout", "optimizer", "page_bytes", "checksum", "states"):
+                if p.info.get(key) != first.get(key):
+                    raise StoreError(f"checkpoint store item {self.path} is inconsistent: {p.path.name} holds "
+                                     f"{key} {p.info.get(key)!r}, {good[0].path.name} {first.get(key)!r}")
+        self.info = first
+        self.meta = read_json(good[0].path / METADATA, "snapshot store metadata")
+        self.layout = Layout.from_json(self.meta["layout"])
+        self.version = int(first["version"])
+        self.states = list(first["states"])
+        n = self.layout.num_shards
+        self._where = {i: p.path for p in good for i in p.shards}
+        self.missing_shards = [i for i in range(n) if i not in self._where]
+        # Parts absent altogether: the processes a run of `processes` had that left no directory at all.
+        per = len(good[0].shards) if good[0].process is not None else n
+        count = processes or (n // per if per and n % per == 0 else len(self.parts))
+        if good[0].process is not None:
+            seen = {p.process for p in self.parts}
+            for q in range(count):
+                if q not in seen:
+                    self.parts.append(Part(q, self.path / f"process-{q:05d}", False, [],
+                                           "the part is missing (no directory)"))
+            self.parts.sort(key=lambda p: p.process)
+        self._per = per
+        self._arrays: dict[tuple[int, str], ts.TensorStore] = {}
+        self._verified: set[tuple[int, str]] = set()
+
+    def owner(self, shard: int) -> int:
+        """The process whose part holds (or should hold) ``shard``."""
+        return shard // self._per if self._per else 0
+
+    def check(self) -> None:
+        """Raises ``StoreError`` when any shard's part is missing or unfinished."""
+        if self.missing_shards:
+            i = self.missing_shards[0]
+            raise StoreError(self._missing_message(i))
+
+    def _missing_message(self, shard: int) -> str:
+        q = self.owner(shard)
+        problem = next((p.problem for p in self.parts if p.process == q), None) or "missing"
+        return (f"checkpoint store item {self.path}: shard {shard} of {self.layout.num_shards} is in no complete "
+                f"part: process {q}'s part (process-{q:05d}): {problem} (the checkpoint directory must be one "
+                "every process of the run wrote into, and every part must have finished)")
+
+    def _array(self, shard: int, state: str) -> ts.TensorStore:
+        key = (shard, state)
+        if key not in self._arrays:
+            if shard not in self._where:
+                raise StoreError(self._missing_message(shard))
+            snap = self._where[shard]
+            self._verify(snap, shard, state)
+            self._arrays[key] = open_snapshot_array(snap, shard, state)
+        return self._arrays[key]
+
+    def _verify(self, snap: Path, shard: int, state: str) -> None:
+        """Each page's CRC-32C trailer against the checksum its shard's manifest recorded for this version (a
+        file-tier snapshot keeps them): a page swapped for another valid page would read without error."""
+        recorded = shard_dir(snap, shard) / CHECKSUMS
+        if not recorded.exists():
+            return
+        tables = read_json(recorded, "snapshot page checksums").get("checksums") or {}
+        if state not in tables:
+            return
+        found = trailer_checksums(shard_dir(snap, shard) / state)
+        if found != [int(c) for c in tables[state]]:
+            bad = next((k for k, (a, b) in enumerate(zip(found, tables[state])) if a != b), min(len(found),
+                                                                                                 len(tables[state])))
+            raise StoreError(f"snapshot {snap}: page {bad} of {state} in shard {shard} does not hold what the "
+                             "shard's manifest recorded (damaged or replaced)")
+
+    def read_async(self, state: str, begin: int, end: int) -> tuple[np.ndarray, list]:
+        """Elements ``[begin, end)`` of ``state``'s flat vector (zeros past the old padding): the output array
+        and the read futures that fill it (wait for them before using it)."""
+        out = np.zeros(end - begin, np.float32)
+        size = self.layout.shard_size
+        futures = []
+        lo = begin
+        stop = min(end, self.layout.total)  # past the real elements everything is zero
+        while lo < stop:
+            shard = lo // size
+            hi = min(stop, (shard + 1) * size)
+            src = self._array(shard, state)[lo - shard * size:hi - shard * size]
+            futures.append(src.read(out=out[lo - begin:hi - begin]) if _READ_INTO else (src, lo - begin, hi - begin))
+            lo = hi
+        if not _READ_INTO:
+            futures = [_Copy(out, f) for f in futures]
+        return out, futures
+
+    def read(self, state: str, begin: int = 0, end: int | None = None) -> np.ndarray:
+        """Elements ``[begin, end)`` of ``state``'s flat vector (default: the whole padded vector)."""
+        if state not in self.states:
+            raise ValueError(f"the checkpoint holds no state {state!r} (it holds {self.states})")
+        out, futures = self.read_async(state, begin, self.layout.padded_total if end is None else end)
+        for f in futures:
+            f.result()
+        return out
+
+
+def _held(info: dict) -> list[int]:
+    return list(info.get("local_shards", range(info["layout"]["num_shards"])))
+
+
+def _supports_read_into() -> bool:
+    """Whether this tensorstore reads into a given array (``read(out=...)``): one copy fewer."""
+    import inspect
+
+    try:
+        return "out" in inspect.signature(ts.TensorStore.read).parameters
+    except (TypeError, ValueError):
+        return False
+
+
+_READ_INTO = _supports_read_into()
+
+
+class _Copy:
+    """A read future that copies its result into place (for a tensorstore without ``read(out=...)``)."""
+
+    def __init__(self, out: np.ndarray, job: tuple):
+        src, lo, hi = job
+        self._out, self._lo, self._hi, self._future = out, lo, hi, src.read()
+
+    def result(self):
+        self._out[self._lo:self._hi] = self._future.result()
+
+
+# ---- writing the new shards --------------------------------------------------------------------------------------
+
+
+def write_snapshot(source: ItemSource, dest: str | os.PathLike, num_shards: int, *,
+                   shards: Sequence[int] | None = None) -> dict:
+    """Writes a snapshot of ``source``'s state cut into ``num_shards`` shards at ``dest`` (new; built under a
+    temporary name beside it and renamed into place, so ``dest`` exists only complete): all of them, or only
+    ``shards`` (one process's part). Returns its description (``load_snapshot_info``'s, with ``seconds`` and
+    ``read_bytes``/``written_bytes``)."""
+    t0 = time.perf_counter()
+    dest = Path(dest).absolute()
+    if dest.exists():
+        raise StoreError(f"{dest} already exists")
+    if not dest.parent.is_dir():
+        raise StoreError(f"cannot create {dest}: directory {dest.parent} does not exist")
+    new = layout_for(source.layout, num_shards, int(source.meta["page_bytes"]))
+    local = list(range(num_shards)) if shards is None else sorted(int(s) for s in shards)
+    if any(not 0 <= s < num_shards for s in local):
+        raise StoreError(f"shards {local} are not all among the {num_shards} shards")
+    for j in local:  # every old shard this needs must be there before anything is written
+        lo, hi = j * new.shard_size, min((j + 1) * new.shard_size, source.layout.total)
+        for i in range(lo // source.layout.shard_size, -(-hi // source.layout.shard_size)) if lo < hi else ():
+            if i in source.missing_shards:
+                raise StoreError(source._missing_message(i))
+    tmp = dest.with_name(f".{dest.name}.tmp-{uuid.uuid4().hex[:8]}")
+    tmp.mkdir()
+    try:
+        files = []
+        for j in local:
+            for state in source.states:
+                files += _write_shard_state(source, new, tmp, j, state)
+        fsync_dir(tmp / "shards")
+        meta = dict(source.meta, layout=new.to_json())
+        atomic_write_json(tmp / METADATA, meta)
+        record = {
+            "format": SNAPSHOT_FORMAT, "format_version": SNAPSHOT_FORMAT_VERSION, "version": source.version,
+            "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+            "source": {"resharded_from": str(source.path), "num_shards": source.layout.num_shards},
+            "page_bytes": int(source.meta["page_bytes"]), "checksum": bool(source.meta["checksum"]),
+            "layout": _layout_summary(new), "optimizer": source.info["optimizer"], "states": source.states,
+            "arrays": "shards/{shard:05d}/{state}",
+            **({"local_shards": local} if shards is not None else {}),
+            "method": "reshard", "fallback_reason": None, "linked_files": 0, "linked_bytes": 0,
+            "reflinked_files": 0, "reflinked_bytes": 0, "copied_files": len(files),
+            "copied_bytes": sum(f["bytes"] for f in files),
+            "num_files": len(files), "total_bytes": sum(f["bytes"] for f in files), "files": files,
+        }
+        atomic_write_json(tmp / SNAPSHOT, record)
+        os.rename(tmp, dest)
+        fsync_dir(dest.parent)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    info = load_snapshot_info(dest, check_files=False)
+    info.pop("files", None)
+    info["seconds"] = time.perf_counter() - t0
+    info["written_bytes"] = record["total_bytes"]
+    info["read_bytes"] = len(local) * new.shard_size * 4 * len(source.states)
+    return info
+
+
+def _write_shard_state(source: ItemSource, new: Layout, snap: Path, j: int, state: str) -> list[dict]:
+    """New shard ``j``'s ``state`` array in snapshot ``snap``, read chunk by chunk from the old shards: the next
+    chunk's reads run while the last chunk is written."""
+    path = shard_dir(snap, j) / state
+    spec = zarr_spec(path, new.shard_size, new.page_elems, bool(source.meta["checksum"]), state,
+                     source.version % 2, sync=False)
+    spec["store_data_equal_to_fill_value"] = True  # every page a file, as the store keeps them, zeros or not
+    arr = ts.open(spec, create=True).result()
+    chunk = max(new.page_elems, CHUNK_ELEMS // new.page_elems * new.page_elems)  # whole pages per write
+    base = j * new.shard_size
+    pending = None
+    for lo in range(0, new.shard_size, chunk):
+        hi = min(new.shard_size, lo + chunk)
+        data, reads = source.read_async(state, base + lo, base + hi)
+        for f in reads:
+            f.result()
+        if pending is not None:
+            pending.result()
+        pending = arr[lo:hi].write(data)
+    if pending is not None:
+        pending.result()
+    files = [{"path": f"shards/{j:05d}/{state}/zarr.json", "bytes": (path / "zarr.json").stat().st_size}]
+    for name, size in page_files(path):
+        fsync_file(path / "c" / name)
+        files.append({"path": f"shards/{j:05d}/{state}/c/{name}", "bytes": size})
+    fsync_file(path / "zarr.json")
+    for d in (path / "c", path, path.parent):
+        fsync_dir(d)
+    return files
+
+
+# ---- restoring a process's shards on another layout ----------------------------------------------------------------
+
+
+def restore_resharded(item_dir: str | os.PathLike, store_path: str | os.PathLike | None, num_shards: int, *,
+                      shards: Sequence[int] | None = None, tier: str = "file", overwrite: bool = False,
+                      pages_in_flight: int = PAGES_IN_FLIGHT_DEFAULT) -> StateStore:
+    """Restores a checkpoint's store item, written on any layout, as ``num_shards`` shards: all of them, or only
+    ``shards`` (this process's, one of several), at ``store_path`` (``None`` for the memory tier). The file tiers
+    get a snapshot of those shards written beside ``store_path`` and restored from it by hard link
+    (``restore_store``), then removed; the memory tier loads the ranges straight in. Bit-identical: every element
+    of the new shards is the old vector's."""
+    source = ItemSource(item_dir)
+    t0 = time.perf_counter()
+    if tier == "memory":
+        store = _restore_memory(source, num_shards, shards, pages_in_flight)
+    else:
+        if store_path is None:
+            raise ValueError(f"the {tier} tier needs a store_path")
+        root = Path(store_path).absolute()
+        staging = root.with_name(f".{root.name}.reshard-{uuid.uuid4().hex[:8]}")
+        try:
+            write_snapshot(source, staging, num_shards, shards=shards)
+            store = restore_store(staging, root, tier=tier, overwrite=overwrite, mode="auto",
+                                  pages_in_flight=pages_in_flight, shards=shards)
+        finally:
+            shutil.rmtree(staging, ignore_errors=True)  # the store keeps its own links to the pages
+    store.restore_info = {"snapshot": str(source.path), "version": source.version, "method": "reshard",
+                          "from_shards": source.layout.num_shards, "seconds": time.perf_counter() - t0}
+    return store
+
+
+def _restore_memory(source: ItemSource, num_shards: int, shards: Sequence[int] | None,
+                    pages_in_flight: int) -> StateStore:
+    new = layout_for(source.layout, num_shards, int(source.meta["page_bytes"]))
+    store = open_store(None, tier="memory", num_shards=num_shards, page_bytes=int(source.meta["page_bytes"]),
+                       pages_in_flight=pages_in_flight, checksum=bool(source.meta["checksum"]),
+                       shards=None if shards is None else list(shards))
+    try:
+        store.attach(new, OptimizerSpec(**source.meta["optimizer"]), source.version)
+        for j in range(num_shards) if shards is None else shards:
+            for state in source.states:
+                store.load_state(state, j, source.read(state, j * new.shard_size, (j + 1) * new.shard_size))
+    except BaseException:
+        store.close()
+        raise
+    return store
