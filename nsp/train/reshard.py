@@ -6,16 +6,22 @@ long as the store layout's padded total, ``ceil(total / num_shards) * num_shards
 are the real ones, in layout order, whatever the shard count; the padding is zeros (no gradient reaches it). So a
 residual re-cut for another shard count is its real elements followed by the new layout's padding of zeros, and
 the residual every element carries into the next step is unchanged.
+
+A resume on another process count also finds the store directories of the earlier layout where its own go
+(``STORE_DIR`` for one process, ``STORE_DIR/process-NNNNN`` for several): ``clear_stale_stores`` removes them.
 """
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 
 from nsp.optim import TopKState
+from nsp.storage.format import METADATA
+from nsp.storage.restore import RESTORING, remove_existing_store
 
 
 def padded_total(total: int, num_shards: int) -> int:
@@ -68,3 +74,27 @@ class FlatRecut:
         sharding = getattr(flat, "sharding", None)
         # jit: the restored array may span several processes' devices (replicated), where eager slicing is refused.
         return jax.jit(cut, out_shardings=sharding)(flat) if sharding is not None else cut(jnp.asarray(flat))
+
+
+def stale_stores(store_root: Path, multiprocess: bool) -> list[Path]:
+    """The stores a run on another process count left under ``store_root`` (``--store-dir``), which this run's
+    would overlap: one process's store at ``store_root`` itself, or several processes' ``process-NNNNN`` in it."""
+    if multiprocess:
+        return [store_root] if (store_root / METADATA).exists() or (store_root / RESTORING).exists() else []
+    return sorted(p for p in store_root.glob("process-*") if (p / METADATA).exists() or (p / RESTORING).exists())
+
+
+def clear_stale_stores(store_root: Path, item_dir: Path, log) -> None:
+    """Removes ``stale_stores`` before a resharded restore (their state is the checkpoint's, or newer steps that
+    the resume redoes). Processes take turns: on a store directory that hosts share, one removes what the others
+    then no longer find. A directory that is not an nsp store is never deleted (``remove_existing_store``)."""
+    import nsp.distributed
+
+    me = jax.process_index()
+    for turn in range(jax.process_count()):
+        if turn == me:
+            for stale in stale_stores(store_root, jax.process_count() > 1):
+                log(f"removing {stale}: the store of the run's earlier process layout (the checkpoint holds its state)")
+                remove_existing_store(stale, item_dir, overwrite=True)
+        nsp.distributed.barrier(f"nsp-reshard-clear-{turn}")
+    store_root.mkdir(parents=True, exist_ok=True)

@@ -48,7 +48,7 @@ from nsp.train import process, store_resume
 from nsp.train.config import TrainConfig, TrainError
 from nsp.train.layerwise import LayerwiseInit, SetupProgress, fmt_gib, peak_rss_bytes
 from nsp.train.optimizer import make_optimizer
-from nsp.train.reshard import FlatRecut
+from nsp.train.reshard import FlatRecut, clear_stale_stores
 from nsp.train.step import replicate
 
 FRESH, FROM_CHECKPOINT, FROM_STORE = "fresh", "checkpoint", "store"
@@ -346,6 +346,8 @@ def resume_from_checkpoint(base: Base, log: Callable[[str], None]):
         # every part must be visible: the checkpoint directory is shared, as orbax requires).
         log(f"resharding the checkpoint at step {step}: written by {saved_processes} process(es) with "
             f"{saved_shards} store shards, this run has {jax.process_count()} with {base.num_shards}")
+        if config.tier != "memory":
+            clear_stale_stores(config.store_path, base.run_dir / "ckpt" / str(step) / "store", log)
     # The store goes back to the checkpoint's version (steps after it are redone, bit for bit).
     store_args = ckpt.StoreRestore(None if config.tier == "memory" else base.store_path, tier=config.tier,
                                    overwrite=True, shards=base.shards, num_shards=base.num_shards)
