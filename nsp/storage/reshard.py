@@ -131,6 +131,19 @@ class ItemSource:
         self._arrays: dict[tuple[int, str], ts.TensorStore] = {}
         self._verified: set[tuple[int, str]] = set()
 
+    def describe_parts(self) -> list[dict]:
+        """Each part (every process's, missing ones too): which process wrote it, whether it is there whole, the
+        shards it holds (or should hold), and what is wrong with it."""
+        n = self.layout.num_shards
+        out = []
+        for p in self.parts:
+            shards = p.shards if p.present else [i for i in range(n) if p.process is not None
+                                                  and self.owner(i) == p.process]
+            out.append({"process": 0 if p.process is None else p.process, "path": str(p.path),
+                        "present": p.present, "shards": shards,
+                        **({"problem": p.problem} if p.problem else {})})
+        return out
+
     def owner(self, shard: int) -> int:
         """The process whose part holds (or should hold) ``shard``."""
         return shard // self._per if self._per else 0
