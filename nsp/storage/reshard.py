@@ -19,6 +19,7 @@ writes it as the new shard's pages, as a snapshot that ``restore.py`` restores l
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import os
 import shutil
@@ -39,10 +40,6 @@ from nsp.storage.restore import restore_store
 from nsp.storage.snapshot import (CHECKSUMS, SNAPSHOT, SNAPSHOT_FORMAT, SNAPSHOT_FORMAT_VERSION, _layout_summary,
                                   load_snapshot_info, open_snapshot_array)
 from nsp.storage.store import OptimizerSpec, StateStore
-
-#: Elements moved per read/write while re-cutting (64 MiB of fp32): two of these are in memory at a time.
-CHUNK_ELEMS = 16 * 2**20
-
 
 def layout_for(layout: Layout, num_shards: int, page_bytes: int) -> Layout:
     """``layout``'s leaves cut into ``num_shards`` shards, with the page size ``Layout.from_tree`` picks for that
@@ -187,60 +184,34 @@ class ItemSource:
             raise StoreError(f"snapshot {snap}: page {bad} of {state} in shard {shard} does not hold what the "
                              "shard's manifest recorded (damaged or replaced)")
 
-    def read_async(self, state: str, begin: int, end: int) -> tuple[np.ndarray, list]:
-        """Elements ``[begin, end)`` of ``state``'s flat vector (zeros past the old padding): the output array
-        and the read futures that fill it (wait for them before using it)."""
-        out = np.zeros(end - begin, np.float32)
+    def pieces(self, state: str, begin: int, end: int) -> list[tuple[int, ts.TensorStore]]:
+        """Where elements ``[begin, end)`` of ``state``'s flat vector are: ``(offset from begin, old shard's
+        array cut to the range)`` for each old shard they overlap, real elements only (the rest is zeros)."""
         size = self.layout.shard_size
-        futures = []
-        lo = begin
-        stop = min(end, self.layout.total)  # past the real elements everything is zero
+        out = []
+        lo, stop = begin, min(end, self.layout.total)  # past the real elements everything is zero
         while lo < stop:
             shard = lo // size
             hi = min(stop, (shard + 1) * size)
-            src = self._array(shard, state)[lo - shard * size:hi - shard * size]
-            futures.append(src.read(out=out[lo - begin:hi - begin]) if _READ_INTO else (src, lo - begin, hi - begin))
+            out.append((lo - begin, self._array(shard, state)[lo - shard * size:hi - shard * size]))
             lo = hi
-        if not _READ_INTO:
-            futures = [_Copy(out, f) for f in futures]
-        return out, futures
+        return out
 
     def read(self, state: str, begin: int = 0, end: int | None = None) -> np.ndarray:
         """Elements ``[begin, end)`` of ``state``'s flat vector (default: the whole padded vector)."""
         if state not in self.states:
             raise ValueError(f"the checkpoint holds no state {state!r} (it holds {self.states})")
-        out, futures = self.read_async(state, begin, self.layout.padded_total if end is None else end)
-        for f in futures:
-            f.result()
+        end = self.layout.padded_total if end is None else end
+        out = np.zeros(end - begin, np.float32)
+        reads = [(at, piece.read()) for at, piece in self.pieces(state, begin, end)]
+        for at, future in reads:
+            data = future.result()
+            out[at:at + data.shape[0]] = data
         return out
 
 
 def _held(info: dict) -> list[int]:
     return list(info.get("local_shards", range(info["layout"]["num_shards"])))
-
-
-def _supports_read_into() -> bool:
-    """Whether this tensorstore reads into a given array (``read(out=...)``): one copy fewer."""
-    import inspect
-
-    try:
-        return "out" in inspect.signature(ts.TensorStore.read).parameters
-    except (TypeError, ValueError):
-        return False
-
-
-_READ_INTO = _supports_read_into()
-
-
-class _Copy:
-    """A read future that copies its result into place (for a tensorstore without ``read(out=...)``)."""
-
-    def __init__(self, out: np.ndarray, job: tuple):
-        src, lo, hi = job
-        self._out, self._lo, self._hi, self._future = out, lo, hi, src.read()
-
-    def result(self):
-        self._out[self._lo:self._hi] = self._future.result()
 
 
 # ---- writing the new shards --------------------------------------------------------------------------------------
@@ -270,10 +241,17 @@ def write_snapshot(source: ItemSource, dest: str | os.PathLike, num_shards: int,
     tmp = dest.with_name(f".{dest.name}.tmp-{uuid.uuid4().hex[:8]}")
     tmp.mkdir()
     try:
-        files = []
-        for j in local:
-            for state in source.states:
-                files += _write_shard_state(source, new, tmp, j, state)
+        # Every new array's copies are in flight at once: tensorstore copies old pages into new ones chunk by
+        # chunk on its own threads (no Python copy), checking and computing each page's CRC-32C as it goes.
+        jobs = [_start_copy(source, new, tmp, j, state) for j in local for state in source.states]
+        for _, futures in jobs:
+            for f in futures:
+                f.result()
+        files = [f for path, _ in jobs for f in _array_files(tmp, path)]
+        fsync_files([tmp / f["path"] for f in files])
+        for path, _ in jobs:
+            for d in (path / "c", path, path.parent):
+                fsync_dir(d)
         fsync_dir(tmp / "shards")
         meta = dict(source.meta, layout=new.to_json())
         atomic_write_json(tmp / METADATA, meta)
@@ -304,35 +282,35 @@ def write_snapshot(source: ItemSource, dest: str | os.PathLike, num_shards: int,
     return info
 
 
-def _write_shard_state(source: ItemSource, new: Layout, snap: Path, j: int, state: str) -> list[dict]:
-    """New shard ``j``'s ``state`` array in snapshot ``snap``, read chunk by chunk from the old shards: the next
-    chunk's reads run while the last chunk is written."""
+def _start_copy(source: ItemSource, new: Layout, snap: Path, j: int, state: str) -> tuple[Path, list]:
+    """Starts writing new shard ``j``'s ``state`` array in snapshot ``snap`` from the old shards' arrays: returns
+    the array's directory and the write futures."""
     path = shard_dir(snap, j) / state
     spec = zarr_spec(path, new.shard_size, new.page_elems, bool(source.meta["checksum"]), state,
-                     source.version % 2, sync=False)
+                     source.version % 2, sync=False)  # made durable once, by fsync_files
     spec["store_data_equal_to_fill_value"] = True  # every page a file, as the store keeps them, zeros or not
     arr = ts.open(spec, create=True).result()
-    chunk = max(new.page_elems, CHUNK_ELEMS // new.page_elems * new.page_elems)  # whole pages per write
     base = j * new.shard_size
-    pending = None
-    for lo in range(0, new.shard_size, chunk):
-        hi = min(new.shard_size, lo + chunk)
-        data, reads = source.read_async(state, base + lo, base + hi)
-        for f in reads:
-            f.result()
-        if pending is not None:
-            pending.result()
-        pending = arr[lo:hi].write(data)
-    if pending is not None:
-        pending.result()
-    files = [{"path": f"shards/{j:05d}/{state}/zarr.json", "bytes": (path / "zarr.json").stat().st_size}]
-    for name, size in page_files(path):
-        fsync_file(path / "c" / name)
-        files.append({"path": f"shards/{j:05d}/{state}/c/{name}", "bytes": size})
-    fsync_file(path / "zarr.json")
-    for d in (path / "c", path, path.parent):
-        fsync_dir(d)
-    return files
+    futures, covered = [], 0
+    for at, piece in source.pieces(state, base, base + new.shard_size):
+        n = piece.shape[0]
+        futures.append(arr[at:at + n].write(piece.translate_to[at]))
+        covered = at + n
+    if covered < new.shard_size:  # the padding (past the real elements): zeros, written as pages like the rest
+        futures.append(arr[covered:].write(np.zeros(new.shard_size - covered, np.float32)))
+    return path, futures
+
+
+def _array_files(snap: Path, path: Path) -> list[dict]:
+    rel = path.relative_to(snap)
+    return ([{"path": f"{rel}/zarr.json", "bytes": (path / "zarr.json").stat().st_size}]
+            + [{"path": f"{rel}/c/{name}", "bytes": size} for name, size in page_files(path)])
+
+
+def fsync_files(paths: list[Path], threads: int = 8) -> None:
+    """fsync of every file, several at a time: the disk gets more than one file's writeback to work on."""
+    with concurrent.futures.ThreadPoolExecutor(threads) as pool:
+        list(pool.map(fsync_file, paths))
 
 
 # ---- restoring a process's shards on another layout ----------------------------------------------------------------
