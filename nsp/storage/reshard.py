@@ -38,8 +38,14 @@ from nsp.storage.layout import PAGES_IN_FLIGHT_DEFAULT, Layout
 from nsp.storage.opening import open as open_store
 from nsp.storage.restore import restore_store
 from nsp.storage.snapshot import (CHECKSUMS, SNAPSHOT, SNAPSHOT_FORMAT, SNAPSHOT_FORMAT_VERSION, _layout_summary,
-                                  load_snapshot_info, open_snapshot_array)
+                                  load_snapshot_info)
 from nsp.storage.store import OptimizerSpec, StateStore
+#: The chunk cache the old pages are read through (shared by every array of a source).
+SOURCE_CACHE_BYTES = 512 * 2**20
+#: New arrays being copied at once by one ``write_snapshot``, and files being fsynced at once.
+ARRAYS_IN_FLIGHT = 2
+FSYNC_THREADS = 8
+
 
 def layout_for(layout: Layout, num_shards: int, page_bytes: int) -> Layout:
     """``layout``'s leaves cut into ``num_shards`` shards, with the page size ``Layout.from_tree`` picks for that
@@ -126,6 +132,7 @@ class ItemSource:
             self.parts.sort(key=lambda p: p.process)
         self._per = per
         self._arrays: dict[tuple[int, str], ts.TensorStore] = {}
+        self._context = ts.Context({"cache_pool": {"total_bytes_limit": SOURCE_CACHE_BYTES}})
         self._verified: set[tuple[int, str]] = set()
 
     def describe_parts(self) -> list[dict]:
@@ -165,7 +172,11 @@ class ItemSource:
                 raise StoreError(self._missing_message(shard))
             snap = self._where[shard]
             self._verify(snap, shard, state)
-            self._arrays[key] = open_snapshot_array(snap, shard, state)
+            # Opened in one context with a chunk cache: old and new page boundaries rarely align, so most old pages
+            # feed two new ones, and are read and checked once, not twice.
+            self._arrays[key] = ts.open({"driver": "zarr3", "kvstore": {"driver": "file",
+                                                                         "path": str(shard_dir(snap, shard) / state)}},
+                                        open=True, read=True, context=self._context).result()
         return self._arrays[key]
 
     def _verify(self, snap: Path, shard: int, state: str) -> None:
@@ -241,17 +252,21 @@ def write_snapshot(source: ItemSource, dest: str | os.PathLike, num_shards: int,
     tmp = dest.with_name(f".{dest.name}.tmp-{uuid.uuid4().hex[:8]}")
     tmp.mkdir()
     try:
-        # Every new array's copies are in flight at once: tensorstore copies old pages into new ones chunk by
-        # chunk on its own threads (no Python copy), checking and computing each page's CRC-32C as it goes.
-        jobs = [_start_copy(source, new, tmp, j, state) for j in local for state in source.states]
-        for _, futures in jobs:
-            for f in futures:
+        # tensorstore copies old pages into new ones chunk by chunk on its own threads (no Python copy), checking
+        # and computing each page's CRC-32C as it goes. A few arrays at a time, each made durable as soon as it is
+        # written, so that the disk writes back one array while the next is copied.
+        files: list[dict] = []
+        with concurrent.futures.ThreadPoolExecutor(FSYNC_THREADS) as syncs:
+            synced, in_flight = [], []
+            for j in local:
+                for state in source.states:
+                    in_flight.append(_start_copy(source, new, tmp, j, state))
+                    if len(in_flight) >= ARRAYS_IN_FLIGHT:
+                        synced += _finish_copy(tmp, in_flight.pop(0), syncs, files)
+            while in_flight:
+                synced += _finish_copy(tmp, in_flight.pop(0), syncs, files)
+            for f in synced:
                 f.result()
-        files = [f for path, _ in jobs for f in _array_files(tmp, path)]
-        fsync_files([tmp / f["path"] for f in files])
-        for path, _ in jobs:
-            for d in (path / "c", path, path.parent):
-                fsync_dir(d)
         fsync_dir(tmp / "shards")
         meta = dict(source.meta, layout=new.to_json())
         atomic_write_json(tmp / METADATA, meta)
@@ -299,6 +314,19 @@ def _start_copy(source: ItemSource, new: Layout, snap: Path, j: int, state: str)
     if covered < new.shard_size:  # the padding (past the real elements): zeros, written as pages like the rest
         futures.append(arr[covered:].write(np.zeros(new.shard_size - covered, np.float32)))
     return path, futures
+
+
+def _finish_copy(snap: Path, job: tuple[Path, list], syncs: concurrent.futures.Executor,
+                 files: list[dict]) -> list[concurrent.futures.Future]:
+    """Waits for one array's copy, lists its files into ``files`` and starts their fsyncs (returned)."""
+    path, futures = job
+    for f in futures:
+        f.result()
+    written = _array_files(snap, path)
+    files += written
+    paths = [snap / f["path"] for f in written]
+    return ([syncs.submit(fsync_file, p) for p in paths]
+            + [syncs.submit(lambda: [fsync_dir(d) for d in (path / "c", path, path.parent)])])
 
 
 def _array_files(snap: Path, path: Path) -> list[dict]:
