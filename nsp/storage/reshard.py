@@ -32,6 +32,7 @@ import jax
 import numpy as np
 import tensorstore as ts
 
+from nsp import engine as native
 from nsp.storage.format import (METADATA, StoreError, atomic_write_json, fsync_dir, fsync_file, page_files,
                                 read_json, shard_dir, trailer_checksums, zarr_spec)
 from nsp.storage.layout import PAGES_IN_FLIGHT_DEFAULT, Layout
@@ -45,6 +46,8 @@ SOURCE_CACHE_BYTES = 512 * 2**20
 #: New arrays being copied at once by one ``write_snapshot``, and files being fsynced at once.
 ARRAYS_IN_FLIGHT = 2
 FSYNC_THREADS = 8
+#: Pages copied at once by ``_copy_pages`` (each: its old pages read, checked, the new one written and fsynced).
+COPY_THREADS = 8
 
 
 def layout_for(layout: Layout, num_shards: int, page_bytes: int) -> Layout:
@@ -133,6 +136,7 @@ class ItemSource:
         self._per = per
         self._arrays: dict[tuple[int, str], ts.TensorStore] = {}
         self._context = ts.Context({"cache_pool": {"total_bytes_limit": SOURCE_CACHE_BYTES}})
+        self._tables: dict[tuple[int, str], list[int] | None] = {}
         self._verified: set[tuple[int, str]] = set()
 
     def describe_parts(self) -> list[dict]:
@@ -208,6 +212,68 @@ class ItemSource:
             lo = hi
         return out
 
+    def raw_pages(self) -> bool:
+        """Whether every array of every part is in the store's own page format (``format.zarr_spec``: one file per
+        page of ``page_elems`` little-endian fp32, and a CRC-32C trailer when the store keeps checksums): then
+        pages are read directly (``page``), not through tensorstore."""
+        expected = zarr_spec(Path("."), 1, self.layout.page_elems, bool(self.meta["checksum"]), "param", 0)
+        want = expected["metadata"]
+        for shard, snap in self._where.items():
+            for state in self.states:
+                got = read_json(shard_dir(snap, shard) / state / "zarr.json", "snapshot array metadata")
+                if (got.get("codecs") != want["codecs"] or got.get("data_type") != want["data_type"]
+                        or got.get("chunk_grid") != want["chunk_grid"]
+                        or got.get("chunk_key_encoding") != want["chunk_key_encoding"]):
+                    return False
+        return True
+
+    def page(self, shard: int, state: str, k: int) -> np.ndarray:
+        """Page ``k`` of old shard ``shard``'s ``state`` (``page_elems`` elements), its CRC-32C trailer checked and
+        checked against the manifest's record; an absent page (never written: zeros) is zeros."""
+        if shard not in self._where:
+            raise StoreError(self._missing_message(shard))
+        path = shard_dir(self._where[shard], shard) / state / "c" / str(k)
+        n = self.layout.page_elems
+        try:
+            raw = np.fromfile(path, np.uint8)
+        except FileNotFoundError:
+            return np.zeros(n, np.float32)
+        checksum = bool(self.meta["checksum"])
+        if raw.size != n * 4 + (4 if checksum else 0):
+            raise StoreError(f"page {path} has {raw.size} bytes, expected {n * 4 + (4 if checksum else 0)}")
+        if checksum:
+            crc = native.crc32c(raw[:-4])
+            trailer = int.from_bytes(raw[-4:].tobytes(), "little")
+            recorded = self._recorded(shard, state)
+            if crc != trailer:
+                raise StoreError(f"page {path} is damaged: its CRC-32C is {crc:08x}, its trailer says {trailer:08x}")
+            if recorded is not None and (k >= len(recorded) or int(recorded[k]) != crc):
+                raise StoreError(f"snapshot {self._where[shard]}: page {k} of {state} in shard {shard} does not "
+                                 "hold what the shard's manifest recorded (damaged or replaced)")
+        return raw[:n * 4].view(np.float32)
+
+    def _recorded(self, shard: int, state: str) -> list[int] | None:
+        key = (shard, state)
+        if key not in self._tables:
+            path = shard_dir(self._where[shard], shard) / CHECKSUMS
+            tables = read_json(path, "snapshot page checksums").get("checksums") or {} if path.exists() else {}
+            self._tables[key] = tables.get(state)
+        return self._tables[key]
+
+    def read_pages(self, state: str, begin: int, end: int) -> np.ndarray:
+        """``read`` page by page (``page``): elements ``[begin, end)`` of ``state``'s flat vector."""
+        out = np.zeros(end - begin, np.float32)
+        size, n = self.layout.shard_size, self.layout.page_elems
+        lo, stop = begin, min(end, self.layout.total)
+        while lo < stop:
+            shard, offset = divmod(lo, size)
+            k = offset // n
+            hi = min(stop, shard * size + min(size, (k + 1) * n))
+            page = self.page(shard, state, k)
+            out[lo - begin:hi - begin] = page[offset - k * n:offset - k * n + hi - lo]
+            lo = hi
+        return out
+
     def read(self, state: str, begin: int = 0, end: int | None = None) -> np.ndarray:
         """Elements ``[begin, end)`` of ``state``'s flat vector (default: the whole padded vector)."""
         if state not in self.states:
@@ -252,21 +318,9 @@ def write_snapshot(source: ItemSource, dest: str | os.PathLike, num_shards: int,
     tmp = dest.with_name(f".{dest.name}.tmp-{uuid.uuid4().hex[:8]}")
     tmp.mkdir()
     try:
-        # tensorstore copies old pages into new ones chunk by chunk on its own threads (no Python copy), checking
-        # and computing each page's CRC-32C as it goes. A few arrays at a time, each made durable as soon as it is
-        # written, so that the disk writes back one array while the next is copied.
-        files: list[dict] = []
-        with concurrent.futures.ThreadPoolExecutor(FSYNC_THREADS) as syncs:
-            synced, in_flight = [], []
-            for j in local:
-                for state in source.states:
-                    in_flight.append(_start_copy(source, new, tmp, j, state))
-                    if len(in_flight) >= ARRAYS_IN_FLIGHT:
-                        synced += _finish_copy(tmp, in_flight.pop(0), syncs, files)
-            while in_flight:
-                synced += _finish_copy(tmp, in_flight.pop(0), syncs, files)
-            for f in synced:
-                f.result()
+        # The store's own page format is copied page by page (``_copy_pages``); anything else through tensorstore.
+        copy = _copy_pages if source.raw_pages() else _copy_through_tensorstore
+        files = copy(source, new, tmp, local)
         fsync_dir(tmp / "shards")
         meta = dict(source.meta, layout=new.to_json())
         atomic_write_json(tmp / METADATA, meta)
@@ -295,6 +349,67 @@ def write_snapshot(source: ItemSource, dest: str | os.PathLike, num_shards: int,
     info["written_bytes"] = record["total_bytes"]
     info["read_bytes"] = len(local) * new.shard_size * 4 * len(source.states)
     return info
+
+
+def _copy_pages(source: ItemSource, new: Layout, snap: Path, local: list[int]) -> list[dict]:
+    """The new shards' arrays in snapshot ``snap``, page by page: each new page assembled from the old pages it
+    overlaps (``ItemSource.page``: read whole, CRC-32C checked), its own CRC-32C trailer appended, written and
+    fsynced, by ``COPY_THREADS`` threads at once (file I/O and the CRC release the GIL: the disk and the cores
+    overlap). Each array's ``zarr.json`` is tensorstore's, so the arrays are plain zarr v3 as ever."""
+    checksum = bool(source.meta["checksum"])
+    n = new.page_elems
+    jobs = []
+    for j in local:
+        for state in source.states:
+            path = shard_dir(snap, j) / state
+            ts.open(zarr_spec(path, new.shard_size, n, checksum, state, source.version % 2, sync=False),
+                    create=True).result()  # writes zarr.json (and nothing else)
+            (path / "c").mkdir(exist_ok=True)
+            jobs += [(path, state, j, k) for k in range(new.pages_per_shard)]
+
+    def write(job) -> None:
+        path, state, j, k = job
+        begin = j * new.shard_size + k * n
+        page = np.zeros(n, np.float32)  # past the shard's end (its last page): zeros, as zarr stores an edge chunk
+        count = min(n, new.shard_size - k * n)
+        page[:count] = source.read_pages(state, begin, begin + count)
+        fd = os.open(path / "c" / str(k), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        try:
+            os.write(fd, page.data)
+            if checksum:
+                os.write(fd, native.crc32c(page.view(np.uint8)).to_bytes(4, "little"))
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+    with concurrent.futures.ThreadPoolExecutor(COPY_THREADS) as pool:
+        list(pool.map(write, jobs))
+    files = []
+    for path in dict.fromkeys(job[0] for job in jobs):
+        fsync_file(path / "zarr.json")
+        for d in (path / "c", path, path.parent):
+            fsync_dir(d)
+        files += _array_files(snap, path)
+    return files
+
+
+def _copy_through_tensorstore(source: ItemSource, new: Layout, snap: Path, local: list[int]) -> list[dict]:
+    """The new shards' arrays in snapshot ``snap`` through tensorstore (old pages into new ones chunk by chunk on
+    its own threads, checking and computing each page's CRC-32C), for arrays in any zarr v3 format. A few arrays at
+    a time, each made durable as soon as it is written: the disk writes one back while the next is copied."""
+    files: list[dict] = []
+    with concurrent.futures.ThreadPoolExecutor(FSYNC_THREADS) as syncs:
+        synced, in_flight = [], []
+        for j in local:
+            for state in source.states:
+                in_flight.append(_start_copy(source, new, snap, j, state))
+                if len(in_flight) >= ARRAYS_IN_FLIGHT:
+                    synced += _finish_copy(snap, in_flight.pop(0), syncs, files)
+        while in_flight:
+            synced += _finish_copy(snap, in_flight.pop(0), syncs, files)
+        for f in synced:
+            f.result()
+    return files
 
 
 def _start_copy(source: ItemSource, new: Layout, snap: Path, j: int, state: str) -> tuple[Path, list]:
