@@ -7,8 +7,7 @@ of a checkpoint step by 1 process (one shard) and by 4 processes (one shard each
 - ``4->2``: the 4-process step for 2 processes x 1 device (2 shards, 2 parts).
 
 The floor is what the disk takes to read those bytes and write them once: every page file of the source read
-whole and written to a new file, then everything fsynced (``fsync_files``, as the reshard makes its output
-durable). The reshard
+whole, written to a new file and fsynced, as many files at a time as the reshard copies pages (``COPY_THREADS``). The reshard
 does that plus what the format needs: CRC-32C checked on each page read (and each trailer checked against the
 manifest's record) and computed on each page written, pages cut at new boundaries. Contenders alternate over
 ``--reps`` repetitions, each on a fresh output directory; medians are reported, and the ratio floor/reshard
@@ -20,6 +19,7 @@ manifest's record) and computed on each page written, pages cut at new boundarie
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import os
 import shutil
 import sys
@@ -33,7 +33,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import disk_info, median, print_table, write_json  # noqa: E402
 
 import nsp.storage as storage  # noqa: E402
-from nsp.storage.reshard import fsync_files, process_shards  # noqa: E402
+from nsp.storage.reshard import COPY_THREADS, process_shards  # noqa: E402
 from nsp.storage.reshard_checkpoint import reshard_checkpoint  # noqa: E402
 from nsp.storage.snapshot import snapshot_store  # noqa: E402
 
@@ -64,20 +64,25 @@ def make_step(root: Path, num_shards: int, params: int, processes: int) -> Path:
     return step
 
 
-def floor_copy(src: Path, dest: Path) -> int:
-    """Every file under ``src`` read whole and written to ``dest``, then fsynced: the disk's floor for those bytes.
-    Returns the bytes copied."""
-    nbytes, written = 0, []
-    for path in sorted(p for p in src.rglob("*") if p.is_file()):
-        out = dest / path.relative_to(src)
-        out.parent.mkdir(parents=True, exist_ok=True)
+def floor_copy(src: Path, dest: Path, threads: int = COPY_THREADS) -> int:
+    """Every file under ``src`` read whole, written to ``dest`` and fsynced, ``threads`` files at a time (as the
+    reshard copies pages): the disk's floor for those bytes. Returns the bytes copied."""
+    files = sorted(p for p in src.rglob("*") if p.is_file())
+    for d in {dest / p.parent.relative_to(src) for p in files}:
+        d.mkdir(parents=True, exist_ok=True)
+
+    def copy(path: Path) -> int:
         data = path.read_bytes()
-        with open(out, "wb") as f:
-            f.write(data)
-        written.append(out)
-        nbytes += len(data)
-    fsync_files(written)  # as the reshard makes its output durable: several files' writeback at a time
-    return nbytes
+        fd = os.open(dest / path.relative_to(src), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        try:
+            os.write(fd, data)
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        return len(data)
+
+    with concurrent.futures.ThreadPoolExecutor(threads) as pool:
+        return sum(pool.map(copy, files))
 
 
 def main() -> None:

@@ -10,7 +10,6 @@ under a temporary name beside ``out_dir`` and renamed into place: it exists only
 
 from __future__ import annotations
 
-import concurrent.futures
 import json
 import os
 import shutil
@@ -86,12 +85,9 @@ def reshard_checkpoint(checkpoint: str | os.PathLike, out_dir: str | os.PathLike
             written += write_snapshot(source, item, num_shards)["written_bytes"]
         else:
             item.mkdir()
-            # The parts at once: each waits on its own tensorstore copies and fsyncs.
-            with concurrent.futures.ThreadPoolExecutor(processes) as pool:
-                parts = pool.map(lambda q: write_snapshot(source, item / f"process-{q:05d}", num_shards,
-                                                          shards=process_shards(num_shards, processes, q)),
-                                 range(processes))
-                written += sum(info["written_bytes"] for info in parts)
+            for q in range(processes):  # one part after the other: each copies its pages several at a time
+                written += write_snapshot(source, item / f"process-{q:05d}", num_shards,
+                                          shards=process_shards(num_shards, processes, q))["written_bytes"]
         recut = _copy_train_state(step_dir, dest, source.layout.padded_total, new.padded_total, new.total)
         if meta or (step_dir / "meta").is_dir():
             shutil.copytree(step_dir / "meta", dest / "meta")
