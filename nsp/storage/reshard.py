@@ -23,6 +23,7 @@ import concurrent.futures
 import dataclasses
 import os
 import shutil
+import threading
 import time
 import uuid
 from collections.abc import Sequence
@@ -229,21 +230,27 @@ class ItemSource:
 
     def page(self, shard: int, state: str, k: int) -> np.ndarray:
         """Page ``k`` of old shard ``shard``'s ``state`` (``page_elems`` elements), its CRC-32C trailer checked and
-        checked against the manifest's record; an absent page (never written: zeros) is zeros."""
+        checked against the manifest's record; an absent page (never written: zeros) is zeros. The result lives
+        in this thread's read buffer: use it before the thread's next ``page``."""
         if shard not in self._where:
             raise StoreError(self._missing_message(shard))
         path = shard_dir(self._where[shard], shard) / state / "c" / str(k)
         n = self.layout.page_elems
+        checksum = bool(self.meta["checksum"])
+        expected = n * 4 + (4 if checksum else 0)
+        raw = _thread_buffer("read", expected + 1)  # one byte more: a longer file shows
         try:
-            raw = np.fromfile(path, np.uint8)
+            with open(path, "rb", buffering=0) as f:
+                got = f.readinto(memoryview(raw))
+                got += f.readinto(memoryview(raw)[got:]) if got < expected else 0
         except FileNotFoundError:
             return np.zeros(n, np.float32)
-        checksum = bool(self.meta["checksum"])
-        if raw.size != n * 4 + (4 if checksum else 0):
-            raise StoreError(f"page {path} has {raw.size} bytes, expected {n * 4 + (4 if checksum else 0)}")
+        if got != expected:
+            raise StoreError(f"page {path} has {'more than ' if got > expected else ''}{got} bytes, expected "
+                             f"{expected}")
         if checksum:
-            crc = native.crc32c(raw[:-4])
-            trailer = int.from_bytes(raw[-4:].tobytes(), "little")
+            crc = native.crc32c(raw[:n * 4])
+            trailer = int.from_bytes(raw[n * 4:expected].tobytes(), "little")
             recorded = self._recorded(shard, state)
             if crc != trailer:
                 raise StoreError(f"page {path} is damaged: its CRC-32C is {crc:08x}, its trailer says {trailer:08x}")
@@ -260,9 +267,10 @@ class ItemSource:
             self._tables[key] = tables.get(state)
         return self._tables[key]
 
-    def read_pages(self, state: str, begin: int, end: int) -> np.ndarray:
-        """``read`` page by page (``page``): elements ``[begin, end)`` of ``state``'s flat vector."""
-        out = np.zeros(end - begin, np.float32)
+    def read_pages(self, state: str, begin: int, end: int, out: np.ndarray | None = None) -> np.ndarray:
+        """``read`` page by page (``page``): elements ``[begin, end)`` of ``state``'s flat vector, into ``out``
+        when given (which must hold zeros past the real elements)."""
+        out = np.zeros(end - begin, np.float32) if out is None else out
         size, n = self.layout.shard_size, self.layout.page_elems
         lo, stop = begin, min(end, self.layout.total)
         while lo < stop:
@@ -287,6 +295,18 @@ class ItemSource:
         return out
 
 
+_BUFFERS = threading.local()
+
+
+def _thread_buffer(name: str, nbytes: int) -> np.ndarray:
+    """A uint8 buffer of at least ``nbytes`` that this thread reuses (its first ``nbytes``)."""
+    buf = getattr(_BUFFERS, name, None)
+    if buf is None or buf.size < nbytes:
+        buf = np.empty(nbytes, np.uint8)
+        setattr(_BUFFERS, name, buf)
+    return buf[:nbytes]
+
+
 def _held(info: dict) -> list[int]:
     return list(info.get("local_shards", range(info["layout"]["num_shards"])))
 
@@ -295,11 +315,12 @@ def _held(info: dict) -> list[int]:
 
 
 def write_snapshot(source: ItemSource, dest: str | os.PathLike, num_shards: int, *,
-                   shards: Sequence[int] | None = None) -> dict:
+                   shards: Sequence[int] | None = None, pool: concurrent.futures.Executor | None = None) -> dict:
     """Writes a snapshot of ``source``'s state cut into ``num_shards`` shards at ``dest`` (new; built under a
     temporary name beside it and renamed into place, so ``dest`` exists only complete): all of them, or only
-    ``shards`` (one process's part). Returns its description (``load_snapshot_info``'s, with ``seconds`` and
-    ``read_bytes``/``written_bytes``)."""
+    ``shards`` (one process's part). ``pool``: the threads that copy pages (default: ``COPY_THREADS`` of its
+    own); several snapshots written at once share one. Returns its description (``load_snapshot_info``'s, with
+    ``seconds`` and ``read_bytes``/``written_bytes``)."""
     t0 = time.perf_counter()
     dest = Path(dest).absolute()
     if dest.exists():
@@ -319,8 +340,13 @@ def write_snapshot(source: ItemSource, dest: str | os.PathLike, num_shards: int,
     tmp.mkdir()
     try:
         # The store's own page format is copied page by page (``_copy_pages``); anything else through tensorstore.
-        copy = _copy_pages if source.raw_pages() else _copy_through_tensorstore
-        files = copy(source, new, tmp, local)
+        if not source.raw_pages():
+            files = _copy_through_tensorstore(source, new, tmp, local)
+        elif pool is None:
+            with concurrent.futures.ThreadPoolExecutor(COPY_THREADS) as own:
+                files = _copy_pages(source, new, tmp, local, own)
+        else:
+            files = _copy_pages(source, new, tmp, local, pool)
         fsync_dir(tmp / "shards")
         meta = dict(source.meta, layout=new.to_json())
         atomic_write_json(tmp / METADATA, meta)
@@ -351,11 +377,11 @@ def write_snapshot(source: ItemSource, dest: str | os.PathLike, num_shards: int,
     return info
 
 
-def _copy_pages(source: ItemSource, new: Layout, snap: Path, local: list[int]) -> list[dict]:
+def _copy_pages(source: ItemSource, new: Layout, snap: Path, local: list[int],
+                pool: concurrent.futures.Executor) -> list[dict]:
     """The new shards' arrays in snapshot ``snap``, page by page: each new page assembled from the old pages it
     overlaps (``ItemSource.page``: read whole, CRC-32C checked), its own CRC-32C trailer appended, written and
-    fsynced, by ``COPY_THREADS`` threads at once (file I/O and the CRC release the GIL: the disk and the cores
-    overlap). Each array's ``zarr.json`` is tensorstore's, so the arrays are plain zarr v3 as ever."""
+    fsynced, by the threads of ``pool`` (file I/O and the CRC release the GIL: the disk and the cores overlap). Each array's ``zarr.json`` is tensorstore's, so the arrays are plain zarr v3 as ever."""
     checksum = bool(source.meta["checksum"])
     n = new.page_elems
     jobs = []
@@ -370,20 +396,28 @@ def _copy_pages(source: ItemSource, new: Layout, snap: Path, local: list[int]) -
     def write(job) -> None:
         path, state, j, k = job
         begin = j * new.shard_size + k * n
-        page = np.zeros(n, np.float32)  # past the shard's end (its last page): zeros, as zarr stores an edge chunk
         count = min(n, new.shard_size - k * n)
-        page[:count] = source.read_pages(state, begin, begin + count)
+        # Each thread reuses its buffers (a fresh 4 MiB array costs a thousand page faults and a zeroing).
+        buf = _thread_buffer("write", n * 4 + 4)
+        page = buf[:n * 4].view(np.float32)
+        real = max(0, min(count, source.layout.total - begin))
+        page[real:] = 0.0  # past the real elements, and past the shard's end (zarr stores an edge chunk whole)
+        source.read_pages(state, begin, begin + real, out=page[:real])
+        size = n * 4
+        if checksum:
+            buf[size:size + 4] = np.frombuffer(native.crc32c(buf[:size]).to_bytes(4, "little"), np.uint8)
+            size += 4
         fd = os.open(path / "c" / str(k), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         try:
-            os.write(fd, page.data)
-            if checksum:
-                os.write(fd, native.crc32c(page.view(np.uint8)).to_bytes(4, "little"))
+            view = memoryview(buf)[:size]
+            while view:
+                view = view[os.write(fd, view):]
             os.fsync(fd)
         finally:
             os.close(fd)
 
-    with concurrent.futures.ThreadPoolExecutor(COPY_THREADS) as pool:
-        list(pool.map(write, jobs))
+    for done in [pool.submit(write, job) for job in jobs]:
+        done.result()
     files = []
     for path in dict.fromkeys(job[0] for job in jobs):
         fsync_file(path / "zarr.json")

@@ -10,6 +10,7 @@ under a temporary name beside ``out_dir`` and renamed into place: it exists only
 
 from __future__ import annotations
 
+import concurrent.futures
 import json
 import os
 import shutil
@@ -23,7 +24,7 @@ import orbax.checkpoint as ocp
 
 from nsp.storage.format import StoreError
 from nsp.storage.orbax_handler import load_train_state
-from nsp.storage.reshard import ItemSource, layout_for, process_shards, write_snapshot
+from nsp.storage.reshard import COPY_THREADS, ItemSource, layout_for, process_shards, write_snapshot
 
 #: The train state's leaves that are flat vectors of the store layout (``nsp.optim.TopKState``'s field).
 FLAT_STATE_KEYS = ("residual",)
@@ -85,9 +86,12 @@ def reshard_checkpoint(checkpoint: str | os.PathLike, out_dir: str | os.PathLike
             written += write_snapshot(source, item, num_shards)["written_bytes"]
         else:
             item.mkdir()
-            for q in range(processes):  # one part after the other: each copies its pages several at a time
-                written += write_snapshot(source, item / f"process-{q:05d}", num_shards,
-                                          shards=process_shards(num_shards, processes, q))["written_bytes"]
+            # The parts at once, their pages copied by one pool of threads: no thread waits for a part's last pages.
+            with concurrent.futures.ThreadPoolExecutor(COPY_THREADS) as pool, \
+                    concurrent.futures.ThreadPoolExecutor(processes) as parts:
+                written += sum(parts.map(lambda q: write_snapshot(
+                    source, item / f"process-{q:05d}", num_shards, shards=process_shards(num_shards, processes, q),
+                    pool=pool)["written_bytes"], range(processes)))
         recut = _copy_train_state(step_dir, dest, source.layout.padded_total, new.padded_total, new.total)
         if meta or (step_dir / "meta").is_dir():
             shutil.copytree(step_dir / "meta", dest / "meta")
