@@ -49,6 +49,8 @@ ARRAYS_IN_FLIGHT = 2
 FSYNC_THREADS = 8
 #: Pages copied at once by ``_copy_pages`` (each: its old pages read, checked, the new one written and fsynced).
 COPY_THREADS = 8
+#: Consecutive new pages one thread copies in a row.
+PAGES_PER_JOB = 4
 
 
 def layout_for(layout: Layout, num_shards: int, page_bytes: int) -> Layout:
@@ -239,6 +241,11 @@ class ItemSource:
         checksum = bool(self.meta["checksum"])
         expected = n * 4 + (4 if checksum else 0)
         raw = _thread_buffer("read", expected + 1)  # one byte more: a longer file shows
+        # Where old and new page boundaries differ, consecutive new pages share an old page: the thread's last
+        # page is still in its buffer.
+        if getattr(_BUFFERS, "last", None) == (id(self), shard, state, k):
+            return raw[:n * 4].view(np.float32)
+        _BUFFERS.last = None
         try:
             with open(path, "rb", buffering=0) as f:
                 got = f.readinto(memoryview(raw))
@@ -257,6 +264,7 @@ class ItemSource:
             if recorded is not None and (k >= len(recorded) or int(recorded[k]) != crc):
                 raise StoreError(f"snapshot {self._where[shard]}: page {k} of {state} in shard {shard} does not "
                                  "hold what the shard's manifest recorded (damaged or replaced)")
+        _BUFFERS.last = (id(self), shard, state, k)
         return raw[:n * 4].view(np.float32)
 
     def _recorded(self, shard: int, state: str) -> list[int] | None:
@@ -391,10 +399,15 @@ def _copy_pages(source: ItemSource, new: Layout, snap: Path, local: list[int],
             ts.open(zarr_spec(path, new.shard_size, n, checksum, state, source.version % 2, sync=False),
                     create=True).result()  # writes zarr.json (and nothing else)
             (path / "c").mkdir(exist_ok=True)
-            jobs += [(path, state, j, k) for k in range(new.pages_per_shard)]
+            # Runs of consecutive pages, each copied by one thread in order (sharing the old pages between them).
+            jobs += [(path, state, j, k) for k in range(0, new.pages_per_shard, PAGES_PER_JOB)]
 
     def write(job) -> None:
-        path, state, j, k = job
+        path, state, j, first = job
+        for k in range(first, min(first + PAGES_PER_JOB, new.pages_per_shard)):
+            write_page(path, state, j, k)
+
+    def write_page(path: Path, state: str, j: int, k: int) -> None:
         begin = j * new.shard_size + k * n
         count = min(n, new.shard_size - k * n)
         # Each thread reuses its buffers (a fresh 4 MiB array costs a thousand page faults and a zeroing).
