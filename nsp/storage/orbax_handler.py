@@ -61,7 +61,8 @@ class StoreCheckpointHandler(ocp.CheckpointHandler):
                                      tier=args.tier, overwrite=args.overwrite, pages_in_flight=args.pages_in_flight)
         if args.shards is not None and not snap.exists():
             raise StoreError(f"{directory} holds no part for this process ({snap.name}): the checkpoint was "
-                             "written by a run with another process count")
+                             "written by a run with another process count (StoreRestore(num_shards=...) reshards "
+                             "it)")
         # One process of several restores its own shards; on the memory tier store_path is then ignored.
         return restore_store(snap, args.store_path, tier=args.tier, shard_paths=args.shard_paths,
                              overwrite=args.overwrite, mode=args.mode, pages_in_flight=args.pages_in_flight,
