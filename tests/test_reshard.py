@@ -200,3 +200,21 @@ def test_arrays_in_another_zarr_format_go_through_tensorstore(item, tmp_path, mo
     finally:
         for st in stores:
             st.close()
+
+
+def test_nsp_ckpt_reshard_command(item, tmp_path, capsys):
+    from nsp.cli import main
+
+    item_dir, expected = item
+    shutil.copytree(item_dir, tmp_path / "ckpt" / "2" / "store")
+    assert main(["ckpt", "reshard", str(tmp_path / "ckpt"), str(tmp_path / "out")]) == 2
+    assert "--shards" in capsys.readouterr().err
+    assert main(["ckpt", "reshard", str(tmp_path / "ckpt" / "2"), str(tmp_path / "out"), "--shards", "6",
+                 "--processes", "3"]) == 0
+    assert "4 shards on 2 process(es) -> 6 on 3" in capsys.readouterr().out
+    parts = sorted(p.name for p in (tmp_path / "out" / "2" / "store").iterdir())
+    assert parts == ["process-00000", "process-00001", "process-00002"]
+    source = ItemSource(tmp_path / "out" / "2" / "store")
+    np.testing.assert_array_equal(source.read("nu")[:source.layout.total], expected["nu"])
+    assert main(["ckpt", "reshard", str(tmp_path / "ckpt" / "2"), str(tmp_path / "out"), "--shards", "2"]) == 1
+    assert "already exists" in capsys.readouterr().err

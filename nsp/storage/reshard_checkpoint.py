@@ -74,6 +74,8 @@ def reshard_checkpoint(checkpoint: str | os.PathLike, out_dir: str | os.PathLike
     process_shards(num_shards, processes, 0)  # refuses a count that does not split evenly
     meta = read_step_meta(step_dir)
     source = ItemSource(step_dir / "store", processes=meta.get("process_count"))
+    # Who wrote the step: the meta says, else the parts do (a lone snapshot: one process).
+    from_processes = meta.get("process_count") or len(source.parts)
     source.check()  # every old shard is needed: refuse before writing anything
     new = layout_for(source.layout, num_shards, int(source.meta["page_bytes"]))
     tmp = out.with_name(f".{out.name}.tmp-{uuid.uuid4().hex[:8]}")
@@ -97,7 +99,7 @@ def reshard_checkpoint(checkpoint: str | os.PathLike, out_dir: str | os.PathLike
             shutil.copytree(step_dir / "meta", dest / "meta")
             meta = dict(meta, num_shards=num_shards, process_count=processes,
                         resharded_from={"path": str(step_dir), "num_shards": source.layout.num_shards,
-                                        "process_count": meta.get("process_count", 1)})
+                                        "process_count": from_processes})
             (dest / "meta" / "metadata").write_text(json.dumps(meta))
         for name in ("_CHECKPOINT_METADATA", "commit_success.txt"):
             if (step_dir / name).exists():
@@ -108,7 +110,7 @@ def reshard_checkpoint(checkpoint: str | os.PathLike, out_dir: str | os.PathLike
         raise
     return {"step": int(step_dir.name) if step_dir.name.isdigit() else step_dir.name, "path": str(out / step_dir.name),
             "version": source.version, "from_shards": source.layout.num_shards,
-            "from_processes": meta.get("resharded_from", {}).get("process_count", meta.get("process_count", 1)),
+            "from_processes": from_processes,
             "num_shards": num_shards, "processes": processes, "train_state_recut": recut,
             "read_bytes": source.layout.padded_total * 4 * len(source.states), "written_bytes": written,
             "seconds": time.perf_counter() - t0}
