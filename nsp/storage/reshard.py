@@ -7,9 +7,11 @@ itself for one process). Another layout needs the same vectors cut again: the le
 are the same; only the shard count changes (with it the shard size, the padding, and for shards smaller than a page
 the page size). Nothing else in a store depends on it: the optimizer update is elementwise, and the version and the
 step are the same for every shard. So each new shard is one range of the old vectors: ``ItemSource`` reads exactly
-that range from the old shards' pages with tensorstore (each page's CRC-32C trailer is checked as it is read, and
-first against the checksum the shard's manifest recorded, where the snapshot has one) and ``write_snapshot``
-writes it as the new shard's pages, as a snapshot that ``restore.py`` restores like any other.
+that range from the old shards' pages (each page's CRC-32C checked against its trailer and against the checksum the
+shard's manifest recorded, where the snapshot has one) and ``write_snapshot`` writes it as the new shard's pages, as
+a snapshot that ``restore.py`` restores like any other. Pages in the store's own format (``format.zarr_spec``) are
+read and written directly, several at a time (the copy is bound by the disk, not by a library's per-chunk work);
+arrays in any other zarr v3 format go through tensorstore.
 
 - ``restore_resharded``: what a process of a run resumed on another layout does: builds a snapshot of its own new
   shards beside its store, restores it (hard links), removes it; the memory tier loads the ranges straight in.
@@ -42,9 +44,10 @@ from nsp.storage.restore import restore_store
 from nsp.storage.snapshot import (CHECKSUMS, SNAPSHOT, SNAPSHOT_FORMAT, SNAPSHOT_FORMAT_VERSION, _layout_summary,
                                   load_snapshot_info)
 from nsp.storage.store import OptimizerSpec, StateStore
-#: The chunk cache the old pages are read through (shared by every array of a source).
+
+#: The chunk cache tensorstore reads old pages through (shared by every array of a source).
 SOURCE_CACHE_BYTES = 512 * 2**20
-#: New arrays being copied at once by one ``write_snapshot``, and files being fsynced at once.
+#: Through tensorstore: new arrays being copied at once by one ``write_snapshot``, and files being fsynced at once.
 ARRAYS_IN_FLIGHT = 2
 FSYNC_THREADS = 8
 #: Pages copied at once by ``_copy_pages`` (each: its old pages read, checked, the new one written and fsynced).
