@@ -1,4 +1,4 @@
-"""The ``nsp`` command: ``nsp train``, ``nsp features``, ``nsp launch``, ``nsp sample``, ``nsp ckpt list|show|export|delta|apply``,
+"""The ``nsp`` command: ``nsp train``, ``nsp features``, ``nsp launch``, ``nsp sample``, ``nsp ckpt list|show|export|reshard|delta|apply``,
 ``nsp store verify|copy|reidentify``, ``nsp plan``.
 
 ``nsp train`` with no arguments trains the ``small`` GPT on the Python standard library's source files with
@@ -171,11 +171,67 @@ def _ckpt_delta(args: argparse.Namespace) -> int:
     return 0
 
 
+def _ckpt_reshard(args: argparse.Namespace) -> int:
+    """``nsp ckpt reshard CKPT OUT --shards M [--processes P]`` (``nsp.storage.reshard_checkpoint``)."""
+    from nsp.storage import StoreError
+    from nsp.storage.reshard_checkpoint import reshard_checkpoint
+
+    if len(args.paths) != 2 or args.shards is None:
+        print("nsp ckpt reshard: give CKPT OUT and --shards M (got "
+              f"{len(args.paths)} paths{'' if args.shards else ', no --shards'})", file=sys.stderr)
+        return 2
+    try:
+        done = reshard_checkpoint(args.paths[0], args.paths[1], args.shards, processes=args.processes)
+    except StoreError as e:
+        print(f"nsp ckpt reshard: {e}", file=sys.stderr)
+        return 1
+    print(f"step {done['step']} (store version {done['version']}): {done['from_shards']} shards on "
+          f"{done['from_processes']} process(es) -> {done['num_shards']} on {done['processes']}, written to "
+          f"{done['path']} ({done['written_bytes'] / 2**20:.1f} MiB in {done['seconds']:.1f} s)")
+    return 0
+
+
+def _ckpt_show(step_dir: Path, step: int) -> int:
+    """``nsp ckpt show``: the step's store item as JSON, each part with the process that wrote it and whether it
+    is there; exit status 1, naming the part, when one is missing or unfinished."""
+    from nsp.storage import StoreError
+    from nsp.storage import checkpoint as ckpt
+    from nsp.storage.reshard import ItemSource
+    from nsp.storage.reshard_checkpoint import read_step_meta
+
+    item = step_dir / "store"
+    try:
+        parts = ItemSource(item, processes=read_step_meta(step_dir).get("process_count")).describe_parts()
+    except StoreError as e:
+        print(f"nsp ckpt show: {e}", file=sys.stderr)
+        return 1
+    missing = [p for p in parts if not p["present"]]
+    if missing:
+        print(json.dumps({"step": step, "path": str(step_dir), "parts": parts}, indent=1))
+        for p in missing:
+            print(f"nsp ckpt show: process {p['process']}'s part {p['path']} (shards {p['shards']}): "
+                  f"{p.get('problem', 'missing')}", file=sys.stderr)
+        return 1
+    try:
+        info = ckpt.load_store_item_info(item)
+    except StoreError as e:
+        print(f"nsp ckpt show: {e}", file=sys.stderr)
+        return 1
+    files = info.pop("files", [])
+    info["files"] = len(files)
+    info["bytes"] = sum(f["bytes"] for f in files)
+    print(json.dumps({"step": step, "path": str(step_dir), "store": info, "parts": parts}, indent=1))
+    return 0
+
+
 def _ckpt(args: argparse.Namespace) -> int:
+    from nsp.storage import StoreError
     from nsp.storage import checkpoint as ckpt
 
     if args.action in ("delta", "apply"):
         return _ckpt_delta(args)
+    if args.action == "reshard":
+        return _ckpt_reshard(args)
     if args.paths:
         print(f"nsp ckpt {args.action}: takes no paths (use --run-dir, --step, --out)", file=sys.stderr)
         return 2
@@ -194,15 +250,14 @@ def _ckpt(args: argparse.Namespace) -> int:
         return 0
     step = _checkpoint_step(manager, run_dir, args.step)
     if args.action == "show":
-        info = ckpt.load_store_item_info(run_dir / "ckpt" / str(step) / "store")
-        files = info.pop("files", [])
-        info["files"] = len(files)
-        info["bytes"] = sum(f["bytes"] for f in files)
-        print(json.dumps({"step": step, "path": str(run_dir / "ckpt" / str(step)), "store": info}, indent=1))
-        return 0
+        return _ckpt_show(run_dir / "ckpt" / str(step), step)
     if not args.out:
         raise SystemExit("nsp ckpt export: --out DIR is required")
-    ckpt.export_checkpoint(run_dir / "ckpt" / str(step), Path(args.out))
+    try:
+        ckpt.export_checkpoint(run_dir / "ckpt" / str(step), Path(args.out))
+    except StoreError as e:
+        print(f"nsp ckpt export: {e}", file=sys.stderr)
+        return 1
     print(f"exported step {step} to {args.out}")
     return 0
 
@@ -372,19 +427,31 @@ def main(argv: list[str] | None = None) -> int:
     sample.add_argument("--seed", type=int, default=0)
     sample.set_defaults(func=_sample)
 
-    ck = sub.add_parser("ckpt", help="list, show or export a run's checkpoints; make or apply a delta between two",
-                        description="list, show, export: a run's checkpoints (--run-dir, --step, --out). "
+    ck = sub.add_parser("ckpt", help="list, show, export or reshard a run's checkpoints; make or apply a delta "
+                        "between two",
+                        description="list, show, export: a run's checkpoints (--run-dir, --step, --out); show tells "
+                        "for each part of the store which process wrote it and whether it is there (exit status 1 "
+                        "naming a missing part); export writes one directory that plain orbax opens on one process, "
+                        "whatever number of processes wrote the step. "
+                        "reshard CKPT OUT --shards M [--processes P]: checkpoint step CKPT (or a checkpoint "
+                        "directory: its newest step) written again as OUT/STEP for a run of P processes with M store "
+                        "shards in all (one a device): store pages re-cut, Top-K residual re-cut, bit for bit "
+                        "(nsp train --resume on another layout does this itself). "
                         "delta OLD NEW OUT: the files and pages of checkpoint NEW that checkpoint OLD does not hold "
                         "(two step directories or snapshots, any two versions), with a manifest, into OUT. "
                         "apply BASE DELTA OUT: rebuilds NEW bit for bit into OUT from BASE (the delta's OLD) and "
                         "DELTA, checking every checksum.")
-    ck.add_argument("action", choices=["list", "show", "export", "delta", "apply"])
-    ck.add_argument("paths", nargs="*", help="delta: OLD NEW OUT; apply: BASE DELTA OUT")
+    ck.add_argument("action", choices=["list", "show", "export", "reshard", "delta", "apply"])
+    ck.add_argument("paths", nargs="*", help="reshard: CKPT OUT; delta: OLD NEW OUT; apply: BASE DELTA OUT")
     ck.add_argument("--run-dir", default="runs/default")
     ck.add_argument("--step", type=int, default=None)
     ck.add_argument("--out", default=None, help="export: directory of the plain orbax checkpoint")
     ck.add_argument("--mode", choices=["auto", "copy"], default="auto",
                     help="apply: hard-link BASE's and DELTA's files into OUT where possible (auto), or copy them")
+    ck.add_argument("--shards", type=int, default=None,
+                    help="reshard: store shards of the new layout in all (processes x devices per process)")
+    ck.add_argument("--processes", type=int, default=1,
+                    help="reshard: processes of the new layout (default 1): the store is split into their parts")
     ck.set_defaults(func=_ckpt)
 
     st = sub.add_parser("store", help="check, copy or re-identify a state store")

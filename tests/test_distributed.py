@@ -1,12 +1,14 @@
 """Multi-process training on JAX's distributed runtime: real processes on a loopback coordinator, CPU devices.
 
 2 processes x 2 devices must train exactly as 1 process x 4 devices; a killed process ends its peer within the
-documented bound and ``--resume`` finishes bit-identically; a process that cannot use its store directory stops
-every process with a clear error and commits nothing.
+documented bound and ``--resume`` finishes bit-identically, also on another process count (resharded); a process
+that cannot use its store directory stops every process with a clear error and commits nothing; a multi-process
+checkpoint exports to one directory plain orbax reads, and a missing part is named.
 """
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -204,3 +206,71 @@ def test_killed_process_0_stops_its_peer_with_the_message(runs):
     assert status == PEER_LOST_EXIT, out
     assert "nsp: error: process 1:" in out and "--resume" in out, out
     assert waited < BOUND_S, f"the survivor took {waited:.1f} s to stop (bound {BOUND_S} s)"
+
+
+def _from_step(src: Path, dest: Path, step: int) -> Path:
+    """A copy of run ``src`` (its stores too) whose newest checkpoint is ``step``: the run as a kill after that
+    checkpoint leaves it."""
+    shutil.copytree(src, dest, symlinks=True)
+    for p in (dest / "ckpt").iterdir():
+        if p.name.isdigit() and int(p.name) > step:
+            shutil.rmtree(p)
+    return dest
+
+
+def test_resume_on_one_process_reshards_and_is_bit_exact(runs):
+    """A 2 x 2 run's checkpoint resumed by 1 process x 4 devices: each new shard re-cut from both processes'
+    parts, the earlier layout's store directories replaced; it ends exactly where the 1 x 4 run ended."""
+    run_dir = _from_step(runs / "two", runs / "two-then-one", 4)
+    resumed = subprocess.run(NSP + TRAIN + ["--run-dir", str(run_dir), "--resume"], env=_env(4),
+                             capture_output=True, text=True, timeout=240)
+    assert resumed.returncode == 0, resumed.stdout + resumed.stderr
+    assert "resharding the checkpoint at step 4: written by 2 process(es) with 4 store shards" in resumed.stdout
+    assert not (run_dir / "store" / "process-00000").exists()
+    _assert_same(_state(runs / "one"), _state(run_dir))
+
+
+@pytest.mark.slow
+def test_resume_on_two_processes_from_one_reshards_and_is_bit_exact(runs):
+    """The other way: a 1 x 4 run's checkpoint resumed by 2 processes x 2 devices ends where the 2 x 2 run did."""
+    run_dir = _from_step(runs / "one", runs / "one-then-two", 4)
+    resumed = _launch(run_dir, "--resume")
+    assert resumed.returncode == 0, resumed.stdout + resumed.stderr
+    assert "resharding the checkpoint at step 4: written by 1 process(es)" in resumed.stdout
+    _assert_same(_state(runs / "two"), _state(run_dir))
+
+
+def test_multi_process_checkpoint_exports_for_plain_orbax_and_show_names_a_missing_part(runs, tmp_path, capsys):
+    """``nsp ckpt export`` of a 2-process step: one directory that plain orbax restores on one process, the
+    params as the processes' shards hold them. ``nsp ckpt show`` names a part that is missing."""
+    import orbax.checkpoint as ocp
+
+    from nsp.cli import main
+    from nsp.storage.reshard import ItemSource
+
+    step_dir = runs / "two" / "ckpt" / str(STEPS)
+    assert main(["ckpt", "export", "--run-dir", str(runs / "two"), "--out", str(tmp_path / "x")]) == 0
+    params = ocp.StandardCheckpointer().restore(tmp_path / "x" / "params")
+    moments = ocp.StandardCheckpointer().restore(tmp_path / "x" / "opt_state")
+    record = json.loads((tmp_path / "x" / "export.json").read_text())
+    source = ItemSource(step_dir / "store")
+    for state, tree in (("param", params), ("mu", moments["mu"]), ("nu", moments["nu"])):
+        flat = source.read(state)
+        for leaf in record["leaves"]:
+            node = tree
+            for key in leaf["keys"]:
+                node = node[key]
+            offset = next(x.offset for x in source.layout.leaves if x.path == leaf["path"])
+            np.testing.assert_array_equal(np.ravel(node), flat[offset:offset + int(np.prod(leaf["shape"]))])
+    capsys.readouterr()
+    broken = tmp_path / "run"
+    shutil.copytree(runs / "two" / "ckpt", broken / "ckpt", symlinks=True)
+    shutil.rmtree(broken / "ckpt" / str(STEPS) / "store" / "process-00001")
+    assert main(["ckpt", "show", "--run-dir", str(broken), "--step", str(STEPS)]) == 1
+    out = capsys.readouterr()
+    shown = json.loads(out.out)["parts"]
+    assert [(p["process"], p["present"], p["shards"]) for p in shown] == [(0, True, [0, 1]), (1, False, [2, 3])]
+    assert "process 1's part" in out.err and "process-00001" in out.err and "missing" in out.err
+    assert main(["ckpt", "export", "--run-dir", str(broken), "--step", str(STEPS), "--out",
+                 str(tmp_path / "y")]) == 1
+    assert "process 1's part (process-00001)" in capsys.readouterr().err and not (tmp_path / "y").exists()

@@ -4,7 +4,8 @@ Each process of a run snapshots only its own shards (``snapshot_store`` of a sto
 its part of a checkpoint holds those shards and the store's metadata. ``restore_local`` is
 ``nsp.storage.restore_store`` of those shards (``shards=``): the one restore, with its format and checks (the
 snapshot's version in its slot, a new store id, the metadata written last), opening the store with the same
-shards. A snapshot of other shards (the run had another process count or device count) is refused.
+shards. A snapshot of other shards (the run had another process count or device count) is refused here;
+``nsp.storage.reshard.restore_resharded`` re-cuts one (what ``nsp train --resume`` does on another layout).
 """
 
 from __future__ import annotations

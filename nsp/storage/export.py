@@ -1,5 +1,6 @@
-"""Export: a checkpoint that plain orbax reads, without nsp (the fp32 master params and the moments as pytrees
-shaped like the original parameter tree), written from a snapshot (``snapshot.py``) or a checkpoint step."""
+"""Export: a checkpoint that plain orbax reads on one process, without nsp (the fp32 master params and the moments
+as pytrees shaped like the original parameter tree), written from a snapshot (``snapshot.py``) or a checkpoint step
+(of one process, or of many: every process's part is read, ``reshard.ItemSource``)."""
 
 from __future__ import annotations
 
@@ -12,9 +13,10 @@ from pathlib import Path
 import numpy as np
 import orbax.checkpoint as ocp
 
-from nsp.storage.format import METADATA, StoreError, atomic_write_json, read_json
+from nsp.storage.format import StoreError, atomic_write_json
 from nsp.storage.layout import Layout
-from nsp.storage.snapshot import SNAPSHOT, load_snapshot_info, read_snapshot
+from nsp.storage.reshard import ItemSource
+from nsp.storage.snapshot import SNAPSHOT
 
 _KEY_TOKEN = re.compile(r"\[('(?:[^'\\]|\\.)*'|\"(?:[^\"\\]|\\.)*\"|-?\d+)\]|\.([A-Za-z_]\w*)")
 
@@ -46,7 +48,8 @@ def _nest(layout: Layout, flat: np.ndarray) -> dict:
 def export_checkpoint(checkpoint_dir: str | os.PathLike, out_dir: str | os.PathLike) -> dict:
     """Writes a checkpoint that plain orbax reads, without nsp.
 
-    ``checkpoint_dir`` is a checkpoint step directory (``.../<step>`` with a ``store`` item) or a snapshot.
+    ``checkpoint_dir`` is a checkpoint step directory (``.../<step>`` with a ``store`` item, written by one process
+    or several: their parts are read together into one tree) or a snapshot.
     ``out_dir`` (must not exist) gets::
 
       out_dir/params/      orbax StandardCheckpointer pytree: fp32 master params, original shapes, nested dicts
@@ -65,14 +68,16 @@ def export_checkpoint(checkpoint_dir: str | os.PathLike, out_dir: str | os.PathL
     if not out.parent.exists():
         raise StoreError(f"cannot create {out}: directory {out.parent} does not exist")
     snap = src / "store" if (src / "store" / SNAPSHOT).exists() or (src / "store").is_dir() else src
-    info = load_snapshot_info(snap)
-    meta = read_json(snap / METADATA, "snapshot store metadata")
+    # A lone process's snapshot or every process's part of a multi-process step, read as one vector per state.
+    source = ItemSource(snap)
+    source.check()  # a missing part is named before anything is written
+    meta = source.meta
     layout = Layout.from_json(meta["layout"])
     out.mkdir()
     try:
         ckptr = ocp.StandardCheckpointer()
-        ckptr.save(out / "params", _nest(layout, read_snapshot(snap, "param")))
-        moments = {s: _nest(layout, read_snapshot(snap, s)) for s in ("mu", "nu") if s in info["states"]}
+        ckptr.save(out / "params", _nest(layout, source.read("param")))
+        moments = {s: _nest(layout, source.read(s)) for s in ("mu", "nu") if s in source.states}
         if moments:
             ckptr.save(out / "opt_state", moments)
         ckptr.wait_until_finished()
@@ -88,7 +93,7 @@ def export_checkpoint(checkpoint_dir: str | os.PathLike, out_dir: str | os.PathL
                     step_meta = None
         record = {
             "format": "nsp-export",
-            "version": info["version"],
+            "version": source.version,
             "optimizer": meta["optimizer"],
             "leaves": [{"path": leaf.path, "keys": path_keys(leaf.path), "shape": list(leaf.shape),
                         "dtype": leaf.dtype} for leaf in layout.leaves],

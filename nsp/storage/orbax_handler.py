@@ -8,7 +8,8 @@ directories, i.e. only their links; the live store's files are untouched. ``make
 In a multi-process run (``nsp.distributed``) every process saves the shards it holds into its own part of the
 item, ``store/process-NNNNN``, and orbax ties the parts into one step: it finalises the step only once every
 process has saved, and writes the small items (train state, meta) from the primary process, as it does for any
-multi-process checkpoint. Each process restores its own part.
+multi-process checkpoint. Each process restores its own part; with ``StoreRestore(num_shards=...)`` a step written
+on another layout (shard or process count) is resharded instead (``reshard.py``).
 """
 
 from __future__ import annotations
@@ -23,7 +24,8 @@ import orbax.checkpoint as ocp
 
 from nsp.storage.format import StoreError
 from nsp.storage.layout import PAGES_IN_FLIGHT_DEFAULT
-from nsp.storage.restore import restore_store
+from nsp.storage.reshard import restore_resharded
+from nsp.storage.restore import restore_store, snapshot_shards
 from nsp.storage.snapshot import SNAPSHOT, load_snapshot_info, snapshot_store
 from nsp.storage.store import StateStore
 
@@ -62,9 +64,15 @@ class StoreCheckpointHandler(ocp.CheckpointHandler):
         if args is None:
             raise StoreError("restoring a store item needs StoreRestore(store_path=...): where to rebuild it")
         snap = process_part(Path(str(directory)))
+        if args.num_shards is not None and _needs_reshard(snap, args.num_shards, args.shards):
+            # Written on another layout (shard count, or process count): this process's new shards are re-cut
+            # from whichever parts hold their ranges (``reshard.py``).
+            return restore_resharded(directory, args.store_path, args.num_shards, shards=args.shards,
+                                     tier=args.tier, overwrite=args.overwrite, pages_in_flight=args.pages_in_flight)
         if args.shards is not None and not snap.exists():
             raise StoreError(f"{directory} holds no part for this process ({snap.name}): the checkpoint was "
-                             "written by a run with another process count")
+                             "written by a run with another process count (StoreRestore(num_shards=...) reshards "
+                             "it)")
         # One process of several restores its own shards; on the memory tier store_path is then ignored.
         return restore_store(snap, args.store_path, tier=args.tier, shard_paths=args.shard_paths,
                              overwrite=args.overwrite, mode=args.mode, pages_in_flight=args.pages_in_flight,
@@ -77,6 +85,16 @@ class StoreCheckpointHandler(ocp.CheckpointHandler):
             return None
         info.pop("files", None)
         return info
+
+
+def _needs_reshard(snap: Path, num_shards: int, shards: list[int] | None) -> bool:
+    """Whether this process's part ``snap`` of a store item is not exactly the ``shards`` of ``num_shards`` it
+    restores (absent, or another cut)."""
+    if not (snap / SNAPSHOT).exists():
+        return True
+    info = load_snapshot_info(snap, check_files=False)
+    wanted = list(range(num_shards)) if shards is None else sorted(shards)
+    return info["layout"]["num_shards"] != num_shards or snapshot_shards(info) != wanted
 
 
 def process_part(item_dir: Path) -> Path:
@@ -146,6 +164,9 @@ class StoreRestore(ocp.args.CheckpointArgs):
     pages_in_flight: int = PAGES_IN_FLIGHT_DEFAULT
     # The shards this process restores (one process of several: those of its devices); None = a whole snapshot.
     shards: list[int] | None = None
+    # The shard count to restore as: an item written with another (or by another process count) is resharded
+    # (``reshard.py``). None: restore as written, and refuse another process's part.
+    num_shards: int | None = None
 
 
 def make_checkpoint_manager(directory: str | os.PathLike, max_to_keep: int | None = 3, *,
@@ -198,11 +219,13 @@ def restore_checkpoint(manager: ocp.CheckpointManager, step: int | None, store_p
                        train_state_template: Any = None, *, tier: str = "file",
                        shard_paths: list[str | os.PathLike] | None = None, overwrite: bool = False,
                        mode: str = "auto", pages_in_flight: int = PAGES_IN_FLIGHT_DEFAULT,
-                       shards: list[int] | None = None) -> tuple[StateStore, Any, dict | None]:
+                       shards: list[int] | None = None, num_shards: int | None = None,
+                       ) -> tuple[StateStore, Any, dict | None]:
     """Restores ``(store, train_state, meta)`` of ``step`` (``None``: the latest). The store is rebuilt at
     ``store_path`` (see ``restore_store``); ``train_state`` follows ``train_state_template`` (arrays or
     ``jax.ShapeDtypeStruct`` leaves; ``None`` restores what was saved as is). Missing items come back as None.
-    ``shards``: the shards this process restores, one process of several (its part of the step's store item)."""
+    ``shards``: the shards this process restores, one process of several (its part of the step's store item).
+    ``num_shards``: restore the store as that many shards, resharding a step written on another layout."""
     if step is None:
         step = manager.latest_step()
         if step is None:
@@ -218,7 +241,7 @@ def restore_checkpoint(manager: ocp.CheckpointManager, step: int | None, store_p
         items["meta"] = ocp.args.JsonRestore()
     small = manager.restore(step, args=ocp.args.Composite(**items)) if items else {}
     store_args = StoreRestore(store_path, tier=tier, shard_paths=shard_paths, overwrite=overwrite, mode=mode,
-                              pages_in_flight=pages_in_flight, shards=shards)
+                              pages_in_flight=pages_in_flight, shards=shards, num_shards=num_shards)
     store = manager.restore(step, args=ocp.args.Composite(store=store_args))["store"]
     return store, small.get("train_state"), small.get("meta")
 

@@ -77,8 +77,8 @@ def restore_store(
         if sorted(shards) != held:
             raise StoreError(f"snapshot {info['path']} holds shards {held} of {info['layout']['num_shards']}, this "
                              f"process needs shards {sorted(shards)}: the checkpoint was written by a run with "
-                             "another process or device count (resume with the same number of processes and "
-                             "devices per process)")
+                             "another process or device count (reshard it: nsp.storage.reshard.restore_resharded, "
+                             "or `nsp ckpt reshard CKPT OUT --shards M --processes P` offline)")
     snap = Path(info["path"])
     meta = read_json(snap / METADATA, "snapshot store metadata")
     n = info["layout"]["num_shards"]

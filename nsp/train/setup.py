@@ -5,7 +5,8 @@ A run starts in one of three ways (``start_mode`` picks which, from the run dire
 - ``start_fresh``: a new store, written from a fresh model (part by part with ``--bf16-params``:
   ``init_store_layerwise``), or from another run's checkpointed params (``--init-from``, fine-tuning);
 - ``resume_from_checkpoint``: the store and the train state back at the latest orbax checkpoint (steps after it
-  are redone, bit for bit);
+  are redone, bit for bit), resharded when the checkpoint was written by another process or device count
+  (``nsp.storage.reshard``, ``nsp.train.reshard``);
 - ``resume_from_store``: a run without checkpoints (``--no-checkpoints``) continues from its store's committed
   version (``nsp.train.store_resume``).
 
@@ -47,6 +48,7 @@ from nsp.train import labels, process, store_resume
 from nsp.train.config import TrainConfig, TrainError
 from nsp.train.layerwise import LayerwiseInit, SetupProgress, fmt_gib, peak_rss_bytes
 from nsp.train.optimizer import make_optimizer
+from nsp.train.reshard import FlatRecut, clear_stale_stores
 from nsp.train.step import replicate
 
 FRESH, FROM_CHECKPOINT, FROM_STORE = "fresh", "checkpoint", "store"
@@ -347,28 +349,37 @@ def resume_from_checkpoint(base: Base, log: Callable[[str], None]):
     if meta.get("config", {}).get("model") != config.model:
         raise TrainError(f"the checkpoint is of model {meta.get('config', {}).get('model')!r}, "
                          f"not {config.model!r}")
-    saved_processes = meta.get("process_count", 1)
-    if saved_processes != jax.process_count() or meta.get("num_shards", base.num_shards) != base.num_shards:
-        raise TrainError(f"the checkpoint at step {step} was written by {saved_processes} process(es) with "
-                         f"{meta.get('num_shards', '?')} store shards; this run has {jax.process_count()} "
-                         f"with {base.num_shards}: resume with the same process and device counts (each process "
-                         "restores only its own shards)")
+    saved_processes, saved_shards = meta.get("process_count", 1), meta.get("num_shards", base.num_shards)
+    resharding = saved_processes != jax.process_count() or saved_shards != base.num_shards
+    if resharding:
+        # Another layout: each process re-cuts its own new shards from the step's parts (nsp.storage.reshard;
+        # every part must be visible: the checkpoint directory is shared, as orbax requires).
+        log(f"resharding the checkpoint at step {step}: written by {saved_processes} process(es) with "
+            f"{saved_shards} store shards, this run has {jax.process_count()} with {base.num_shards}")
+        if config.tier != "memory":
+            clear_stale_stores(config.store_path, base.run_dir / "ckpt" / str(step) / "store", log)
     # The store goes back to the checkpoint's version (steps after it are redone, bit for bit).
-    store, _, _ = process.together("restoring this process's store shards", lambda: ckpt.restore_checkpoint(
-        manager, step, None if config.tier == "memory" else base.store_path, tier=config.tier, overwrite=True,
-        shards=base.shards))
+    store_args = ckpt.StoreRestore(None if config.tier == "memory" else base.store_path, tier=config.tier,
+                                   overwrite=True, shards=base.shards, num_shards=base.num_shards)
+    store = process.together("restoring this process's store shards", lambda: manager.restore(
+        step, args=ocp.args.Composite(store=store_args))["store"])
     tx = make_optimizer(config, store, base.mesh)
     if params is None:  # bf16 params: restored from the checkpoint, never built
         params = base.abstract_bf16_params()
         _check_layout(store, params)
     with nsp.optim.resuming():  # checks the layout; writes nothing
         template = {"params": params, "opt_state": tx.init(base.trainable(params))}
-    if base.mesh is not None and jax.process_count() > 1:  # restored straight onto the mesh, replicated
-        replicated = NamedSharding(base.mesh, P())
-        template = jax.tree_util.tree_map(
-            lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=replicated), template)
+    # Flat vectors of the train state (Top-K's error-feedback residual) are as long as the saved layout's padding.
+    recut = FlatRecut(store.layout.total, saved_shards, base.num_shards)
+    template = {"params": template["params"], "opt_state": recut.saved_like(template["opt_state"])}
+    if (base.mesh is not None and jax.process_count() > 1) or resharding:
+        # Restored straight onto this run's devices, replicated: orbax places arrays as saved only on the same
+        # topology.
+        place = (NamedSharding(base.mesh, P()) if base.mesh is not None
+                 else jax.sharding.SingleDeviceSharding(jax.devices()[0]))
+        template = jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=place), template)
     state = manager.restore(step, args=ocp.args.Composite(train_state=ocp.args.StandardRestore(template)))
-    params, opt_state = state["train_state"]["params"], state["train_state"]["opt_state"]
+    params, opt_state = state["train_state"]["params"], recut(state["train_state"]["opt_state"])
     manager.close()
     log(f"resumed {base.run_dir} at step {step} (store version {store.version})")
     return store, tx, params, opt_state, step
