@@ -47,12 +47,14 @@ others) is stopped there, as is one whose store the disk cannot hold. Contenders
               per parameter) with bf16 params for the step: ``nsp train --tier memory --bf16-params``'s set-up.
   nsp-file    the same on a file-tier store at ``--dir`` (fp32 master and moments on disk, two version slots:
               24 bytes per parameter of disk): ``nsp train --bf16-params --stage-gradients``'s set-up, built part
-              by part (``--no-stage-gradients``: ``nsp train --bf16-params``'s step).
+              by part (``--no-stage-gradients``: ``nsp train --bf16-params``'s step). With ``--slots 1`` its store
+              keeps one version slot and a redo journal (``nsp train --slots 1``: about 16 bytes per parameter
+              of disk instead of 24); the other contenders keep no store on disk and are unchanged.
 
 Each attempt sets up (timed), compiles the step, then runs two steps on different batches; the table gives the
 second step's time split into forward/backward and update (optax: two jitted calls; nsp: ``nsp train``'s one
 step, split by the store's update time), the peak RSS, and the disk the store took. The record goes to
-``bench/results/max_model_full.json``.
+``bench/results/max_model_full.json`` (``--slots 1``: ``bench/results/max_model_full_oneslot.json``).
 """
 
 from __future__ import annotations
@@ -73,6 +75,12 @@ from common import peak_rss_bytes, print_table, run_capped, write_json  # noqa: 
 CONTENDERS = ("optax", "nsp-file")
 FULL_CONTENDERS = ("optax", "nsp-memory", "nsp-file")
 FULL_LADDER = ("gpt3-760m", "gpt3-1.3b", "gpt3-2.7b")
+
+
+def slots_kw(args) -> dict:
+    """The file-tier store's version slots as ``nsp.storage.open`` takes them (asked for only when 1, as nsp train
+    does)."""
+    return {"slots": 1} if args.slots == 1 else {}
 
 
 def child(args) -> None:
@@ -97,7 +105,7 @@ def child(args) -> None:
         tx = optax.adamw(1e-4)
         state = tx.init(params)
     else:
-        store = nsp.storage.open(args.store, tier="file", num_shards=1)
+        store = nsp.storage.open(args.store, tier="file", num_shards=1, **slots_kw(args))
         # stage_gradients: each gradient leaf goes to the store's disk as the backward pass produces it, and the
         # new params come back a leaf at a time: the step holds neither the whole gradient nor a second params.
         tx = nsp.optim.adamw(1e-4, store=store, stage_gradients=args.stage_gradients)
@@ -130,7 +138,6 @@ def full_child(args) -> None:
 
     import jax
     import jax.numpy as jnp
-    import numpy as np
     import optax
     from flax import nnx
 
@@ -161,7 +168,7 @@ def full_child(args) -> None:
         layerwise = LayerwiseInit(model_cfg, 0)  # init_store_layerwise keeps the bf16 copy itself
         graphdef = layerwise.graphdef
         store = nsp.storage.open(None if config.tier == "memory" else args.store, tier=config.tier, num_shards=1,
-                                 **({"in_place": True} if config.tier == "memory" else {}))
+                                 **({"in_place": True} if config.tier == "memory" else slots_kw(args)))
         tx = trainer.make_optimizer(config, store, None)
         params, state = trainer.init_store_layerwise(config, layerwise, store, tx, None, log=lambda line: None)
     setup_s = time.perf_counter() - t0
@@ -214,7 +221,7 @@ def full_attempt(contender: str, model: str, args, workdir: Path) -> dict:
     store = workdir / f"store-{model}"
     cmd = [sys.executable, __file__, "--full", "--child", contender, "--model", model, "--seq", str(args.seq),
            "--store", str(store), "--f32-accum" if args.f32_accum else "--no-f32-accum",
-           "--stage-gradients" if args.stage_gradients else "--no-stage-gradients"]
+           "--stage-gradients" if args.stage_gradients else "--no-stage-gradients", "--slots", str(args.slots)]
     env = dict(os.environ, MALLOC_ARENA_MAX="2", MALLOC_MMAP_THRESHOLD_=str(args.mmap_threshold or 131072))
     limit = int(args.rss_limit_gib * 2**30)
     t0 = time.perf_counter()
@@ -270,7 +277,8 @@ def full(args) -> None:
     total_ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     free_disk = shutil.disk_usage(workdir).free
     print(f"largest named GPT each contender trains on the whole machine (batch 1 x {args.seq} tokens, bf16 "
-          f"compute, f32_accum={args.f32_accum}): ladder {', '.join(ladder)}; an attempt stops at "
+          f"compute, f32_accum={args.f32_accum}, file-tier store of {args.slots} version slot"
+          f"{'s' if args.slots == 2 else ' and a redo journal'}): ladder {', '.join(ladder)}; an attempt stops at "
           f"{args.rss_limit_gib:g} GiB RSS; RAM {total_ram / 2**30:.1f} GiB, disk free {free_disk / 1e9:.0f} GB "
           f"at {workdir}", flush=True)
     attempts, best = [], {}
@@ -300,16 +308,19 @@ def full(args) -> None:
                  ("ratio", "vs optax", ".2f"), ("peak_rss_gib", "peak RSS (GiB)", ".2f"),
                  ("setup_s", "set-up (s)", ".0f"), ("fwd_bwd_s", "fwd/bwd (s)", ".1f"),
                  ("update_s", "update (s)", ".1f"), ("step_s", "step (s)", ".1f"), ("disk_gb", "disk (GB)", ".1f")])
-    # What this machine allows, from the bytes per parameter each keeps (RAM for the in-RAM contenders; disk,
-    # two version slots of fp32 master and moments, for the file tier).
+    # What this machine allows, from the bytes per parameter each keeps (RAM for the in-RAM contenders; disk for
+    # the file tier: two version slots of fp32 master and moments, 24 B; one slot and its redo journal, whose
+    # gradient takes at most 4 B more, 16 B).
+    disk_bpp = 24 if args.slots == 2 else 16
     limits = {"ram_bytes": total_ram, "rss_limit_bytes": int(args.rss_limit_gib * 2**30), "disk_free_bytes": free_disk,
               "optax_max_params_by_ram": int(args.rss_limit_gib * 2**30 / 16),
-              "nsp_file_max_params_by_disk": int(free_disk / 24)}
+              "nsp_file_disk_bytes_per_param": disk_bpp, "nsp_file_max_params_by_disk": int(free_disk / disk_bpp)}
+    default_json = "max_model_full.json" if args.slots == 2 else "max_model_full_oneslot.json"
     write_json("max_model_full", {"mode": "full", "seq": args.seq, "f32_accum": args.f32_accum, "ladder": ladder,
-                                  "stage_gradients": args.stage_gradients,
+                                  "stage_gradients": args.stage_gradients, "slots": args.slots,
                                   "rss_limit_gib": args.rss_limit_gib, "rows": rows, "attempts": attempts,
                                   "limits": limits}, args.json or str(Path(__file__).parent / "results"
-                                                                      / "max_model_full.json"))
+                                                                      / default_json))
     nsp_file = next((r for r in rows if r["contender"] == "nsp-file"), None)
     if nsp_file and nsp_file["ratio"]:
         print(f"nsp file tier trains {nsp_file['ratio']:.2f}x the parameters of optax.adamw on this machine "
@@ -321,7 +332,7 @@ def attempt(contender: str, layers: int, args, workdir: Path) -> dict | None:
     cap = int(args.cap_gib * 2**30)
     cmd = [sys.executable, __file__, "--child", contender, "--layers", str(layers), "--width", str(args.width),
            "--seq", str(args.seq), "--store", str(store), "--f32-accum" if args.f32_accum else "--no-f32-accum",
-           "--stage-gradients" if args.stage_gradients else "--no-stage-gradients"]
+           "--stage-gradients" if args.stage_gradients else "--no-stage-gradients", "--slots", str(args.slots)]
 
     env = dict(os.environ, MALLOC_ARENA_MAX="2")  # the same malloc settings for both contenders
     env.pop("MALLOC_MMAP_THRESHOLD_", None)
@@ -374,6 +385,9 @@ def main() -> None:
                              "layers (default on)")
     parser.add_argument("--mmap-threshold", type=int, default=131072,
                         help="MALLOC_MMAP_THRESHOLD_ (bytes) of the attempts; 0: glibc's dynamic default")
+    parser.add_argument("--slots", type=int, choices=(1, 2), default=2,
+                        help="version slots of the nsp file tier's store (1: one slot and a redo journal, as "
+                             "nsp train --slots 1; default 2)")
     parser.add_argument("--verbose", action="store_true", help="print the end of a failed attempt's stderr")
     parser.add_argument("--json", default=None)
     parser.add_argument("--full", action="store_true",
@@ -428,7 +442,7 @@ def main() -> None:
                  ("ratio", "vs optax", ".2f"), ("peak_rss_gib", "peak RSS (GiB)", ".2f"),
                  ("step_s", "step (s)", ".1f")])
     write_json("max_model", {"cap_gib": args.cap_gib, "width": args.width, "seq": args.seq,
-                             "stage_gradients": args.stage_gradients,
+                             "stage_gradients": args.stage_gradients, "slots": args.slots,
                              "f32_accum": args.f32_accum, "mmap_threshold": args.mmap_threshold, "rows": rows},
                args.json)
     ratio = rows[1]["ratio"]

@@ -32,6 +32,7 @@ Re-rendering from fresh runs at a final commit (a quiet machine: `uptime` load b
     python bench/store_update.py --quick --slow-disk 0.47,0.67 --json bench/results/store_update_slow_disk.json
     python bench/train_step.py; python bench/train_step.py --engine-cpus 1; python bench/checkpoint.py
     python bench/max_model.py; python bench/fault_campaign.py; python bench/csd_scaling.py --calibrate
+    python bench/fault_campaign.py --slots 1 --trials 100 --steps 8 --json bench/results/fault_campaign_oneslot.json
     git add bench/results/*.json && git commit -m "bench/results: records at <commit>"
     python bench/report.py                       # sections 1 and 2 measured now, section 3 from those records
     git add docs/results && git commit -m "docs/results: re-rendered at <commit>"
@@ -119,6 +120,7 @@ MEASURES = {
     "checkpoint": BUILD + SPEC + ("nsp/primitives/", "nsp/storage/", "bench/checkpoint.py") + PROTOCOL,
     "max_model": BUILD + ("nsp/", "models/", "bench/max_model.py") + PROTOCOL,
     "fault_campaign": BUILD + ("nsp/", "models/", "bench/fault_campaign.py") + PROTOCOL,
+    "fault_campaign_oneslot": BUILD + ("nsp/", "models/", "bench/fault_campaign.py") + PROTOCOL,
     "csd_scaling": BUILD + SPEC + ("nsp/csd/", "nsp/primitives/", "nsp/storage/", "bench/csd_scaling.py",
                                    "bench/csd_calibration.py", "bench/store_contenders.py", "bench/adam_steps.py",
                                    "bench/deepspeed_swap.py") + PROTOCOL,

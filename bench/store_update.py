@@ -37,6 +37,10 @@ bench/wait_policy.py):
                      compute and write pages overlapped, then sync + commit of the new version; the new params
                      land in one reused array (the other contenders update theirs in place too); the
                      engine's clocks split its time into the page stream, the sync and the commit
+  nsp file tier,     the same on a one-slot store (nsp.storage.open(..., slots=1): one copy of p, m, v and a redo
+  one slot           journal): the gradient written to the journal and synced first, then windows of new pages
+                     written beside the old ones, synced, recorded and renamed in, then the commit; against the
+                     two-slot row, what the one slot's half of the disk costs per update (one_slot in the record)
   DeepSpeed          ZeRO-Infinity's optimizer swap with DeepSpeed's own ops (bench/deepspeed_swap.py): its aio
                      handle (O_DIRECT, page-locked buffers, documented defaults: 1 MiB blocks, queue depth 8, one
                      I/O thread per handle, overlap_events) and DeepSpeedCPUAdam, per sub-group swap p, m, v in,
@@ -255,11 +259,18 @@ def run(args, work: Workdir, n: int, page_bytes: int, repeats: int, warmup: int,
     stats1 = store.stats()
     read_bytes = stats1["internal_read_bytes"] - stats0["internal_read_bytes"]
     write_bytes = stats1["internal_write_bytes"] - stats0["internal_write_bytes"]
+    # -- the same on a one-slot store (one copy of the state and a redo journal), made and warmed up the same way
+    store1 = nsp.storage.open(os.path.join(work.path, "nsp1"), tier="file", page_bytes=page_bytes,
+                              pages_in_flight=args.pages_in_flight, checksum=True, slots=1)
+    work.closers.append(store1.close)
+    store1.initialize({"w": p0}, spec)
     # Its second and third updates choose the read mode (the second reads direct, the third buffered, each
     # timed whole: ffi/backends/read_mode.h), as a run's do once at its start (and 1 update in 32 tries the other way
     # again): warm-up here too, so that the timed rounds read the way the file tier settled on.
     for _ in range(READ_MODE_CALIBRATION_UPDATES):
         store.update(grad, version=store.version, lr=LR, step=store.version + 1)
+    for _ in range(1 + READ_MODE_CALIBRATION_UPDATES):
+        store1.update(grad, version=store1.version, lr=LR, step=store1.version + 1)
 
     params_out = np.empty(n, np.float32)  # the params land in one array, reused (as the others update in place)
 
@@ -279,6 +290,18 @@ def run(args, work: Workdir, n: int, page_bytes: int, repeats: int, warmup: int,
         direct = after["pages_read_direct"] - before["pages_read_direct"]
         pages = after["pages_read"] - before["pages_read"]
         nsp_reads.append("O_DIRECT" if direct == pages else "buffered" if direct == 0 else "both")
+
+    params_out1 = np.empty(n, np.float32)
+    nsp1_phases: dict[str, list[float]] = {"stream": [], "sync": [], "commit": []}
+
+    def nsp_file_one_slot() -> None:
+        before = store1.stats()
+        store1.update(grad, version=store1.version, lr=LR, step=store1.version + 1, params_into=params_out1)
+        after = store1.stats()
+        spent = {k: (after[f"{k}_ns"] - before[f"{k}_ns"]) / 1e9 for k in ("update", "sync", "commit")}
+        nsp1_phases["stream"].append(spent["update"] - spent["sync"] - spent["commit"])
+        nsp1_phases["sync"].append(spent["sync"])
+        nsp1_phases["commit"].append(spent["commit"])
 
     # -- DeepSpeed's optimizer swap (its own files in the same directory: the same p, m, v bytes)
     ds_swaps, ds_info = setup_deepspeed(args, work, p0, threads)
@@ -327,13 +350,15 @@ def run(args, work: Workdir, n: int, page_bytes: int, repeats: int, warmup: int,
 
     names = {
         "nsp": "nsp file tier (update + commit)",
+        "nsp1": "nsp file tier, one slot (journal + update + commit)",
         "perfect": "perfect serial swap (read all, Adam in RAM, write all + fsync)",
         **MEMORY_NAMES,
     }
     ds_fns = {name: functools.partial(swap.step, grad) for name, swap in ds_swaps.items()}
     # Two groups, each interleaved: the disk group, then the memory group (so that no contender in RAM shares a
     # round with the disk's write-back and page-cache work).
-    disk_group = {**writers, **readers, both_name: both_fn, names["nsp"]: nsp_file, names["perfect"]: perfect,
+    disk_group = {**writers, **readers, both_name: both_fn, names["nsp"]: nsp_file,
+                  names["nsp1"]: nsp_file_one_slot, names["perfect"]: perfect,
                   **ds_fns, **footprint}
     # Every disk contender's calls also count the bytes the block device under --dir moved (the kernel's own
     # counters): a contender served from a cache shows fewer device bytes than it moved.
@@ -347,7 +372,7 @@ def run(args, work: Workdir, n: int, page_bytes: int, repeats: int, warmup: int,
     swappers = {names["perfect"], *ds_fns}
     t0 = time.perf_counter()
     for name, fn in {**disk_group, **memory_group}.items():
-        if name != names["nsp"] and name not in probe.by_name:
+        if name not in (names["nsp"], names["nsp1"]) and name not in probe.by_name:
             for _ in range(1 + READ_MODE_CALIBRATION_UPDATES if name in swappers else 1):
                 fn()
     # The read probe's file is rewritten right before each file-tier update (why: DiskProbe's docstring). The disk
@@ -364,7 +389,7 @@ def run(args, work: Workdir, n: int, page_bytes: int, repeats: int, warmup: int,
     times.update(time_interleaved(memory_group, repeats=repeats, warmup=warmup - 1, pause=args.pause,
                                   idle_cpu=idle_cpu))
     timed_s = time.perf_counter() - t0
-    for phases in [perfect.phases, nsp_phases] + [swap.phases for swap in ds_swaps.values()]:
+    for phases in [perfect.phases, nsp_phases, nsp1_phases] + [swap.phases for swap in ds_swaps.values()]:
         for phase in phases.values():  # keep only the timed rounds' phases
             del phase[: len(phase) - repeats]
     med = {name: median(ts) for name, ts in times.items()}
@@ -372,6 +397,10 @@ def run(args, work: Workdir, n: int, page_bytes: int, repeats: int, warmup: int,
     # -- every swapper made the same steps with the same gradient: their params must agree
     p_nsp = store.read("param")
     agree = {names["perfect"]: float(np.max(np.abs(perfect.bufs[0] - p_nsp)))}
+    # the one-slot store ran the same kernel on the same steps: the same bits
+    one_slot_equal = all(np.array_equal(store1.read(s), store.read(s)) for s in ("param", "mu", "nu"))
+    if not one_slot_equal:
+        raise SystemExit("the one-slot store's state differs from the two-slot store's after the same updates")
     for name, swap in ds_swaps.items():
         agree[name] = float(np.max(np.abs(swap.read_params() - p_nsp)))
     moved_p = float(np.max(np.abs(p_nsp - p0)))
@@ -379,7 +408,7 @@ def run(args, work: Workdir, n: int, page_bytes: int, repeats: int, warmup: int,
     report(Measured(args=args, work=work, disk=disk, n=n, page_bytes=page_bytes, state_bytes=state_bytes,
                     repeats=repeats, warmup=warmup, threads=threads, grad=grad, store=store, read_bytes=read_bytes,
                     write_bytes=write_bytes, first_update_growth=first_update_growth, nsp_reads=nsp_reads,
-                    nsp_phases=nsp_phases, ds_swaps=ds_swaps, ds_info=ds_info, probe=probe, writers=writers,
+                    nsp_phases=nsp_phases, nsp1_phases=nsp1_phases, ds_swaps=ds_swaps, ds_info=ds_info, probe=probe, writers=writers,
                     readers=readers, both_name=both_name, both_read=both_read, both_write=both_write,
                     footprint=footprint, footprint_buffers=footprint_buffers, perfect=perfect,
                     perfect_kernel=perfect_kernel, perfect_used=perfect_used, streamed=streamed, names=names,

@@ -217,3 +217,70 @@ def test_snapshot_of_a_one_slot_store_keeps_its_version(tmp_path, reference):
         assert_version_whole(restored, reference, 2)
         assert restored.verify()["problems"] == []
     assert linked.read_bytes() == before
+
+
+def test_one_slot_checkpoint_export_verify_and_plain_tensorstore(tmp_path, reference, capsys):
+    """What a two-slot store offers around its state works on a one-slot store too: tensorstore alone reads the
+    committed version (in slot 0, ``format.slot_of``), ``nsp store verify`` checks it and finds a flipped bit, an
+    orbax checkpoint of it restores bit for bit to a one-slot store that steps on, and ``nsp ckpt export`` writes
+    the master and moments that plain orbax reads."""
+    import orbax.checkpoint as ocp
+    import tensorstore as ts
+
+    from nsp.cli import main as nsp_main
+    from nsp.storage import checkpoint as ckpt
+    from nsp.storage.export import path_keys
+    from nsp.storage.format import slot_of
+
+    run = tmp_path / "run"
+    manager = ckpt.make_checkpoint_manager(run / "ckpt", max_to_keep=2)
+    with open_one(run / "store") as store:
+        store.initialize(make_params(), SPEC)
+        do_step(store, 1)
+        ckpt.save_checkpoint(manager, 1, store, {"data_position": np.asarray([7], np.int64)}, {"step": 1})
+        do_step(store, 2)  # the checkpoint keeps version 1 while the store moves on
+        layout, size, shard_dirs = store.layout, store.layout.shard_size, store.shard_paths
+    manager.close()
+    # No nsp code: tensorstore finds version 2 in slot 0 of each shard.
+    assert slot_of(1, 2) == 0
+    for i, shard_dir in enumerate(shard_dirs):
+        assert json.loads((shard_dir / "MANIFEST.json").read_text())["version"] == 2
+        for state in ("param", "mu", "nu"):
+            arr = ts.open({"driver": "zarr3", "kvstore": {"driver": "file", "path": str(shard_dir / "slot0" / state)}}
+                          ).result()
+            assert arr.shape == (size,)
+            np.testing.assert_array_equal(arr.read().result(), reference[2][state][i * size:(i + 1) * size])
+
+    assert nsp_main(["store", "verify", str(run / "store")]) == 0
+    assert "version 2" in capsys.readouterr().out
+    bad = shard_dirs[1] / "slot0" / "nu" / "c" / "0"
+    data = bytearray(bad.read_bytes())
+    data[64] ^= 1
+    bad.write_bytes(bytes(data))
+    assert nsp_main(["store", "verify", str(run / "store")]) == 1
+    out = capsys.readouterr().out
+    assert "CORRUPT" in out and "'nu', page 0 of shard" in out and "1 corrupt page(s)" in out
+
+    # The checkpoint was linked before the flip was written (to a fresh file: the update renamed its pages in).
+    manager = ckpt.make_checkpoint_manager(run / "ckpt", max_to_keep=2)
+    restored, state, meta = ckpt.restore_checkpoint(manager, 1, tmp_path / "restored",
+                                                    {"data_position": np.zeros(1, np.int64)})
+    manager.close()
+    with restored:
+        assert restored.slots == 1 and restored.version == 1 and meta == {"step": 1}
+        np.testing.assert_array_equal(np.asarray(state["data_position"]), [7])
+        assert_version_whole(restored, reference, 1)
+        do_step(restored, 2)
+        assert_version_whole(restored, reference, 2)
+        assert restored.verify()["problems"] == []
+
+    assert nsp_main(["ckpt", "export", "--run-dir", str(run), "--step", "1", "--out", str(tmp_path / "x")]) == 0
+    params = ocp.StandardCheckpointer().restore(tmp_path / "x" / "params")
+    moments = ocp.StandardCheckpointer().restore(tmp_path / "x" / "opt_state")
+    for leaf in layout.leaves:
+        for state, tree in (("param", params), ("mu", moments["mu"]), ("nu", moments["nu"])):
+            for key in path_keys(leaf.path):
+                tree = tree[key]
+            assert tree.shape == leaf.shape
+            np.testing.assert_array_equal(np.asarray(tree).ravel(),
+                                          reference[1][state][leaf.offset:leaf.offset + leaf.size])
