@@ -218,9 +218,14 @@ def make_checkpoint_manager(directory: str | os.PathLike, max_to_keep: int | Non
     arrays = ocp.type_handlers.create_type_handler_registry(
         (jax.Array, ocp.type_handlers.ArrayHandler(primary_host=me, replica_id=None, use_replica_parallel=False)))
     directory.mkdir(parents=True, exist_ok=True)  # orbax creates no directory for a subset of processes
+    # A step's directories are made before its items are written, not in the background: orbax tells its writers
+    # that they exist through keys of the coordination service named by an operation count, the same on every
+    # process, so another process's directories would count as this one's.
     opts = ocp.CheckpointManagerOptions(max_to_keep=max_to_keep, create=False,
                                         enable_async_checkpointing=enable_async_checkpointing,
-                                        multiprocessing_options=mp, **options)
+                                        multiprocessing_options=mp,
+                                        async_options=ocp.AsyncOptions(create_directories_asynchronously=False),
+                                        **options)
     handlers = {"store": StoreCheckpointHandler(),
                 "train_state": ocp.PyTreeCheckpointHandler(use_ocdbt=False, multiprocessing_options=mp,
                                                            type_handler_registry=arrays),
