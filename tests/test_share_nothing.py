@@ -22,13 +22,13 @@ import pytest
 NSP = [sys.executable, "-m", "nsp.cli"]
 REPO = Path(__file__).resolve().parents[1]
 DATA = str(REPO / "nsp" / "train" / "corpus.py")
-STEPS = 6
+STEPS = 10  # the configuration of tests/test_distributed.py, whose compiled steps the cache then holds
 TRAIN = ["train", "--model", "tiny", "--steps", str(STEPS), "--batch", "4", "--seq", "32", "--log-every", "1",
-         "--eval-every", "0", "--eval-batches", "1", "--ckpt-every", "2", "--page-mib", "0.0625", "--data", DATA,
+         "--eval-every", "0", "--eval-batches", "1", "--ckpt-every", "4", "--page-mib", "0.0625", "--data", DATA,
          "--ckpt-local"]
 # Process 1's file backends count page writes per shard (6 a step each, after the 6 of the initial state):
-# SIGKILL at its 28th, inside step 4's update, after the checkpoint of step 2.
-KILL_AFTER_WRITES = 27
+# SIGKILL at its 39th, inside step 6's update, after the checkpoint of step 4.
+KILL_AFTER_WRITES = 38
 PORT = 47613
 
 
@@ -175,16 +175,16 @@ def test_share_nothing_hosts_resume_a_killed_run_bit_exactly(hosts):
         assert not hosts.path(1 - i, ref / "store" / f"process-{i:05d}").exists()
 
     killed = _both(hosts, TRAIN + ["--run-dir", str(run)], kill_1=True)
-    assert killed[1][0] == -signal.SIGKILL, killed[1][1]  # killed inside step 4's update
-    assert "step     3/" in killed[1][1] and "step     4/" not in killed[1][1], killed[1][1]
+    assert killed[1][0] == -signal.SIGKILL, killed[1][1]  # killed inside step 6's update
+    assert "step     5/" in killed[1][1] and "step     6/" not in killed[1][1], killed[1][1]
     assert killed[0][0] != 0, killed[0][1]  # its peer stopped too
     for i in range(2):
-        assert sorted(int(p.name) for p in hosts.path(i, run / "ckpt").iterdir() if p.name.isdigit()) == [0, 2]
+        assert sorted(int(p.name) for p in hosts.path(i, run / "ckpt").iterdir() if p.name.isdigit()) == [0, 4]
 
     resumed = _both(hosts, TRAIN + ["--run-dir", str(run), "--resume"])
     assert [status for status, _ in resumed] == [0, 0], _said(resumed)
     for status, out in resumed:
-        assert f"resumed {run} at step 2" in out, out
+        assert f"resumed {run} at step 4" in out, out
     a, b = _state(hosts, ref), _state(hosts, run)
     assert a.keys() == b.keys()
     for k in a:
