@@ -91,9 +91,9 @@ class Hosts:
             _sh("ip", "netns", "del", ns)  # takes the veth end inside it, and so the pair
         _sh("ip", "link", "del", self.veth[0])  # left outside when set-up stopped early
 
-    def run(self, i: int, args: list[str], env: dict | None = None) -> subprocess.Popen:
+    def run(self, i: int, args: list[str], env: dict | None = None, port: int = PORT) -> subprocess.Popen:
         cmd = ["nsenter", "-t", str(self.pids[i]), "-m", "-n", "-u", f"--wd={REPO}", "--"] + NSP + args + [
-            "--coordinator", f"{self.addr[0]}:{PORT}", "--num-processes", "2", "--process-id", str(i)]
+            "--coordinator", f"{self.addr[0]}:{port}", "--num-processes", "2", "--process-id", str(i)]
         penv = {k: v for k, v in os.environ.items() if not k.startswith("JAX_") or "CACHE" in k}
         penv.update(XLA_FLAGS="--xla_force_host_platform_device_count=2", PYTHONUNBUFFERED="1", **(env or {}))
         return subprocess.Popen(cmd, env=penv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
@@ -119,10 +119,14 @@ def hosts(tmp_path):
         h.down()
 
 
-def _both(h: Hosts, args: list[str], kill_1: bool = False) -> list[tuple[int, str]]:
-    """Runs ``nsp`` on both hosts; returns each one's exit status and output."""
-    procs = [h.run(i, args, {"NSP_DEBUG_KILL_AFTER_WRITES": str(KILL_AFTER_WRITES)} if kill_1 and i else None)
-             for i in range(2)]
+def _start(h: Hosts, args: list[str], kill_1: bool = False, port: int = PORT) -> list[subprocess.Popen]:
+    """Starts ``nsp`` on both hosts (process 1 to be killed inside an update with ``kill_1``)."""
+    return [h.run(i, args, {"NSP_DEBUG_KILL_AFTER_WRITES": str(KILL_AFTER_WRITES)} if kill_1 and i else None, port)
+            for i in range(2)]
+
+
+def _wait(procs: list[subprocess.Popen]) -> list[tuple[int, str]]:
+    """Each process's exit status and output."""
     out = []
     for p in procs:
         try:
@@ -165,7 +169,10 @@ def _state(h: Hosts, run_dir: Path) -> dict:
 
 def test_share_nothing_hosts_resume_a_killed_run_bit_exactly(hosts):
     ref, run = hosts.root / "reference", hosts.root / "run"
-    reference = _both(hosts, TRAIN + ["--run-dir", str(ref)])
+    # The uninterrupted run and the one to be killed at once (each its own coordinator port): less waiting.
+    started = _start(hosts, TRAIN + ["--run-dir", str(ref)]), _start(hosts, TRAIN + ["--run-dir", str(run)],
+                                                                      kill_1=True, port=PORT + 1)
+    reference, killed = _wait(started[0]), _wait(started[1])
     assert [status for status, _ in reference] == [0, 0], _said(reference)
     # Each host holds its own complete checkpoints, and nothing of the other's.
     for i in range(2):
@@ -174,14 +181,13 @@ def test_share_nothing_hosts_resume_a_killed_run_bit_exactly(hosts):
         assert [p.name for p in (step / "store").iterdir() if p.is_dir()] == [f"process-{i:05d}"]
         assert not hosts.path(1 - i, ref / "store" / f"process-{i:05d}").exists()
 
-    killed = _both(hosts, TRAIN + ["--run-dir", str(run)], kill_1=True)
     assert killed[1][0] == -signal.SIGKILL, killed[1][1]  # killed inside step 6's update
     assert "step     5/" in killed[1][1] and "step     6/" not in killed[1][1], killed[1][1]
     assert killed[0][0] != 0, killed[0][1]  # its peer stopped too
     for i in range(2):
         assert sorted(int(p.name) for p in hosts.path(i, run / "ckpt").iterdir() if p.name.isdigit()) == [0, 4]
 
-    resumed = _both(hosts, TRAIN + ["--run-dir", str(run), "--resume"])
+    resumed = _wait(_start(hosts, TRAIN + ["--run-dir", str(run), "--resume"]))
     assert [status for status, _ in resumed] == [0, 0], _said(resumed)
     for status, out in resumed:
         assert f"resumed {run} at step 4" in out, out
