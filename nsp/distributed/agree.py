@@ -14,7 +14,7 @@ import numpy as np
 
 from nsp.distributed.coordination import AGREE_TIMEOUT_S, DistributedError, barrier, client, sequence_number
 
-__all__ = ["AGREE_TIMEOUT_S", "agree_committed", "agree_version", "all_succeed", "barrier"]
+__all__ = ["AGREE_TIMEOUT_S", "agree_committed", "agree_steps", "agree_version", "all_succeed", "barrier"]
 
 
 def agree_version(local_version: int) -> tuple[int, int, float]:
@@ -38,6 +38,22 @@ def agree_committed(local_version: int) -> int:
                                "every process (process "
                                f"{jax.process_index()} is at {local_version})")
     return low
+
+
+def agree_steps(local_steps) -> list[list[int]]:
+    """Every process's ``local_steps`` (checkpoint steps, say), in process order: two small jitted all-gathers
+    (the counts, then the steps padded to the longest list)."""
+    mine = sorted(int(s) for s in local_steps)
+    if jax.process_count() == 1:
+        return [mine]
+    from jax.experimental import multihost_utils
+
+    counts = np.asarray(multihost_utils.process_allgather(np.int32(len(mine))))
+    width = max(1, int(counts.max()))
+    padded = np.full(width, -1, np.int32)
+    padded[:len(mine)] = mine
+    gathered = np.asarray(multihost_utils.process_allgather(padded)).reshape(-1, width)
+    return [[int(s) for s in row[:n]] for row, n in zip(gathered, counts)]
 
 
 def all_succeed(what: str, error: BaseException | None) -> None:

@@ -10,6 +10,12 @@ item, ``store/process-NNNNN``, and orbax ties the parts into one step: it finali
 process has saved, and writes the small items (train state, meta) from the primary process, as it does for any
 multi-process checkpoint. Each process restores its own part; with ``StoreRestore(num_shards=...)`` a step written
 on another layout (shard or process count) is resharded instead (``reshard.py``).
+
+``make_checkpoint_manager(..., local=True)`` is the same step kept by each process alone, for hosts that share no
+file system (``nsp train --ckpt-local``): the manager runs over this process only (orbax's ``active_processes``,
+this process its primary host), so it writes the meta and its own replica of the (replicated) train state itself,
+beside its part of the store, and finalises the step without waiting for the others. Which step every process
+holds is then the caller's to agree on (``nsp.train.ckpt_local``).
 """
 
 from __future__ import annotations
@@ -169,20 +175,78 @@ class StoreRestore(ocp.args.CheckpointArgs):
     num_shards: int | None = None
 
 
+class LocalCheckpointManager(ocp.CheckpointManager):
+    """A checkpoint manager of this process alone (``make_checkpoint_manager(..., local=True)``)."""
+
+    local = True
+
+
+def is_local(manager: ocp.CheckpointManager) -> bool:
+    """Whether ``manager`` keeps this process's own complete checkpoints (``local=True``)."""
+    return bool(getattr(manager, "local", False))
+
+
 def make_checkpoint_manager(directory: str | os.PathLike, max_to_keep: int | None = 3, *,
-                            enable_async_checkpointing: bool = True, **options: Any) -> ocp.CheckpointManager:
+                            enable_async_checkpointing: bool = True, local: bool = False,
+                            **options: Any) -> ocp.CheckpointManager:
     """An ``ocp.CheckpointManager`` with items ``store`` (tier snapshot), ``train_state`` (pytree), ``meta``
     (JSON). Put ``directory`` on the store's file system, or pages get copied instead of linked. Extra keyword
-    arguments go to ``ocp.CheckpointManagerOptions``."""
+    arguments go to ``ocp.CheckpointManagerOptions``.
+
+    ``local``: in a multi-process run, a manager of this process alone over its own ``directory`` (a file system
+    the other processes need not see): it writes every item of a step itself (its part of the store, its replica
+    of the train state, the meta) and finalises the step on its own. Its train state is saved and restored with
+    ``train_state_save_args`` / ``train_state_restore_args``. With one process it is the ordinary manager."""
+    import jax
+
     directory = Path(directory).absolute()
-    opts = ocp.CheckpointManagerOptions(max_to_keep=max_to_keep, create=True,
-                                        enable_async_checkpointing=enable_async_checkpointing, **options)
     # The train state is written a leaf per directory (zarr), not packed into OCDBT's shared data files: a leaf
     # that did not change between two steps (a frozen backbone's) is then the same bytes at the same path in both,
     # and a checkpoint delta (nsp.storage.delta) leaves it out. Either format restores.
-    handlers = {"store": StoreCheckpointHandler(), "train_state": ocp.StandardCheckpointHandler(use_ocdbt=False),
-                "meta": ocp.JsonCheckpointHandler()}
-    return ocp.CheckpointManager(directory, options=opts, item_names=ITEM_NAMES, item_handlers=handlers)
+    if not local or jax.process_count() == 1:
+        opts = ocp.CheckpointManagerOptions(max_to_keep=max_to_keep, create=True,
+                                            enable_async_checkpointing=enable_async_checkpointing, **options)
+        handlers = {"store": StoreCheckpointHandler(),
+                    "train_state": ocp.StandardCheckpointHandler(use_ocdbt=False), "meta": ocp.JsonCheckpointHandler()}
+        return ocp.CheckpointManager(directory, options=opts, item_names=ITEM_NAMES, item_handlers=handlers)
+    me = jax.process_index()
+    # This process is the only one orbax waits for (its barriers are keyed by the prefix) and its primary host.
+    mp = ocp.options.MultiprocessingOptions(primary_host=me, active_processes={me},
+                                            barrier_sync_key_prefix=f"nsp-local-{me:05d}")
+    # Each process writes its own replica of a replicated array (replica_id None: the replica of its first
+    # shard), not only the replica that lives on process 0.
+    arrays = ocp.type_handlers.create_type_handler_registry(
+        (jax.Array, ocp.type_handlers.ArrayHandler(primary_host=me, replica_id=None, use_replica_parallel=False)))
+    directory.mkdir(parents=True, exist_ok=True)  # orbax creates no directory for a subset of processes
+    # A step's directories are made before its items are written, not in the background: orbax tells its writers
+    # that they exist through keys of the coordination service named by an operation count, the same on every
+    # process, so another process's directories would count as this one's.
+    opts = ocp.CheckpointManagerOptions(max_to_keep=max_to_keep, create=False,
+                                        enable_async_checkpointing=enable_async_checkpointing,
+                                        multiprocessing_options=mp,
+                                        async_options=ocp.AsyncOptions(create_directories_asynchronously=False),
+                                        **options)
+    handlers = {"store": StoreCheckpointHandler(),
+                "train_state": ocp.PyTreeCheckpointHandler(use_ocdbt=False, multiprocessing_options=mp,
+                                                           type_handler_registry=arrays),
+                "meta": ocp.JsonCheckpointHandler(multiprocessing_options=mp)}
+    return LocalCheckpointManager(directory, options=opts, item_names=ITEM_NAMES, item_handlers=handlers)
+
+
+def train_state_save_args(manager: ocp.CheckpointManager, train_state: Any) -> ocp.args.CheckpointArgs:
+    """The save args of the ``train_state`` item for ``manager``'s handler (a local manager's is a pytree
+    handler of its own: args of another handler's kind would make orbax pick a default handler instead)."""
+    return ocp.args.PyTreeSave(train_state) if is_local(manager) else ocp.args.StandardSave(train_state)
+
+
+def train_state_restore_args(manager: ocp.CheckpointManager, template: Any) -> ocp.args.CheckpointArgs:
+    """The restore args of the ``train_state`` item for ``manager``'s handler (``template``: arrays or
+    ``jax.ShapeDtypeStruct`` leaves, with the shardings to restore onto; ``None``: as saved)."""
+    if not is_local(manager):
+        return ocp.args.StandardRestore(template)
+    if template is None:
+        return ocp.args.PyTreeRestore()
+    return ocp.args.PyTreeRestore(template, restore_args=ocp.checkpoint_utils.construct_restore_args(template))
 
 
 def save_checkpoint(manager: ocp.CheckpointManager, step: int, store: StateStore, train_state: Any = None,
@@ -198,7 +262,7 @@ def save_checkpoint(manager: ocp.CheckpointManager, step: int, store: StateStore
     """
     items = {"store": StoreSave(store)}
     if train_state is not None:
-        items["train_state"] = ocp.args.StandardSave(train_state)
+        items["train_state"] = train_state_save_args(manager, train_state)
     if meta is not None:
         items["meta"] = ocp.args.JsonSave(meta)
     version = store.version
@@ -236,7 +300,7 @@ def restore_checkpoint(manager: ocp.CheckpointManager, step: int | None, store_p
     # The small items first: if the template does not match, nothing has been written at store_path yet.
     items = {}
     if (step_dir / "train_state").exists():
-        items["train_state"] = ocp.args.StandardRestore(train_state_template)
+        items["train_state"] = train_state_restore_args(manager, train_state_template)
     if (step_dir / "meta").exists():
         items["meta"] = ocp.args.JsonRestore()
     small = manager.restore(step, args=ocp.args.Composite(**items)) if items else {}

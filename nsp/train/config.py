@@ -137,6 +137,10 @@ class TrainConfig:
     coordinator: str = ""
     # Processes of a multi-process run (0 = from the environment).
     num_processes: int = 0
+    # Multi-process runs on hosts that share no file system: each process keeps its own complete checkpoints in
+    # its RUN_DIR/ckpt (its part of the store, its copy of the train state), and --resume takes the newest step
+    # every process holds (nsp.train.ckpt_local). Refused when the processes do see each other's RUN_DIR/ckpt.
+    ckpt_local: bool = False
     # This process's index in a multi-process run (-1 = from the environment).
     process_id: int = -1
     # Stop early, checkpointed and resumable, after this many steps (0 = run to --steps; the schedule still

@@ -44,7 +44,7 @@ from nsp.models import GPT, get_config
 from nsp.storage import checkpoint as ckpt
 from nsp.train import data as data_lib
 from nsp.train import freeze as freeze_lib
-from nsp.train import labels, process, store_resume
+from nsp.train import ckpt_local, labels, process, store_resume
 from nsp.train.config import TrainConfig, TrainError
 from nsp.train.layerwise import LayerwiseInit, SetupProgress, fmt_gib, peak_rss_bytes
 from nsp.train.optimizer import make_optimizer
@@ -197,12 +197,25 @@ def start_mode(config: TrainConfig, log: Callable[[str], None]) -> str:
     asked for."""
     run_dir = Path(config.run_dir)
     ckpt_dir = run_dir / "ckpt"
-    has_checkpoints = _has_complete_checkpoint(ckpt_dir)
+    local = ckpt_local.active(config)  # each process's own checkpoint directory: every look is agreed on
+    if local:
+        has_checkpoints = ckpt_local.common_step(ckpt_dir) is not None
+    else:
+        has_checkpoints = _has_complete_checkpoint(ckpt_dir)
     if not config.resume:
-        if has_checkpoints or (ckpt_dir.exists() and any(ckpt_dir.iterdir())):
+        held = has_checkpoints or (ckpt_dir.exists() and any(not p.name.startswith(".nsp-ckpt-local-")
+                                                              for p in ckpt_dir.iterdir()))
+        if local and process.any_process(held):
+            raise TrainError(f"{run_dir} already holds a run on some process (checkpoints in {ckpt_dir}); pass "
+                             "--resume to continue it or choose another --run-dir")
+        if held:
             raise TrainError(f"{run_dir} already holds a run (checkpoints in {ckpt_dir}); pass --resume to continue "
                              "it or choose another --run-dir")
+        if local:
+            ckpt_local.check_not_shared(ckpt_dir)
         return FRESH
+    if local:
+        ckpt_local.check_not_shared(ckpt_dir)
     if has_checkpoints:
         return FROM_CHECKPOINT
     # A run without checkpoints continues from its store's committed version (store_resume), where it can.
@@ -211,8 +224,10 @@ def start_mode(config: TrainConfig, log: Callable[[str], None]) -> str:
             raise TrainError(f"--resume: {run_dir} saved no checkpoints (--no-checkpoints) and cannot continue from "
                              f"its store: {why}")
         return FROM_STORE
-    if not (run_dir / "config.json").exists():
-        raise TrainError(f"--resume: {run_dir} holds no run to resume (no config.json, no checkpoint)")
+    no_run = not (run_dir / "config.json").exists()
+    if (process.any_process(no_run) if local else no_run):
+        raise TrainError(f"--resume: {run_dir} holds no run to resume (no config.json, no checkpoint)"
+                         + (" on some process" if local else ""))
     # The run stopped before its first checkpoint completed: nothing was saved, so start it afresh (its store
     # holds no checkpointed state; it is rebuilt).
     log(f"{run_dir} has no complete checkpoint: starting the run afresh")
@@ -220,7 +235,9 @@ def start_mode(config: TrainConfig, log: Callable[[str], None]) -> str:
     if config.tier != "memory" and store_path.exists():
         shutil.rmtree(store_path)
     nsp.distributed.barrier("nsp-fresh-start")  # every process has looked before the directory goes
-    if ckpt_dir.exists() and jax.process_index() == 0:
+    if local:  # each process's own
+        ckpt_local.start_afresh(ckpt_dir)
+    elif ckpt_dir.exists() and jax.process_index() == 0:
         shutil.rmtree(ckpt_dir)
     nsp.distributed.barrier("nsp-fresh-start-done")
     return FRESH
@@ -333,7 +350,7 @@ def start_fresh(base: Base, log: Callable[[str], None]):
     except BaseException:
         store.close()
         raise
-    if jax.process_index() == 0:
+    if jax.process_index() == 0 or ckpt_local.active(config):  # --ckpt-local: each process's own run directory
         (base.run_dir / "config.json").write_text(config.to_json())
     return store, tx, params, opt_state, 0
 
@@ -341,16 +358,31 @@ def start_fresh(base: Base, log: Callable[[str], None]):
 def resume_from_checkpoint(base: Base, log: Callable[[str], None]):
     """The store and the train state back at the latest checkpoint (the steps after it are redone, bit for bit)."""
     config, params = base.config, base.params
-    manager = ckpt.make_checkpoint_manager(base.run_dir / "ckpt", max_to_keep=config.keep_checkpoints)
-    # orbax finalises a multi-process step only once every process saved its part: the latest step is the
-    # newest version every process holds.
-    step = manager.latest_step()
+    local = ckpt_local.active(config)
+    manager = ckpt.make_checkpoint_manager(base.run_dir / "ckpt", max_to_keep=None if local else
+                                           config.keep_checkpoints, local=local)
+    if local:  # each process holds its own steps: the newest every process holds (newer ones are redone)
+        step = ckpt_local.common_step(base.run_dir / "ckpt", log)
+        ckpt_local.discard_newer(manager, step, log)
+    else:
+        # orbax finalises a multi-process step only once every process saved its part: the latest step is the
+        # newest version every process holds.
+        step = manager.latest_step()
     meta = manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
     if meta.get("config", {}).get("model") != config.model:
         raise TrainError(f"the checkpoint is of model {meta.get('config', {}).get('model')!r}, "
                          f"not {config.model!r}")
+    if bool(meta.get("ckpt_local")) != local:
+        raise TrainError(f"the checkpoint at step {step} was written {'with' if meta.get('ckpt_local') else 'without'}"
+                         f" --ckpt-local (each process's own checkpoint directory): resume it "
+                         f"{'with' if meta.get('ckpt_local') else 'without'} --ckpt-local, on as many processes")
     saved_processes, saved_shards = meta.get("process_count", 1), meta.get("num_shards", base.num_shards)
     resharding = saved_processes != jax.process_count() or saved_shards != base.num_shards
+    if resharding and local:
+        raise TrainError(f"the checkpoint at step {step} was written by {saved_processes} process(es) with "
+                         f"{saved_shards} store shards, this run has {jax.process_count()} with {base.num_shards}: "
+                         "--ckpt-local checkpoints resume only on the layout that wrote them (resharding reads "
+                         "every process's part)")
     if resharding:
         # Another layout: each process re-cuts its own new shards from the step's parts (nsp.storage.reshard;
         # every part must be visible: the checkpoint directory is shared, as orbax requires).
@@ -378,7 +410,8 @@ def resume_from_checkpoint(base: Base, log: Callable[[str], None]):
         place = (NamedSharding(base.mesh, P()) if base.mesh is not None
                  else jax.sharding.SingleDeviceSharding(jax.devices()[0]))
         template = jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=place), template)
-    state = manager.restore(step, args=ocp.args.Composite(train_state=ocp.args.StandardRestore(template)))
+    state = manager.restore(step, args=ocp.args.Composite(
+        train_state=ckpt.train_state_restore_args(manager, template)))
     params, opt_state = state["train_state"]["params"], recut(state["train_state"]["opt_state"])
     manager.close()
     log(f"resumed {base.run_dir} at step {step} (store version {store.version})")

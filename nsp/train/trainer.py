@@ -44,7 +44,7 @@ import numpy as np
 
 import nsp.distributed
 from nsp.storage import checkpoint as ckpt
-from nsp.train import activations, failure, features, process, store_resume
+from nsp.train import activations, ckpt_local, failure, features, process, store_resume
 from nsp.train.config import TrainConfig, TrainError
 from nsp.train.layerwise import fmt_gib, peak_rss_bytes
 from nsp.train.metrics import MetricsWriter, StepMeter, StepWatch, step_line
@@ -92,7 +92,9 @@ def train_and_evaluate(config: TrainConfig, *, log: Callable[[str], None] = prin
         raise
     train_step, eval_step = make_train_step(run.graphdef, run.tx, run.mesh, block_call, run.freeze,
                                             features_from=config.freeze_layers if config.features else 0)
-    manager = ckpt.make_checkpoint_manager(Path(config.run_dir) / "ckpt", max_to_keep=config.keep_checkpoints)
+    local = ckpt_local.active(config)  # each process's own checkpoints: old steps go once every process agrees
+    manager = ckpt.make_checkpoint_manager(Path(config.run_dir) / "ckpt", local=local,
+                                           max_to_keep=None if local else config.keep_checkpoints)
     metrics = MetricsWriter(Path(config.run_dir), jax.process_index())
     schedule = learning_rate_schedule(config)
     interrupted, finished = [], []
@@ -256,6 +258,10 @@ def _save_checkpoint(run: Run, manager) -> None:
     train_state = {"params": run.params, "opt_state": run.opt_state}
     process.together("checking the room for the checkpoint", lambda: failure.check_checkpoint_room(
         Path(str(manager.directory)), train_state, run.store))
+    local = ckpt.is_local(manager)
     ckpt.save_checkpoint(manager, run.step, run.store, train_state,
                          {"step": run.step, "config": dataclasses.asdict(run.config),
-                          "process_count": jax.process_count(), "num_shards": n})
+                          "process_count": jax.process_count(), "num_shards": n,
+                          **({"ckpt_local": True} if local else {})})
+    if local:  # every process holds the step: each removes its own steps beyond --keep-checkpoints
+        ckpt_local.after_save(manager, run.step, run.config.keep_checkpoints)
