@@ -48,16 +48,19 @@ def test_a_second_run_on_a_store_in_use_is_refused_with_one_line(tmp_path):
     assert "Traceback" not in rest, rest
 
 
-def test_resume_with_another_device_count_names_both(tmp_path):
+def test_resume_with_another_device_count_reshards_and_says_so(tmp_path):
+    # The tiny model's shards are smaller than a page, so each store's pages are cut to its shards: 4 shards have
+    # smaller pages than 2, and the resharded store must record the new size (once it kept the old one, and the
+    # store's own check refused it).
     run_dir = tmp_path / "run"
     args = TRAIN + ["--run-dir", str(run_dir), "--batch", "4", "--steps", "2"]
     done = subprocess.run(NSP + args, env=_env(2), capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stdout + done.stderr
-    again = subprocess.run(NSP + args + ["--resume"], env=_env(4), capture_output=True, text=True, timeout=120)
-    assert again.returncode == 2, again.stdout + again.stderr
-    assert "Traceback" not in again.stderr, again.stderr
-    assert ("the checkpoint at step 2 was written by 1 process(es) with 2 store shards; this run has 1 with 4: "
-            "resume with the same process and device counts") in again.stderr, again.stderr
+    again = subprocess.run(NSP + args[:-1] + ["3", "--resume"], env=_env(4), capture_output=True, text=True,
+                           timeout=120)
+    assert again.returncode == 0, again.stdout + again.stderr
+    assert ("resharding the checkpoint at step 2: written by 1 process(es) with 2 store shards, this run has 1 "
+            "with 4") in again.stdout, again.stdout
 
 
 def test_a_coordinator_nothing_answers_at_is_named_within_the_join_timeout():

@@ -56,6 +56,12 @@ COPY_THREADS = 8
 PAGES_PER_JOB = 4
 
 
+def page_bytes_of(layout: Layout) -> int:
+    """The ``page_bytes`` a store of ``layout`` records: its pages' size, which is less than the size asked for
+    when a shard is smaller than a page (more shards than the source had can make each one smaller)."""
+    return layout.page_elems * 4
+
+
 def layout_for(layout: Layout, num_shards: int, page_bytes: int) -> Layout:
     """``layout``'s leaves cut into ``num_shards`` shards, with the page size ``Layout.from_tree`` picks for that
     count (so a run on the new layout finds exactly this layout in its store)."""
@@ -359,13 +365,13 @@ def write_snapshot(source: ItemSource, dest: str | os.PathLike, num_shards: int,
         else:
             files = _copy_pages(source, new, tmp, local, pool)
         fsync_dir(tmp / "shards")
-        meta = dict(source.meta, layout=new.to_json())
+        meta = dict(source.meta, layout=new.to_json(), page_bytes=page_bytes_of(new))
         atomic_write_json(tmp / METADATA, meta)
         record = {
             "format": SNAPSHOT_FORMAT, "format_version": SNAPSHOT_FORMAT_VERSION, "version": source.version,
             "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
             "source": {"resharded_from": str(source.path), "num_shards": source.layout.num_shards},
-            "page_bytes": int(source.meta["page_bytes"]), "checksum": bool(source.meta["checksum"]),
+            "page_bytes": page_bytes_of(new), "checksum": bool(source.meta["checksum"]),
             "layout": _layout_summary(new), "optimizer": source.info["optimizer"], "states": source.states,
             "arrays": "shards/{shard:05d}/{state}",
             **({"local_shards": local} if shards is not None else {}),
@@ -540,7 +546,7 @@ def restore_resharded(item_dir: str | os.PathLike, store_path: str | os.PathLike
 def _restore_memory(source: ItemSource, num_shards: int, shards: Sequence[int] | None,
                     pages_in_flight: int) -> StateStore:
     new = layout_for(source.layout, num_shards, int(source.meta["page_bytes"]))
-    store = open_store(None, tier="memory", num_shards=num_shards, page_bytes=int(source.meta["page_bytes"]),
+    store = open_store(None, tier="memory", num_shards=num_shards, page_bytes=page_bytes_of(new),
                        pages_in_flight=pages_in_flight, checksum=bool(source.meta["checksum"]),
                        shards=None if shards is None else list(shards))
     try:
