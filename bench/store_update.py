@@ -272,36 +272,32 @@ def run(args, work: Workdir, n: int, page_bytes: int, repeats: int, warmup: int,
     for _ in range(1 + READ_MODE_CALIBRATION_UPDATES):
         store1.update(grad, version=store1.version, lr=LR, step=store1.version + 1)
 
-    params_out = np.empty(n, np.float32)  # the params land in one array, reused (as the others update in place)
-
     nsp_reads: list[str] = []  # how each call read its pages (the file tier picks direct or buffered itself)
-    # Where each call's time went (the engine's own clocks): the page stream (read, compute, write overlapped),
-    # the sync that makes the new version durable, the commit that records it.
-    nsp_phases: dict[str, list[float]] = {"stream": [], "sync": [], "commit": []}
 
-    def nsp_file() -> None:
-        before = store.stats()
-        store.update(grad, version=store.version, lr=LR, step=store.version + 1, params_into=params_out)
-        after = store.stats()
-        spent = {k: (after[f"{k}_ns"] - before[f"{k}_ns"]) / 1e9 for k in ("update", "sync", "commit")}
-        nsp_phases["stream"].append(spent["update"] - spent["sync"] - spent["commit"])
-        nsp_phases["sync"].append(spent["sync"])
-        nsp_phases["commit"].append(spent["commit"])
-        direct = after["pages_read_direct"] - before["pages_read_direct"]
-        pages = after["pages_read"] - before["pages_read"]
-        nsp_reads.append("O_DIRECT" if direct == pages else "buffered" if direct == 0 else "both")
+    def timed_update(st, reads: list[str] | None = None):
+        """One update of ``st`` per call, the params landing in one array, reused (as the others update in
+        place), and ``phases``: where each call's time went (the engine's own clocks): the page stream (read,
+        compute, write overlapped), the sync that makes the new version durable, the commit that records it."""
+        out = np.empty(n, np.float32)
+        phases: dict[str, list[float]] = {"stream": [], "sync": [], "commit": []}
 
-    params_out1 = np.empty(n, np.float32)
-    nsp1_phases: dict[str, list[float]] = {"stream": [], "sync": [], "commit": []}
+        def call() -> None:
+            before = st.stats()
+            st.update(grad, version=st.version, lr=LR, step=st.version + 1, params_into=out)
+            after = st.stats()
+            spent = {k: (after[f"{k}_ns"] - before[f"{k}_ns"]) / 1e9 for k in ("update", "sync", "commit")}
+            phases["stream"].append(spent["update"] - spent["sync"] - spent["commit"])
+            phases["sync"].append(spent["sync"])
+            phases["commit"].append(spent["commit"])
+            if reads is not None:
+                direct = after["pages_read_direct"] - before["pages_read_direct"]
+                pages = after["pages_read"] - before["pages_read"]
+                reads.append("O_DIRECT" if direct == pages else "buffered" if direct == 0 else "both")
 
-    def nsp_file_one_slot() -> None:
-        before = store1.stats()
-        store1.update(grad, version=store1.version, lr=LR, step=store1.version + 1, params_into=params_out1)
-        after = store1.stats()
-        spent = {k: (after[f"{k}_ns"] - before[f"{k}_ns"]) / 1e9 for k in ("update", "sync", "commit")}
-        nsp1_phases["stream"].append(spent["update"] - spent["sync"] - spent["commit"])
-        nsp1_phases["sync"].append(spent["sync"])
-        nsp1_phases["commit"].append(spent["commit"])
+        return call, phases
+
+    nsp_file, nsp_phases = timed_update(store, nsp_reads)
+    nsp_file_one_slot, nsp1_phases = timed_update(store1)
 
     # -- DeepSpeed's optimizer swap (its own files in the same directory: the same p, m, v bytes)
     ds_swaps, ds_info = setup_deepspeed(args, work, p0, threads)

@@ -85,7 +85,7 @@ def export_checkpoint(checkpoint_dir: str | os.PathLike, out_dir: str | os.PathL
         step_meta = None
         if snap != src:
             if (src / "train_state").is_dir():
-                shutil.copytree(src / "train_state", out / "train_state", copy_function=_link_or_copy)
+                shutil.copytree(src / "train_state", out / "train_state", copy_function=link_or_copy)
             if (src / "meta").is_dir():
                 try:
                     step_meta = ocp.Checkpointer(ocp.JsonCheckpointHandler()).restore(src / "meta")
@@ -107,7 +107,8 @@ def export_checkpoint(checkpoint_dir: str | os.PathLike, out_dir: str | os.PathL
     return record
 
 
-def _link_or_copy(src: str, dst: str) -> str:
+def link_or_copy(src: str, dst: str) -> str:
+    """``shutil.copytree``'s ``copy_function``: a hard link where the file system allows one, else a copy."""
     try:
         os.link(src, dst)
     except OSError:

@@ -22,6 +22,7 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 
+from nsp.storage.export import link_or_copy
 from nsp.storage.format import StoreError
 from nsp.storage.orbax_handler import load_train_state
 from nsp.storage.reshard import COPY_THREADS, ItemSource, layout_for, process_shards, write_snapshot
@@ -135,7 +136,7 @@ def _copy_train_state(step_dir: Path, dest: Path, old_padded: int, new_padded: i
 
     tree = jax.tree_util.tree_map_with_path(cut, tree)
     if not recut:
-        shutil.copytree(src, dest / "train_state", copy_function=_link_or_copy)
+        shutil.copytree(src, dest / "train_state", copy_function=link_or_copy)
         return []
     ckptr = ocp.StandardCheckpointer()
     ckptr.save(dest / "train_state", tree)
@@ -143,10 +144,3 @@ def _copy_train_state(step_dir: Path, dest: Path, old_padded: int, new_padded: i
     ckptr.close()
     return recut
 
-
-def _link_or_copy(src: str, dst: str) -> str:
-    try:
-        os.link(src, dst)
-    except OSError:
-        shutil.copy2(src, dst)
-    return dst
