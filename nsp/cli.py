@@ -138,7 +138,10 @@ def _sample(args: argparse.Namespace) -> int:
     if config is None:
         raise SystemExit(f"nsp sample: {run_dir} holds no run (no config.json)")
     tokenizer = ByteTokenizer()
-    model_cfg = get_config(config["model"], vocab_size=tokenizer.vocab_size)
+    # A classifier's run (--task classify) keeps the language model's head too (tied to the token embedding): it
+    # samples text as any run does, its classifier's leaves restored beside.
+    classes = config.get("classes", 0) if config.get("task") == "classify" else 0
+    model_cfg = get_config(config["model"], vocab_size=tokenizer.vocab_size, num_classes=classes)
     graphdef, abstract_params = nnx.split(nnx.eval_shape(lambda: GPT(model_cfg, rngs=nnx.Rngs(0))), nnx.Param)
     params, step = _restore_params(run_dir, args.step, abstract_params)
     model = nnx.merge(graphdef, params)

@@ -168,6 +168,8 @@ def test_a_classifier_trains_from_fp32_pooled_features_to_the_same_params_bit_fo
         np.testing.assert_array_equal(tuner[name], whole[name], err_msg=name)
     rows = [json.loads(line) for line in (tmp_path / "tuner" / "metrics.jsonl").read_text().splitlines()]
     assert 0 <= rows[-1]["eval_accuracy"] <= 1
+    # A classifier keeps its (tied) language-model head: nsp sample reads its checkpoint as any run's.
+    assert main(["sample", "--run-dir", str(tmp_path / "whole"), "--tokens", "3"]) == 0
     # Features of one task do not serve the other.
     capsys.readouterr()
     lm = ["--init-from", str(pretrained), "--freeze-layers", str(blocks), "--steps", "3", "--seed", "5"]
