@@ -57,15 +57,14 @@ def item(tmp_path_factory):
     return base / "item", expected
 
 
-def read_back(stores):
-    """The real elements of each state over partial stores that together hold every shard."""
+def assert_holds(stores, expected):
+    """Partial stores that together hold every shard hold ``expected``'s real elements of each state, bit for bit,
+    and zeros in the padding."""
     total = stores[0].layout.total
-    out = {}
     for s in STATES:
         flat = np.concatenate([st.read_shard(s, i) for st in stores for i in st.local_shards])
         assert not flat[total:].any(), "the padding must be zeros"
-        out[s] = flat[:total]
-    return out
+        np.testing.assert_array_equal(flat[:total], expected[s], err_msg=s)
 
 
 @pytest.mark.parametrize("tier", ["memory", "file", "csd"])
@@ -80,9 +79,7 @@ def test_restore_on_another_layout_is_bit_exact(item, tmp_path, tier, num_shards
                                             shards=shards, tier=tier))
         assert all(st.version == 2 and st.num_shards == num_shards for st in stores)
         assert stores[0].layout == layout_for(ItemSource(item_dir).layout, num_shards, PAGE)
-        got = read_back(stores)
-        for s in STATES:
-            np.testing.assert_array_equal(got[s], expected[s], err_msg=s)
+        assert_holds(stores, expected)
     finally:
         for st in stores:
             st.close()
@@ -194,9 +191,7 @@ def test_arrays_in_another_zarr_format_go_through_tensorstore(item, tmp_path, mo
     monkeypatch.setattr(ItemSource, "raw_pages", lambda self: False)
     stores = [restore_resharded(item_dir, tmp_path / f"s{p}", 3, shards=[p]) for p in range(3)]
     try:
-        got = read_back(stores)
-        for s in STATES:
-            np.testing.assert_array_equal(got[s], expected[s], err_msg=s)
+        assert_holds(stores, expected)
     finally:
         for st in stores:
             st.close()

@@ -37,6 +37,11 @@ from nsp.train.config import TrainConfig, TrainError
 MARKER = ".nsp-ckpt-local-process-{:05d}"  # in each process's checkpoint directory: this run's token
 
 
+def is_marker(path: Path) -> bool:
+    """Whether ``path`` is a process's marker (``MARKER``), which is no run's file."""
+    return path.name.startswith(MARKER.split("{")[0])
+
+
 def active(config: TrainConfig) -> bool:
     """Whether the run keeps share-nothing checkpoints (``--ckpt-local`` and more than one process; one process
     keeps all of its checkpoint itself anyway)."""

@@ -202,20 +202,17 @@ def start_mode(config: TrainConfig, log: Callable[[str], None]) -> str:
         has_checkpoints = ckpt_local.common_step(ckpt_dir) is not None
     else:
         has_checkpoints = _has_complete_checkpoint(ckpt_dir)
+    if local:
+        ckpt_local.check_not_shared(ckpt_dir)
     if not config.resume:
-        held = has_checkpoints or (ckpt_dir.exists() and any(not p.name.startswith(".nsp-ckpt-local-")
-                                                              for p in ckpt_dir.iterdir()))
+        held = has_checkpoints or (ckpt_dir.exists() and any(not ckpt_local.is_marker(p) for p in ckpt_dir.iterdir()))
         if local and process.any_process(held):
             raise TrainError(f"{run_dir} already holds a run on some process (checkpoints in {ckpt_dir}); pass "
                              "--resume to continue it or choose another --run-dir")
         if held:
             raise TrainError(f"{run_dir} already holds a run (checkpoints in {ckpt_dir}); pass --resume to continue "
                              "it or choose another --run-dir")
-        if local:
-            ckpt_local.check_not_shared(ckpt_dir)
         return FRESH
-    if local:
-        ckpt_local.check_not_shared(ckpt_dir)
     if has_checkpoints:
         return FROM_CHECKPOINT
     # A run without checkpoints continues from its store's committed version (store_resume), where it can.
