@@ -134,6 +134,33 @@ def test_every_isa_computes_what_the_portable_kernels_do():
             np.testing.assert_array_equal(results["avx512"][kind], results["avx2-fma"][kind], err_msg=kind)
 
 
+_KNOB_SCRIPT = r"""
+import json, sys
+import jax.numpy as jnp, numpy as np
+from nsp.primitives import fused_update, set_num_threads
+set_num_threads(2)
+rng = np.random.default_rng(0)
+n = 600_001  # several tasks of 65536 elements, and a tail
+p, g, m = (jnp.asarray(rng.standard_normal(n), jnp.float32) for _ in range(3))
+v = jnp.asarray(rng.random(n), jnp.float32)
+r = fused_update(p, g, m, v, kind="adamw", step=3, lr=0.01, weight_decay=0.1)
+json.dump([np.asarray(x).view(np.uint32)[::997].tolist() for x in r[:3]], sys.stdout)
+"""
+
+
+def test_the_kernel_tuning_knobs_change_no_result():
+    """NSP_KERNEL_PREFETCH and NSP_KERNEL_TASK_ELEMS (the knobs bench/kernel_sweep.py --hypotheses measures) change
+    how the pass is cut and prefetched, never what it computes: bit for bit the defaults' results."""
+    results = {}
+    for label, knobs in {"defaults": {}, "no prefetch": {"NSP_KERNEL_PREFETCH": "0"},
+                         "small tasks": {"NSP_KERNEL_TASK_ELEMS": "65536", "NSP_KERNEL_PREFETCH": "1024"}}.items():
+        proc = run_python(_KNOB_SCRIPT, **knobs)
+        assert proc.returncode == 0, f"{label}: {proc.stderr[-3000:]}"
+        results[label] = json.loads(proc.stdout)
+    for label, result in results.items():
+        assert result == results["defaults"], label
+
+
 def _assert_clear_error(proc: subprocess.CompletedProcess, variable: str, value: str, why: str) -> None:
     assert proc.returncode != -signal.SIGILL, f"{variable}={value} ran into an illegal instruction"
     assert proc.returncode == 1, f"{variable}={value}: exit {proc.returncode}\n{proc.stderr[-3000:]}"

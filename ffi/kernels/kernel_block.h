@@ -22,6 +22,7 @@ struct Coefficients {
   int32_t nesterov;    // SGD
   int32_t sgd_has_momentum;
   int32_t streaming;   // write out-of-place outputs with streaming (non-temporal) stores; the caller fences
+  int32_t prefetch;    // software prefetch distance on every input stream, in elements (0: none)
 };
 
 // Pointers for one block; `grad` is fp32 or bf16 (uint16_t) as the kernel was chosen for.

@@ -117,6 +117,25 @@ const bool kStreamingStores = [] {
   return env == nullptr || std::string(env) != "0";
 }();
 
+// Tuning knobs, read once, for measuring the kernel's hypotheses (bench/kernel_sweep.py --hypotheses); the
+// defaults are what those measurements supported on the machines the record names.
+int64_t EnvInt(const char* name, int64_t fallback, int64_t lo, int64_t hi) {
+  const char* env = std::getenv(name);
+  if (env == nullptr || *env == '\0') return fallback;
+  char* end = nullptr;
+  const long long v = std::strtoll(env, &end, 10);
+  return (end != env && *end == '\0' && v >= lo && v <= hi) ? v : fallback;
+}
+
+// NSP_KERNEL_PREFETCH: software prefetch distance in elements on every input stream (0: none; default 512, 2 KiB
+// of fp32: one core alone cannot keep enough loads in flight without it).
+const int32_t kPrefetch = static_cast<int32_t>(EnvInt("NSP_KERNEL_PREFETCH", 512, 0, 1 << 16));
+
+// NSP_KERNEL_TASK_ELEMS: elements per task of a dense pass (0: one task per thread, each a contiguous share). Tasks
+// are taken in turn from a shared counter, so with tasks smaller than a share a thread that was descheduled
+// for a while (a virtual CPU) leaves its remaining tasks to the others instead of holding up the whole pass.
+const int64_t kTaskElems = EnvInt("NSP_KERNEL_TASK_ELEMS", 0, 0, int64_t{1} << 40);
+
 BlockKernel SelectKernel(const UpdateHyperParams& hp, GradType grad_type) {
   const int bf16 = grad_type == GradType::kBF16 ? 1 : 0, lazy = hp.lazy ? 1 : 0;
   const int32_t k = static_cast<int32_t>(hp.kind);
@@ -154,6 +173,7 @@ Coefficients MakeCoefficients(const UpdateHyperParams& hp) {
   Coefficients c{};
   c.kind = static_cast<int32_t>(hp.kind);
   c.streaming = kStreamingStores ? 1 : 0;
+  c.prefetch = kPrefetch;
   c.lr = hp.lr;
   c.eps = static_cast<float>(hp.eps);
   switch (hp.kind) {
@@ -186,7 +206,8 @@ Coefficients MakeCoefficients(const UpdateHyperParams& hp) {
   return c;
 }
 
-// Splits [0, size) into at most GetNumThreads() ranges whose boundaries are multiples of kSparseBlock.
+// Splits [0, size) into ranges whose boundaries are multiples of kSparseBlock: one per thread (at most
+// GetNumThreads()), or tasks of about kTaskElems when that is set and smaller.
 struct Split {
   int num_tasks;
   int64_t chunk;
@@ -195,6 +216,7 @@ struct Split {
 Split SplitWork(int64_t size) {
   const int64_t max_tasks = std::max<int64_t>(1, std::min<int64_t>(GetNumThreads(), size / kMinPerTask));
   int64_t chunk = (size + max_tasks - 1) / max_tasks;
+  if (kTaskElems > 0 && max_tasks > 1) chunk = std::min(chunk, std::max(kTaskElems, kMinPerTask));
   chunk = (chunk + kSparseBlock - 1) / kSparseBlock * kSparseBlock;
   const int num_tasks = static_cast<int>(std::max<int64_t>(1, (size + chunk - 1) / chunk));
   return {num_tasks, chunk};

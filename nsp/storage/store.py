@@ -37,6 +37,7 @@ from nsp.storage.handle import StoreHandle
 from nsp.storage.layout import Layout, Leaf
 from nsp.storage.lifetime import Lifetime
 from nsp.storage.optimizer import OptimizerSpec
+from nsp.storage.out_buffers import OutputBuffers
 from nsp.storage.update import run_update
 
 
@@ -81,6 +82,7 @@ class StateStore(StoreCreation):
         # (snapshot, version, method, file counts); None for any other store.
         self.restore_info: dict | None = None
         self._closed = False
+        self._outputs = OutputBuffers()  # the eager update's result arrays, recycled once their holders drop them
         # Engines, handles, locks and threads live in their own object, released by close() or, for a store
         # dropped without close(), by a finalizer that runs only once the steps already dispatched are done.
         self._life = Lifetime(len(self.local_shards))
@@ -137,6 +139,7 @@ class StateStore(StoreCreation):
         if self._closed:
             return
         self._closed = True
+        self._outputs.clear()
         errors = self._life.release()
         if errors:
             raise StoreError(f"a background update failed before the store closed; its version was not "

@@ -161,8 +161,10 @@ def run_update(store: StateStore, grad: Any = None, *, version: int, lr: float, 
                     else type(params_into).__name__)
             raise ValueError(f"params_into must be a writeable, C-contiguous float32 array of "
                              f"{n * shard_size} elements (layout.padded_total), got {what}")
+    # A fresh-looking result on a recycled buffer (nsp.storage.out_buffers): the first touch of a new array would
+    # cost several times the update itself.
     params = params_into if params_into is not None else (
-        np.empty(n * shard_size, np.float32) if params_out else None)
+        store._outputs.take(n * shard_size, np.float32) if params_out else None)
     engines, pool = store._engines, store._pool
     # One shard with a dense gradient checks it for NaN/Inf inside its update pass (the engine stops at the
     # first one and commits nothing), so no pass of its own runs first with the disk idle. Shards that must
@@ -182,7 +184,7 @@ def run_update(store: StateStore, grad: Any = None, *, version: int, lr: float, 
 
             out["params_bf16"] = store.read("param").astype(ml_dtypes.bfloat16)
         return out
-    params16 = np.empty(n * shard_size, np.uint16) if bf16_out else None
+    params16 = store._outputs.take(n * shard_size, np.uint16) if bf16_out else None
     hyper = store.optimizer.hyper_attrs()
 
     def run(i) -> bool:
