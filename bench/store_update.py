@@ -97,6 +97,7 @@ import signal
 import sys
 import tempfile
 import time
+import types
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
@@ -176,6 +177,10 @@ def main() -> None:
                         help="params per DeepSpeed sub-group for its serial and pipelined rows besides its default "
                              "sub_group_size (default 4M = 4194304)")
     parser.add_argument("--no-deepspeed", action="store_true", help="leave DeepSpeed out even when installed")
+    parser.add_argument("--memory-only", action="store_true",
+                        help="only the memory group (the kernel alone and the memory tier's rows), several runs "
+                             "apart; record bench/results/store_update_memory.json")
+    parser.add_argument("--runs", type=int, default=3, help="--memory-only: runs, each its own interleaved rounds")
     wait_policy.add_arguments(parser)
     page_backing.add_arguments(parser)
     parser.add_argument("--json", default=None, help="where to write the JSON record")
@@ -194,6 +199,9 @@ def main() -> None:
     if args.threads is not None:
         set_num_threads(args.threads)
     threads = get_num_threads()
+    if args.memory_only:
+        run_memory_only(args, n, page_bytes, repeats, threads)
+        return
     disk = None
     if args.slow_disk:
         if args.dir:
@@ -224,6 +232,66 @@ def main() -> None:
             signal.signal(s, h)
     if disk:
         print(f"  slow disk: {disk.summary}")
+
+
+def run_memory_only(args, n: int, page_bytes: int, repeats: int, threads: int) -> None:
+    """The memory group alone: the kernel alone against the memory tier's paths (store_contenders.MEMORY_NAMES),
+    ``args.runs`` runs of ``repeats`` interleaved rounds each in this process, a pause between runs; the record
+    gives each run's medians and, per ratio to the kernel, the median over runs and its range."""
+    if args.runs < 1:
+        raise SystemExit("--runs must be >= 1")
+    rng = np.random.default_rng(0)
+    p0 = rng.random(n, np.float32) - np.float32(0.5)
+    grad = (rng.random(n, np.float32) - np.float32(0.5)) * np.float32(1e-2)
+    spec = nsp.storage.OptimizerSpec("adam", b1=B1, b2=B2, eps=EPS)
+
+    closers = types.SimpleNamespace(closers=[])  # what memory_contenders opens, closed at the end
+    print(f"fp32 Adam memory-tier update of {n / 2**20:.0f}M params, {threads} threads, ISA {kernel_isa()}, "
+          f"{args.runs} runs of {repeats} interleaved rounds, OMP_WAIT_POLICY={args.omp_wait_policy}")
+    streamed: dict = {}
+    fns = memory_contenders(closers, p0, grad, spec, page_bytes, streamed)
+    group = {MEMORY_NAMES[key]: fn for key, fn in fns.items()}
+    kernel = MEMORY_NAMES["kernel"]
+    runs = []
+    try:
+        for r in range(args.runs):
+            times = time_interleaved(group, repeats=repeats, warmup=2 if r == 0 else 1, pause=args.pause,
+                                     shuffle_seed=r)
+            runs.append({name: median(ts) for name, ts in times.items()})
+            print(f"  run {r + 1}: " + ", ".join(f"{name.strip()} {runs[-1][kernel] / t * 100:.1f}%"
+                                               for name, t in runs[-1].items() if name != kernel), flush=True)
+            time.sleep(2.0)
+    finally:
+        for close in closers.closers:
+            close()
+    pct = {name: [run[kernel] / run[name] * 100 for run in runs] for name in group if name != kernel}
+    summary = {name: {"median": median(v), "min": min(v), "max": max(v), "per_run": v} for name, v in pct.items()}
+    targets = {MEMORY_NAMES["mem_jit"]: 90.0, MEMORY_NAMES["mem_in_place"]: 90.0,
+               MEMORY_NAMES["mem_jit_bf16"]: 90.0, MEMORY_NAMES["mem_in_place_bf16"]: 90.0,
+               MEMORY_NAMES["mem"]: 70.0}
+    print(f"\n% of the kernel alone ({median([run[kernel] for run in runs]) * 1e3:.1f} ms), median over runs "
+          f"(lowest-highest):")
+    checks = []
+    for name, e in summary.items():
+        target = targets.get(name)
+        mark = "" if target is None else (" ok" if e["median"] >= target else " MISSED") + f" (target {target:.0f}%)"
+        print(f"  {name.strip():70s} {e['median']:6.1f}%  ({e['min']:.1f}-{e['max']:.1f}){mark}")
+        if target is not None:
+            checks.append({"check": f"{name.strip()} >= {target:.0f}% of the kernel", "median": e["median"],
+                           "min": e["min"], "max": e["max"], "met": e["median"] >= target,
+                           "met_in_every_run": e["min"] >= target})
+    huge = page_backing.huge_share(streamed["kernel"]()) if "kernel" in streamed else None
+    from common import write_json
+
+    path = write_json("store_update_memory", {
+        "params": n, "threads": threads, "isa": kernel_isa(), "runs": args.runs, "repeats": repeats,
+        "page_bytes": page_bytes, "bytes_per_param": {
+            MEMORY_NAMES["kernel"]: 28, MEMORY_NAMES["mem_jit"]: 32, MEMORY_NAMES["mem_in_place"]: 32,
+            MEMORY_NAMES["mem_jit_bf16"]: 28, MEMORY_NAMES["mem_in_place_bf16"]: 28, MEMORY_NAMES["mem"]: 32},
+        "median_s_per_run": runs, "pct_of_kernel": summary, "checks": checks,
+        "kernel_huge_page_share": huge, **wait_policy.record(args.omp_wait_policy, args.pause, {}),
+    }, args.json)
+    print(f"\nwrote {path}")
 
 
 def run(args, work: Workdir, n: int, page_bytes: int, repeats: int, warmup: int, threads: int,
