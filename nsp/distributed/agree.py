@@ -69,11 +69,13 @@ def all_succeed(what: str, error: BaseException | None) -> None:
     tag = f"nsp/{what.replace(' ', '-')}/{sequence_number()}"
     me, n = jax.process_index(), jax.process_count()
     c.key_value_set(f"{tag}/{me}", "" if error is None else (str(error) or type(error).__name__))
-    failures = []
+    failed: dict[str, list[int]] = {}  # each message, with the processes that failed with it
     for p in range(n):
         message = c.blocking_key_value_get(f"{tag}/{p}", AGREE_TIMEOUT_S * 1000)
         if message:
-            failures.append(f"process {p}: {message}")
-    if failures:
-        raise DistributedError(f"{what} failed on {len(failures)} of {n} processes; nothing was committed. "
-                               + "; ".join(failures))
+            failed.setdefault(message, []).append(p)
+    if failed:
+        count = sum(len(ps) for ps in failed.values())
+        raise DistributedError(f"{what} failed on {count} of {n} processes; nothing was committed. " + "; ".join(
+            (f"process {ps[0]}" if len(ps) == 1 else f"processes {', '.join(map(str, ps))}") + f": {message}"
+            for message, ps in failed.items()))

@@ -31,6 +31,8 @@ _DETAILS = re.compile(r" \[os_error_code='?\d+'?\]")
 #: tensorstore's failed write of a checkpoint's file (under its key and database): the file and the reason.
 _TENSORSTORE_WRITE = re.compile(r'.*Failed writing: "([^"]+)": Failed to write \d+ bytes to file \d+: (.+)$')
 _NO_SPACE = ("No space left on device", "not enough disk")
+#: The error of one of nsp's custom calls (the store update, the spill area), XLA's status code before it.
+_NSP_CALL = re.compile(r"^(?:[A-Z_]+: )?nsp[._][a-z_]+: ")
 #: Room for a checkpoint's metadata beyond its arrays (orbax's files and directories, the snapshot's JSON).
 _CHECKPOINT_MARGIN = 1 << 20
 
@@ -46,6 +48,15 @@ def storage_error(error: BaseException) -> BaseException | None:
             return error
         error = error.__cause__ or error.__context__
     return None
+
+
+def is_own(error: BaseException) -> bool:
+    """Whether ``error`` (one of ``storage_error``'s) is this process's own failure. In a multi-process run a
+    step also raises a ``JaxRuntimeError`` when a collective fails because a peer went away; one of nsp's custom
+    calls (the store update, the spill area) names itself in its error, and that one is this process's."""
+    if not isinstance(error, jax.errors.JaxRuntimeError) or jax.process_count() == 1:
+        return True
+    return bool(_NSP_CALL.match(str(error).strip()))
 
 
 @contextlib.contextmanager
@@ -137,8 +148,9 @@ def stopped(error: BaseException, *, config: TrainConfig, doing: str, store, man
     version = _version(store)
     kept = []
     if version is not None:
+        only = f" --shards {','.join(map(str, store.local_shards))}" if store.is_partial else ""
         kept.append(f"the store at version {version}, committed and whole (what failed committed nothing; "
-                    f"nsp store verify {store.root} checks it)" if store.root is not None
+                    f"nsp store verify {store.root}{only} checks it)" if store.root is not None
                     else f"the store at version {version} (the memory tier: it ends with this process)")
     resume = None
     if config.checkpoints:
