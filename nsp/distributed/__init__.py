@@ -8,11 +8,11 @@ of its own (with that peer's message); ``local_restore`` rebuilds a process's ow
 part of a checkpoint (``nsp.storage``'s restore); ``launch`` starts N local processes (``nsp launch``).
 """
 
-from nsp.distributed.agree import agree_committed, agree_steps, agree_version, all_succeed, barrier
+from nsp.distributed.agree import Unanswered, agree_committed, agree_steps, agree_version, all_succeed, barrier
 from nsp.distributed.runtime import (DistributedError, finish, global_devices, initialize, is_multiprocess,
                                      local_shards)
 from nsp.distributed import stop
 from nsp.distributed.watchdog import PEER_LOST_EXIT, PEER_STOPPED_EXIT
 
-__all__ = ["DistributedError", "PEER_LOST_EXIT", "PEER_STOPPED_EXIT", "stop", "agree_committed", "agree_steps", "agree_version", "all_succeed", "barrier",
+__all__ = ["DistributedError", "PEER_LOST_EXIT", "PEER_STOPPED_EXIT", "Unanswered", "stop", "agree_committed", "agree_steps", "agree_version", "all_succeed", "barrier",
            "finish", "global_devices", "initialize", "is_multiprocess", "local_shards"]

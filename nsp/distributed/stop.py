@@ -81,20 +81,23 @@ def leave(message: str | None, status: int) -> None:
     """Prints ``message`` (to stderr; None: nothing) and ends this process at once with ``status``; see the
     module. The first thread to get here is the one that leaves: any other waits here until the process is gone."""
     _LEAVING.acquire()
-    sys.stdout.flush()
-    if message is not None:
-        print(message, file=sys.stderr, flush=True)
-    c = client()
-    if c is not None:
-        try:
+    try:
+        try:  # an output nobody reads any more (a closed pipe) must not keep the process alive
+            sys.stdout.flush()
+            if message is not None:
+                print(message, file=sys.stderr, flush=True)
+        except Exception:  # noqa: BLE001
+            pass
+        c = client()
+        if c is not None:
             me, n = jax.process_index(), jax.process_count()
             c.key_value_set(f"{LEFT}{me}", "")
             if me == 0:
                 _wait_for_the_others(c, n)
-        except Exception:  # noqa: BLE001  (the service is gone: there is nobody to wait for)
-            pass
-    sys.stderr.flush()
-    os._exit(status)
+    except Exception:  # noqa: BLE001  (the service is gone: there is nobody to wait for)
+        pass
+    finally:
+        os._exit(status)
 
 
 def _wait_for_the_others(c, n: int) -> None:

@@ -42,6 +42,7 @@ import nsp.optim
 import nsp.storage
 from nsp.models import GPT, get_config
 from nsp.storage import checkpoint as ckpt
+from nsp.storage.restore import remove_tree
 from nsp.train import data as data_lib
 from nsp.train import freeze as freeze_lib
 from nsp.train import ckpt_local, labels, process, store_resume
@@ -230,7 +231,7 @@ def start_mode(config: TrainConfig, log: Callable[[str], None]) -> str:
     log(f"{run_dir} has no complete checkpoint: starting the run afresh")
     store_path = process.store_path(config)
     if config.tier != "memory" and store_path.exists():
-        shutil.rmtree(store_path)
+        remove_tree(store_path)  # of a mount point (the store on a disk of its own), what it holds
     nsp.distributed.barrier("nsp-fresh-start")  # every process has looked before the directory goes
     if local:  # each process's own
         ckpt_local.start_afresh(ckpt_dir)
