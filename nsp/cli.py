@@ -53,6 +53,8 @@ def _train(args: argparse.Namespace) -> int:
     def failed(message: str, status: int) -> int:
         # In a multi-process run the others learn this message and stop with it at once (they would otherwise
         # wait for this process, then say only that it stopped answering); this process leaves at once too.
+        if nsp.distributed.stop.leaving():  # the watchdog stops this process, and has said why
+            nsp.distributed.stop.leave(None, status)
         print(f"nsp train: error: {message}", file=sys.stderr)
         nsp.distributed.stop.stop_run(message, status)
         return status

@@ -12,7 +12,7 @@ from nsp.distributed.agree import Unanswered, agree_committed, agree_steps, agre
 from nsp.distributed.runtime import (DistributedError, finish, global_devices, initialize, is_multiprocess,
                                      local_shards)
 from nsp.distributed import stop
-from nsp.distributed.watchdog import PEER_LOST_EXIT, PEER_STOPPED_EXIT
+from nsp.distributed.watchdog import CLOCK, PEER_LOST_EXIT, PEER_STOPPED_EXIT
 
-__all__ = ["DistributedError", "PEER_LOST_EXIT", "PEER_STOPPED_EXIT", "Unanswered", "stop", "agree_committed", "agree_steps", "agree_version", "all_succeed", "barrier",
+__all__ = ["CLOCK", "DistributedError", "PEER_LOST_EXIT", "PEER_STOPPED_EXIT", "Unanswered", "stop", "agree_committed", "agree_steps", "agree_version", "all_succeed", "barrier",
            "finish", "global_devices", "initialize", "is_multiprocess", "local_shards"]

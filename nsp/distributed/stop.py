@@ -44,6 +44,11 @@ def stopping() -> bool:
     return _STOPPING.is_set()
 
 
+def leaving() -> bool:
+    """Whether some thread of this process is leaving (``leave``): it has said why."""
+    return _LEAVING.locked()
+
+
 def announce(message: str) -> None:
     """Records in the coordination service that this process stops the run, and why (``message``, what it
     prints). A no-op alone or once the runtime is gone."""
@@ -101,14 +106,18 @@ def leave(message: str | None, status: int) -> None:
 
 
 def _wait_for_the_others(c, n: int) -> None:
-    """Waits until every other process left (its ``LEFT`` key) or is no longer alive, ``LEAVE_WAIT_S`` at most."""
+    """Waits until every other process left (its ``LEFT`` key) or is dead, ``LEAVE_WAIT_S`` at most. The
+    service's verdict of dead counts only while it holds this process alive (after a step of its host's wall
+    clock it takes every process for dead: see ``watchdog.py``)."""
     others = set(range(1, n))
     deadline = time.monotonic() + LEAVE_WAIT_S
     while others and time.monotonic() < deadline:
         left = {int(k.rstrip("/").rsplit("/", 1)[-1]) for k, _ in c.key_value_dir_get(LEFT)}
         others -= left
         if others:
-            others &= set(c.get_live_nodes(sorted(others)))
+            live = set(c.get_live_nodes(list(range(n))))
+            if 0 in live:
+                others &= live
             time.sleep(0.05)
     time.sleep(0.2)  # a process that set its key exits right after it
 

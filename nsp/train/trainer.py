@@ -149,6 +149,7 @@ def train_and_evaluate(config: TrainConfig, *, log: Callable[[str], None] = prin
                 break
             tokens = put_batch(run.train_batches.batch(run.step, rows), run.mesh, global_rows=config.batch)
             doing[0] = f"step {run.step + 1}"
+            nsp.distributed.CLOCK.sample()  # a step of the wall clock, should a wait time out (failure.stopped)
             if watch is not None:
                 watch.begin(run.step + 1)
             run.params, run.opt_state, loss = train_step(run.params, run.opt_state, tokens)
