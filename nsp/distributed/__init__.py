@@ -14,5 +14,6 @@ from nsp.distributed.runtime import (DistributedError, finish, global_devices, i
 from nsp.distributed import stop
 from nsp.distributed.watchdog import CLOCK, PEER_LOST_EXIT, PEER_STOPPED_EXIT
 
-__all__ = ["CLOCK", "DistributedError", "PEER_LOST_EXIT", "PEER_STOPPED_EXIT", "Unanswered", "stop", "agree_committed", "agree_steps", "agree_version", "all_succeed", "barrier",
-           "finish", "global_devices", "initialize", "is_multiprocess", "local_shards"]
+__all__ = ["CLOCK", "DistributedError", "PEER_LOST_EXIT", "PEER_STOPPED_EXIT", "Unanswered", "agree_committed",
+           "agree_steps", "agree_version", "all_succeed", "barrier", "finish", "global_devices", "initialize",
+           "is_multiprocess", "local_shards", "stop"]

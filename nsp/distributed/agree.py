@@ -14,7 +14,8 @@ import numpy as np
 
 from nsp.distributed.coordination import AGREE_TIMEOUT_S, DistributedError, barrier, client, sequence_number
 
-__all__ = ["AGREE_TIMEOUT_S", "FAILED_WAIT_S", "Unanswered", "agree_committed", "agree_steps", "agree_version", "all_succeed", "barrier"]
+__all__ = ["AGREE_TIMEOUT_S", "FAILED_WAIT_S", "Unanswered", "agree_committed", "agree_steps", "agree_version",
+           "all_succeed", "barrier"]
 
 
 def agree_version(local_version: int) -> tuple[int, int, float]:

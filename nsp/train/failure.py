@@ -183,9 +183,11 @@ def stopped(error: BaseException, *, config: TrainConfig, doing: str, store, man
                else "free space on the run's disks")
     else:
         fix = "remove the cause"
-    go_on = (f"to go on: {fix + ', then run' if fix else 'run'} the same command with --resume ({resume})" if resume else
-             f"to go on: {fix or 'nothing to mend'}; the run cannot be resumed (" + (store_resume.why_not(config) or "nothing was saved")
-             + "): start it again")
+    if resume:
+        go_on = f"to go on: {fix + ', then run' if fix else 'run'} the same command with --resume ({resume})"
+    else:
+        go_on = (f"to go on: {fix or 'nothing to mend'}; the run cannot be resumed ("
+                 + (store_resume.why_not(config) or "nothing was saved") + "): start it again")
     lines = [f"{doing} failed: {line}",
              "kept: " + ("; ".join(kept) if kept else "nothing (the run saves no checkpoints)"), go_on]
     return RunStopped("\n".join(lines))
