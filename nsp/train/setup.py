@@ -370,17 +370,9 @@ def resume_from_checkpoint(base: Base, log: Callable[[str], None]):
     if meta.get("config", {}).get("model") != config.model:
         raise TrainError(f"the checkpoint is of model {meta.get('config', {}).get('model')!r}, "
                          f"not {config.model!r}")
-    if bool(meta.get("ckpt_local")) != local:
-        raise TrainError(f"the checkpoint at step {step} was written {'with' if meta.get('ckpt_local') else 'without'}"
-                         f" --ckpt-local (each process's own checkpoint directory): resume it "
-                         f"{'with' if meta.get('ckpt_local') else 'without'} --ckpt-local, on as many processes")
+    ckpt_local.check_resumable(meta, step, local, jax.process_count(), base.num_shards)
     saved_processes, saved_shards = meta.get("process_count", 1), meta.get("num_shards", base.num_shards)
     resharding = saved_processes != jax.process_count() or saved_shards != base.num_shards
-    if resharding and local:
-        raise TrainError(f"the checkpoint at step {step} was written by {saved_processes} process(es) with "
-                         f"{saved_shards} store shards, this run has {jax.process_count()} with {base.num_shards}: "
-                         "--ckpt-local checkpoints resume only on the layout that wrote them (resharding reads "
-                         "every process's part)")
     if resharding:
         # Another layout: each process re-cuts its own new shards from the step's parts (nsp.storage.reshard;
         # every part must be visible: the checkpoint directory is shared, as orbax requires).
