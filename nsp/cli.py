@@ -49,18 +49,25 @@ def _train(args: argparse.Namespace) -> int:
         from nsp.train.process import lean_malloc
 
         lean_malloc()
+
+    def failed(message: str, status: int) -> int:
+        # In a multi-process run the others learn this message and stop with it at once (they would otherwise
+        # wait for this process, then say only that it stopped answering); this process leaves at once too.
+        if nsp.distributed.stop.leaving():  # the watchdog stops this process, and has said why
+            nsp.distributed.stop.leave(None, status)
+        print(f"nsp train: error: {message}", file=sys.stderr)
+        nsp.distributed.stop.stop_run(message, status)
+        return status
+
     try:
         config = TrainConfig(**values)
         summary = train_and_evaluate(config)
     except RunStopped as e:  # stopped partway: what failed, what was kept, how to go on
-        print(f"nsp train: error: {e}", file=sys.stderr)
-        return 1
+        return failed(str(e), 1)
     except (TrainError, ValueError, DistributedError, nsp.storage.StoreError) as e:
-        print(f"nsp train: error: {e}", file=sys.stderr)
-        return 2
+        return failed(str(e), 2)
     except OSError as e:  # a directory of the run that cannot be made or written at set-up (a full disk, say)
-        print(f"nsp train: error: {e.filename + ': ' if e.filename else ''}{e.strerror or e}", file=sys.stderr)
-        return 2
+        return failed(f"{e.filename + ': ' if e.filename else ''}{e.strerror or e}", 2)
     except jax.errors.JaxRuntimeError as e:
         # A collective of a run over several processes fails at once when a peer dies (its connections reset),
         # before the heartbeat would tell: the same stop as the watchdog's.
@@ -281,8 +288,15 @@ def _store(args: argparse.Namespace) -> int:
     except nsp.storage.StoreError as e:
         print(f"nsp store {args.action}: {e}", file=sys.stderr)
         return 1
+    shards = None
+    if args.shards:
+        try:
+            shards = sorted({int(i) for i in args.shards.split(",")})
+        except ValueError:
+            print(f"nsp store verify: --shards takes shard indices, as 2,3: got {args.shards!r}", file=sys.stderr)
+            return 2
     try:
-        with nsp.storage.open(args.path) as store:
+        with nsp.storage.open(args.path, shards=shards) as store:
             if not store.initialized:
                 print(f"nsp store verify: {args.path} holds no state yet", file=sys.stderr)
                 return 1
@@ -293,8 +307,9 @@ def _store(args: argparse.Namespace) -> int:
     for problem in report["problems"]:
         print(f"CORRUPT: {problem}")
     status = "OK" if not report["problems"] else f"{len(report['problems'])} corrupt page(s)"
-    print(f"{args.path}: version {report['version']}, {report['pages']} pages, {report['bytes'] / 1e6:.1f} MB "
-          f"checked: {status}")
+    which = f" (shards {','.join(map(str, shards))} of {store.num_shards})" if shards else ""
+    print(f"{args.path}{which}: version {report['version']}, {report['pages']} pages, "
+          f"{report['bytes'] / 1e6:.1f} MB checked: {status}")
     return 0 if not report["problems"] else 1
 
 
@@ -464,6 +479,9 @@ def main(argv: list[str] | None = None) -> int:
                     "reidentify: a new store id for a store copied with cp -a, or moved with shards outside it")
     st.add_argument("path", help="the store directory")
     st.add_argument("dest", nargs="?", default=None, help="copy: the new store's directory")
+    st.add_argument("--shards", default=None,
+                    help="verify: only these shards (comma-separated indices): one process's part of a "
+                    "multi-process run's store, STORE_DIR/process-NNNNN, holds only that process's shards")
     st.set_defaults(func=_store)
 
     pl = sub.add_parser("plan", help="predict step time and traffic on N computational-storage devices (nsp.csd)")

@@ -9,13 +9,17 @@ file system than its store's says once, not at every checkpoint, that pages were
 Mounting needs root (or CAP_SYS_ADMIN): elsewhere, in most containers, these tests are skipped, saying why.
 """
 
+import contextlib
 import os
 import re
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
+
+from nsp.distributed.runtime import HEARTBEAT_TIMEOUT_S
 
 NSP = [sys.executable, "-m", "nsp.cli"]
 DATA = str(Path(__file__).resolve().parents[1] / "nsp" / "train" / "corpus.py")
@@ -35,14 +39,12 @@ def _nsp(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
     return subprocess.run(NSP + list(args), env=_env(), capture_output=True, text=True, timeout=timeout)
 
 
-@pytest.fixture
-def small_fs(tmp_path):
-    """A 16 MB tmpfs mounted under ``tmp_path`` (unmounted afterwards); skips where mounting is refused."""
-    mount = tmp_path / "small"
-    mount.mkdir()
+@contextlib.contextmanager
+def _mounted(mount: Path, size: str):
+    """A tmpfs of ``size`` mounted at ``mount`` (unmounted afterwards); skips where mounting is refused."""
     try:
-        done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=16m", "tmpfs", str(mount)], capture_output=True,
-                              text=True, timeout=30)
+        done = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(mount)],
+                              capture_output=True, text=True, timeout=30)
     except (OSError, subprocess.TimeoutExpired) as e:
         pytest.skip(f"cannot mount a small file system: {e}")
     if done.returncode != 0:
@@ -51,6 +53,15 @@ def small_fs(tmp_path):
         yield mount
     finally:
         subprocess.run(["umount", "-l", str(mount)], capture_output=True, timeout=30)
+
+
+@pytest.fixture
+def small_fs(tmp_path):
+    """A 16 MB tmpfs mounted under ``tmp_path`` (unmounted afterwards); skips where mounting is refused."""
+    mount = tmp_path / "small"
+    mount.mkdir()
+    with _mounted(mount, "16m"):
+        yield mount
 
 
 def _fill(mount: Path, leave: int) -> Path:
@@ -128,3 +139,61 @@ def test_a_spill_directory_turned_read_only_mid_run_stops_it_with_the_store_whol
     verify = _nsp("store", "verify", str(run_dir / "store"))
     assert verify.returncode == 0, verify.stdout + verify.stderr
     assert f"version {kept.group(1)}" in verify.stdout + verify.stderr
+
+
+def test_a_full_disk_under_one_process_of_two_stops_both_with_its_message_and_resume_continues(tmp_path, capsys):
+    """Process 1's part of the store on a small file system of its own, which another program fills mid-run (the
+    checkpoints and process 0's part on the test's disk). Process 1 says what failed, what was kept and how to go
+    on; process 0 stops at once (not after the heartbeat timeout that tells a process that died) with process 1's
+    message, naming it; neither prints a traceback. Both parts of the store verify, and the run resumes."""
+    from nsp.cli import main
+
+    run_dir = tmp_path / "run"
+    part = run_dir / "store" / "process-00001"
+    part.mkdir(parents=True)
+    with _mounted(part, "8m"):
+        args = TRAIN + ["--run-dir", str(run_dir), "--steps", "4"]
+        launch = NSP + ["launch", "-n", "2", "--grace", "30", "--"] + NSP
+        proc = subprocess.Popen(launch + args, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                text=True)
+        lines, filled_at = [], None
+        try:
+            for line in proc.stdout:
+                lines.append(line)
+                if filled_at is None and re.match(r"\[1\] step\s+1/", line):
+                    filler = _fill(part, 0)
+                    filled_at = time.monotonic()
+            out = "".join(lines) + proc.communicate(timeout=120)[0]
+            stopped_s = time.monotonic() - filled_at
+        finally:
+            proc.kill()
+        assert filled_at is not None, out
+        assert proc.returncode == 1, out
+        for noise in ("Traceback", "Exception ignored", "Exception in thread", "stopped answering", "failed: ["):
+            assert noise not in out, f"{noise!r} in the output of a run that filled a disk:\n{out}"
+        mine = "".join(line[4:] for line in out.splitlines(keepends=True) if line.startswith("[1] "))
+        message = mine[mine.index("nsp train: error:"):]
+        assert message.count("\n") == 3, f"the message is three lines:\n{message}"
+        assert re.search(rf"failed: cannot (write|reserve space for) {re.escape(str(part))}/\S+: No space left on "
+                         "device", message), message
+        kept = re.search(r"kept: the store at version (\d+), committed and whole .*nsp store verify (\S+) "
+                         r"--shards 1 checks it\); the checkpoint of step (\d+) \(", message)
+        assert kept and kept[2] == str(part), message
+        assert "to go on: free space on the file system of the store" in message and "--resume" in message, message
+        theirs = "".join(line[4:] for line in out.splitlines(keepends=True) if line.startswith("[0] "))
+        said = theirs[theirs.index("nsp: error: process 0: stopping, because process 1 stopped the run:\n"):]
+        assert "".join(f"  {line}" for line in message.replace("nsp train: error: ", "").splitlines(keepends=True)) \
+            in said, (message, said)
+        assert stopped_s < HEARTBEAT_TIMEOUT_S, f"the run took {stopped_s:.1f} s to stop after the disk filled"
+
+        capsys.readouterr()
+        for p in (0, 1):  # each process's part at its committed version, whole
+            assert main(["store", "verify", str(run_dir / "store" / f"process-{p:05d}"), "--shards", str(p)]) == 0
+        verified = capsys.readouterr().out
+        assert f"process-00001 (shards 1 of 2): version {kept[1]}," in verified and "checked: OK" in verified, verified
+
+        filler.unlink()  # room again: both go on from the last checkpoint, to the end
+        resumed = subprocess.run(launch + args + ["--resume"], env=_env(), capture_output=True, text=True,
+                                 timeout=120)
+    assert resumed.returncode == 0, resumed.stdout + resumed.stderr
+    assert "resumed" in resumed.stdout and re.search(r"\[1\] step +4/4", resumed.stdout), resumed.stdout

@@ -14,7 +14,8 @@ import numpy as np
 
 from nsp.distributed.coordination import AGREE_TIMEOUT_S, DistributedError, barrier, client, sequence_number
 
-__all__ = ["AGREE_TIMEOUT_S", "agree_committed", "agree_steps", "agree_version", "all_succeed", "barrier"]
+__all__ = ["AGREE_TIMEOUT_S", "FAILED_WAIT_S", "Unanswered", "agree_committed", "agree_steps", "agree_version",
+           "all_succeed", "barrier"]
 
 
 def agree_version(local_version: int) -> tuple[int, int, float]:
@@ -56,11 +57,24 @@ def agree_steps(local_steps) -> list[list[int]]:
     return [[int(s) for s in row[:n]] for row, n in zip(gathered, counts)]
 
 
+class Unanswered(DistributedError):
+    """``all_succeed`` on a process where ``what`` failed: some other process did not report within
+    ``FAILED_WAIT_S``. It may wait in a collective inside ``what`` that this process's failure left unfinished
+    (orbax's barriers in a restore, say), where no key reaches it: the run cannot stop together, and this process
+    stops it alone (its message says what failed here; ``nsp.distributed.stop`` tells the others)."""
+
+
+#: How long a process where ``what`` failed waits for the others' outcomes (``all_succeed``): those still at work
+#: report sooner or are stopped, since the run stops anyway.
+FAILED_WAIT_S = 20
+
+
 def all_succeed(what: str, error: BaseException | None) -> None:
     """Tells every process whether ``what`` worked here, and raises on every process if it failed on any.
 
     Each process calls it once with its own outcome (``None``: it worked); the message names the processes that
-    failed and why, so every process stops with the same clear error and none goes on alone."""
+    failed and why, so every process stops with the same clear error and none goes on alone. Where ``what``
+    failed, the others' outcomes are awaited ``FAILED_WAIT_S`` at most (then ``Unanswered``)."""
     c = client()
     if c is None:
         if error is not None:
@@ -69,11 +83,20 @@ def all_succeed(what: str, error: BaseException | None) -> None:
     tag = f"nsp/{what.replace(' ', '-')}/{sequence_number()}"
     me, n = jax.process_index(), jax.process_count()
     c.key_value_set(f"{tag}/{me}", "" if error is None else (str(error) or type(error).__name__))
-    failures = []
+    failed: dict[str, list[int]] = {}  # each message, with the processes that failed with it
+    deadline = time.monotonic() + (AGREE_TIMEOUT_S if error is None else FAILED_WAIT_S)
     for p in range(n):
-        message = c.blocking_key_value_get(f"{tag}/{p}", AGREE_TIMEOUT_S * 1000)
+        try:
+            message = c.blocking_key_value_get(f"{tag}/{p}", max(1, int((deadline - time.monotonic()) * 1000)))
+        except Exception:  # noqa: BLE001  (jaxlib's timeout error)
+            if error is None:
+                raise
+            raise Unanswered(f"{what} failed on process {me}: {str(error) or type(error).__name__} (process {p} "
+                             f"did not report within {FAILED_WAIT_S} s)") from None
         if message:
-            failures.append(f"process {p}: {message}")
-    if failures:
-        raise DistributedError(f"{what} failed on {len(failures)} of {n} processes; nothing was committed. "
-                               + "; ".join(failures))
+            failed.setdefault(message, []).append(p)
+    if failed:
+        count = sum(len(ps) for ps in failed.values())
+        raise DistributedError(f"{what} failed on {count} of {n} processes; nothing was committed. " + "; ".join(
+            (f"process {ps[0]}" if len(ps) == 1 else f"processes {', '.join(map(str, ps))}") + f": {message}"
+            for message, ps in failed.items()))

@@ -259,8 +259,21 @@ def remove_existing_store(root: Path, snap: Path, overwrite: bool) -> None:
             if owner not in (None, str(root)):
                 raise StoreError(f"{root} names shard {shard}, which belongs to the store at {owner}: refusing "
                                  "to delete it")
-            shutil.rmtree(shard)
-    shutil.rmtree(root)
+            remove_tree(shard)
+    remove_tree(root)
+
+
+def remove_tree(path: Path) -> None:
+    """Removes the directory ``path`` and what it holds; of a mount point (a store or shard directory that is a
+    disk of its own), only what it holds: the directory itself cannot go."""
+    if not os.path.ismount(path):
+        shutil.rmtree(path)
+        return
+    for child in path.iterdir():
+        if child.is_dir() and not child.is_symlink():
+            shutil.rmtree(child)
+        else:
+            child.unlink()
 
 
 def _shard_owner_root(shard: Path) -> str | None:

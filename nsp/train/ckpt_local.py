@@ -14,6 +14,8 @@ processes' copies into one run is agreement over JAX's runtime, never a file the
 - ``common_step``: ``--resume`` restores the newest step that every process holds finalised (an all-gather of
   each process's steps), and each process first removes its steps newer than that (a step some process never
   finished); a run whose processes hold steps but none in common stops with each process's steps named;
+- ``check_resumable``: a step written with ``--ckpt-local`` resumes only with it, on the layout that wrote it, and
+  a step written without it only without it;
 - ``after_save``: after each save the processes agree that every one of them finalised the step, and only then
   each removes its own steps beyond ``--keep-checkpoints`` (so a step every process holds is never removed before
   a newer one is held by every process).
@@ -115,6 +117,24 @@ def common_step(ckpt_dir: Path, log: Callable[[str], None] | None = None) -> int
                          "process's checkpoint directory was lost or replaced; there is no step to resume all "
                          "processes from")
     return None
+
+
+def check_resumable(meta: dict, step: int, local: bool, processes: int, num_shards: int) -> None:
+    """Raises ``TrainError`` when the checkpoint of ``step`` (its ``meta``) cannot be resumed by this run: one
+    written with ``--ckpt-local`` by a run without it (``local``: this run keeps share-nothing checkpoints), or the
+    other way round, or one written with ``--ckpt-local`` on another layout (``processes`` processes, ``num_shards``
+    store shards in all: resharding reads every process's part, which no host sees)."""
+    written = bool(meta.get("ckpt_local"))
+    if written != local:
+        how = "with" if written else "without"
+        raise TrainError(f"the checkpoint at step {step} was written {how} --ckpt-local (each process's own "
+                         f"checkpoint directory): resume it {how} --ckpt-local, on as many processes")
+    saved_processes, saved_shards = meta.get("process_count", 1), meta.get("num_shards", num_shards)
+    if local and (saved_processes != processes or saved_shards != num_shards):
+        raise TrainError(f"the checkpoint at step {step} was written by {saved_processes} process(es) with "
+                         f"{saved_shards} store shards, this run has {processes} with {num_shards}: --ckpt-local "
+                         "checkpoints resume only on the layout that wrote them (resharding reads every process's "
+                         "part)")
 
 
 def discard_newer(manager, step: int, log: Callable[[str], None]) -> None:

@@ -19,7 +19,9 @@ from typing import Any
 
 import jax
 
+import nsp.distributed
 import nsp.storage
+from nsp.distributed.watchdog import duration
 from nsp.train import store_resume
 from nsp.train.config import RunStopped, TrainConfig, TrainError
 
@@ -31,6 +33,10 @@ _DETAILS = re.compile(r" \[os_error_code='?\d+'?\]")
 #: tensorstore's failed write of a checkpoint's file (under its key and database): the file and the reason.
 _TENSORSTORE_WRITE = re.compile(r'.*Failed writing: "([^"]+)": Failed to write \d+ bytes to file \d+: (.+)$')
 _NO_SPACE = ("No space left on device", "not enough disk")
+#: The error of one of nsp's custom calls (the store update, the spill area), XLA's status code before it.
+_NSP_CALL = re.compile(r"^(?:[A-Z_]+: )?nsp[._][a-z_]+: ")
+#: A step of the wall clock seen this recently explains a wait that timed out.
+_CLOCK_STEP_RECENT_S = 60.0
 #: Room for a checkpoint's metadata beyond its arrays (orbax's files and directories, the snapshot's JSON).
 _CHECKPOINT_MARGIN = 1 << 20
 
@@ -48,10 +54,20 @@ def storage_error(error: BaseException) -> BaseException | None:
     return None
 
 
+def is_own(error: BaseException) -> bool:
+    """Whether ``error`` (one of ``storage_error``'s) is this process's own failure. In a multi-process run a
+    step also raises a ``JaxRuntimeError`` when a collective fails because a peer went away; one of nsp's custom
+    calls (the store update, the spill area) names itself in its error, and that one is this process's."""
+    if not isinstance(error, jax.errors.JaxRuntimeError) or jax.process_count() == 1:
+        return True
+    return bool(_NSP_CALL.match(str(error).strip()))
+
+
 @contextlib.contextmanager
 def checkpoint_save():
     """Around a checkpoint's save: what the save raises comes out as a ``StoreError`` (``stopped`` reports it; a
-    ``TrainError``, the processes disagreeing, stays one), and the errors orbax logs meanwhile are held back.
+    ``TrainError``, the processes disagreeing, stays one, and so does a ``JaxRuntimeError``, a collective that
+    failed), and the errors orbax logs meanwhile are held back.
 
     orbax logs the error of each of its save threads, traceback and all, as it happens, then raises it again from
     the save (tensorstore's ``ValueError`` for a full disk): the run reports that error once, in its message. A
@@ -69,8 +85,8 @@ def checkpoint_save():
     logger.addFilter(hold)
     try:
         yield
-    except (TrainError, nsp.storage.StoreError, OSError):
-        raise
+    except (TrainError, nsp.storage.StoreError, OSError, jax.errors.JaxRuntimeError):
+        raise  # (a collective of the save that failed: is_own tells a peer gone from this process's own failure)
     except Exception as e:  # noqa: BLE001  (orbax and tensorstore raise what they raise; all of it is the save's)
         raise nsp.storage.StoreError(one_line(e)) from e
     else:
@@ -132,13 +148,18 @@ def stopped(error: BaseException, *, config: TrainConfig, doing: str, store, man
     closed); ``manager``: the checkpoint manager when the run saves checkpoints; ``spill``: the run's spill area
     (``--offload-activations``), or None."""
     line = one_line(error)
+    clock = _clock_step(error, line)
+    if clock is not None:  # orbax timed a wait by the wall clock, which stepped: nothing is wrong with the disks
+        line += (f" (this host's wall clock had just jumped by {duration(clock)}, and orbax times its waits by the "
+                 "wall clock)")
     where = _where(line, config, store, spill)
     no_space = any(text in line for text in _NO_SPACE) or getattr(error, "errno", None) == errno.ENOSPC
     version = _version(store)
     kept = []
     if version is not None:
+        only = f" --shards {','.join(map(str, store.local_shards))}" if store.is_partial else ""
         kept.append(f"the store at version {version}, committed and whole (what failed committed nothing; "
-                    f"nsp store verify {store.root} checks it)" if store.root is not None
+                    f"nsp store verify {store.root}{only} checks it)" if store.root is not None
                     else f"the store at version {version} (the memory tier: it ends with this process)")
     resume = None
     if config.checkpoints:
@@ -155,17 +176,34 @@ def stopped(error: BaseException, *, config: TrainConfig, doing: str, store, man
                       f"{store_resume.step_to_resume(Path(config.run_dir), version)}")
         except ValueError:
             resume = None
-    if no_space:
+    if clock is not None:
+        fix = None  # nothing to mend: the clock stands where it was set
+    elif no_space:
         fix = (f"free space on the file system of {where[0]} ({_free(where[1])} free now)" if where
                else "free space on the run's disks")
     else:
         fix = "remove the cause"
-    go_on = (f"to go on: {fix}, then run the same command with --resume ({resume})" if resume else
-             f"to go on: {fix}; the run cannot be resumed (" + (store_resume.why_not(config) or "nothing was saved")
-             + "): start it again")
+    if resume:
+        go_on = f"to go on: {fix + ', then run' if fix else 'run'} the same command with --resume ({resume})"
+    else:
+        go_on = (f"to go on: {fix or 'nothing to mend'}; the run cannot be resumed ("
+                 + (store_resume.why_not(config) or "nothing was saved") + "): start it again")
     lines = [f"{doing} failed: {line}",
              "kept: " + ("; ".join(kept) if kept else "nothing (the run saves no checkpoints)"), go_on]
     return RunStopped("\n".join(lines))
+
+
+def _clock_step(error: BaseException, line: str) -> float | None:
+    """The step of this host's wall clock just before ``error``, when ``error`` is a wait that timed out (orbax
+    measures its waits' timeouts by the wall clock: a step forward ends them at once); else None."""
+    timed_out, seen = False, set()
+    while error is not None and id(error) not in seen:
+        seen.add(id(error))
+        timed_out = timed_out or isinstance(error, TimeoutError)
+        error = error.__cause__ or error.__context__
+    if not (timed_out or "timed out" in line):
+        return None
+    return nsp.distributed.CLOCK.step(within_s=_CLOCK_STEP_RECENT_S)
 
 
 def _where(line: str, config: TrainConfig, store, spill) -> tuple[str, Path] | None:

@@ -53,7 +53,9 @@ def store_path(config: TrainConfig) -> Path:
 
 def together(what: str, fn: Callable[[], Any]) -> Any:
     """``fn()`` on every process; when it fails on any, every process raises ``TrainError`` naming which and why
-    (a lone process raises its own error as before)."""
+    (a lone process raises its own error as before). When ``fn`` holds collectives (orbax's restore does) a
+    failure on one process can leave the others waiting in one: that process then raises its own error after
+    ``nsp.distributed.agree.FAILED_WAIT_S``, and ``nsp train`` stops the others with it (``nsp.distributed.stop``)."""
     if jax.process_count() == 1:
         return fn()
     result, error = None, None
@@ -66,7 +68,8 @@ def together(what: str, fn: Callable[[], Any]) -> Any:
     except nsp.distributed.DistributedError as e:
         if result is not None and hasattr(result, "close"):
             result.close()
-        nsp.distributed.finish()  # every process knows: leave in order (process 0, the service's host, last)
+        if not isinstance(e, nsp.distributed.Unanswered):  # else some process cannot hear: the command stops the run
+            nsp.distributed.finish()  # every process knows: leave in order (process 0, the service's host, last)
         raise TrainError(str(e)) from None
     return result
 

@@ -42,6 +42,7 @@ import nsp.optim
 import nsp.storage
 from nsp.models import GPT, get_config
 from nsp.storage import checkpoint as ckpt
+from nsp.storage.restore import remove_tree
 from nsp.train import data as data_lib
 from nsp.train import freeze as freeze_lib
 from nsp.train import ckpt_local, labels, process, store_resume
@@ -230,7 +231,7 @@ def start_mode(config: TrainConfig, log: Callable[[str], None]) -> str:
     log(f"{run_dir} has no complete checkpoint: starting the run afresh")
     store_path = process.store_path(config)
     if config.tier != "memory" and store_path.exists():
-        shutil.rmtree(store_path)
+        remove_tree(store_path)  # of a mount point (the store on a disk of its own), what it holds
     nsp.distributed.barrier("nsp-fresh-start")  # every process has looked before the directory goes
     if local:  # each process's own
         ckpt_local.start_afresh(ckpt_dir)
@@ -369,17 +370,9 @@ def resume_from_checkpoint(base: Base, log: Callable[[str], None]):
     if meta.get("config", {}).get("model") != config.model:
         raise TrainError(f"the checkpoint is of model {meta.get('config', {}).get('model')!r}, "
                          f"not {config.model!r}")
-    if bool(meta.get("ckpt_local")) != local:
-        raise TrainError(f"the checkpoint at step {step} was written {'with' if meta.get('ckpt_local') else 'without'}"
-                         f" --ckpt-local (each process's own checkpoint directory): resume it "
-                         f"{'with' if meta.get('ckpt_local') else 'without'} --ckpt-local, on as many processes")
+    ckpt_local.check_resumable(meta, step, local, jax.process_count(), base.num_shards)
     saved_processes, saved_shards = meta.get("process_count", 1), meta.get("num_shards", base.num_shards)
     resharding = saved_processes != jax.process_count() or saved_shards != base.num_shards
-    if resharding and local:
-        raise TrainError(f"the checkpoint at step {step} was written by {saved_processes} process(es) with "
-                         f"{saved_shards} store shards, this run has {jax.process_count()} with {base.num_shards}: "
-                         "--ckpt-local checkpoints resume only on the layout that wrote them (resharding reads "
-                         "every process's part)")
     if resharding:
         # Another layout: each process re-cuts its own new shards from the step's parts (nsp.storage.reshard;
         # every part must be visible: the checkpoint directory is shared, as orbax requires).

@@ -43,6 +43,7 @@ import jax
 import numpy as np
 
 import nsp.distributed
+import nsp.storage
 from nsp.storage import checkpoint as ckpt
 from nsp.train import activations, ckpt_local, failure, features, process, store_resume
 from nsp.train.config import TrainConfig, TrainError
@@ -148,6 +149,7 @@ def train_and_evaluate(config: TrainConfig, *, log: Callable[[str], None] = prin
                 break
             tokens = put_batch(run.train_batches.batch(run.step, rows), run.mesh, global_rows=config.batch)
             doing[0] = f"step {run.step + 1}"
+            nsp.distributed.CLOCK.sample()  # a step of the wall clock, should a wait time out (failure.stopped)
             if watch is not None:
                 watch.begin(run.step + 1)
             run.params, run.opt_state, loss = train_step(run.params, run.opt_state, tokens)
@@ -193,11 +195,14 @@ def train_and_evaluate(config: TrainConfig, *, log: Callable[[str], None] = prin
         return summary
     except Exception as e:
         # A full disk or an I/O error under the store, the checkpoints or the spill directory, or a step that
-        # raised: one message (what failed, what was kept, how to go on) instead of the tracebacks. A failed step
-        # of a multi-process run leaves as before: the command tells a lost peer from it.
+        # raised: one message (what failed, what was kept, how to go on) instead of the tracebacks. In a
+        # multi-process run a collective that failed because a peer went away leaves as before (the command
+        # tells a lost peer, or a peer that stopped the run, from it); this process's own failure is reported
+        # here, and the command then tells the other processes (nsp.distributed.stop).
         cause = failure.storage_error(e)
-        if cause is None or (isinstance(cause, jax.errors.JaxRuntimeError) and jax.process_count() > 1):
+        if cause is None or not failure.is_own(cause):
             raise
+        nsp.distributed.stop.begin()
         process.forget_failed_steps()
         raise failure.stopped(cause, config=config, doing=doing[0], store=run.store,
                               manager=manager if config.checkpoints else None, spill=spill) from None
@@ -256,8 +261,11 @@ def _save_checkpoint(run: Run, manager) -> None:
     run.agree_s += time.perf_counter() - t0
     n = run.mesh.devices.size if run.mesh is not None else 1
     train_state = {"params": run.params, "opt_state": run.opt_state}
-    process.together("checking the room for the checkpoint", lambda: failure.check_checkpoint_room(
-        Path(str(manager.directory)), train_state, run.store))
+    try:  # every process stops here, saying which lacks the room (the run's message: what was kept, how to go on)
+        process.together("checking the room for the checkpoint", lambda: failure.check_checkpoint_room(
+            Path(str(manager.directory)), train_state, run.store))
+    except TrainError as e:
+        raise nsp.storage.StoreError(str(e)) from None
     local = ckpt.is_local(manager)
     ckpt.save_checkpoint(manager, run.step, run.store, train_state,
                          {"step": run.step, "config": dataclasses.asdict(run.config),
