@@ -8,12 +8,16 @@
 #
 #   make train ARGS="--model tiny --steps 5 --seq 64"   options for `nsp train` (nsp train --help lists them)
 #   make test PYTEST_ARGS="-m 'not slow'"              options for pytest (here: skip the clean-clone test)
+#   make test TEST_WORKERS=                            the suite in one process (default: a worker per core)
 #   make setup                                         only the set-up
 #   PYTHON=python3.12 make train                       the Python that creates .venv (default: python3)
 
 PYTHON ?= python3
 ARGS ?=
 PYTEST_ARGS ?=
+# pytest-xdist workers for `make test`: one per core by default, each taking whole files (their module fixtures
+# then run once); TEST_WORKERS= (empty) runs the suite in this one process.
+TEST_WORKERS ?= auto
 
 VENV := .venv
 VENV_PY := $(VENV)/bin/python
@@ -39,8 +43,8 @@ train: $(INSTALLED)
 
 # pytest exits 5 when it collected no tests: that is a failure here, a suite that runs nothing proves nothing.
 test: $(INSTALLED)
-	$(info $(VENV_PY) -m pytest -q $(PYTEST_ARGS))
-	@$(VENV_PY) -m pytest -q $(PYTEST_ARGS); rc=$$?; \
+	$(info $(VENV_PY) -m pytest -q $(if $(TEST_WORKERS),-n $(TEST_WORKERS) --dist loadfile) $(PYTEST_ARGS))
+	@$(VENV_PY) -m pytest -q $(if $(TEST_WORKERS),-n $(TEST_WORKERS) --dist loadfile) $(PYTEST_ARGS); rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "make test: pytest collected no tests; failing, a suite that runs nothing proves nothing" >&2; fi; \
 	exit $$rc
 

@@ -100,14 +100,15 @@ def configurations(quick: bool, runs: int) -> list[dict]:
     return out
 
 
-#: --hypotheses: one knob changed at a time from the defaults (ffi/kernels/update_kernel.cc), 64M, every core.
+#: --hypotheses: one knob changed at a time from the defaults (ffi/kernels/update_kernel.cc: prefetch 512 elements
+#: ahead, tasks of 1M elements), 64M, every core.
 HYPOTHESES = {
     "defaults": {},
     "no software prefetch": {"NSP_KERNEL_PREFETCH": "0"},
     "prefetch 1 KiB ahead": {"NSP_KERNEL_PREFETCH": "256"},
     "prefetch 4 KiB ahead": {"NSP_KERNEL_PREFETCH": "1024"},
+    "one task per thread": {"NSP_KERNEL_TASK_ELEMS": "0"},
     "tasks of 4M elements": {"NSP_KERNEL_TASK_ELEMS": str(4 << 20)},
-    "tasks of 1M elements": {"NSP_KERNEL_TASK_ELEMS": str(1 << 20)},
     "tasks of 256K elements": {"NSP_KERNEL_TASK_ELEMS": str(256 << 10)},
 }
 
@@ -177,7 +178,7 @@ def main() -> None:
     parser.add_argument("--hypotheses", action="store_true",
                         help="instead: the kernel's tuning knobs one at a time at 64M (record: "
                              "bench/results/update_kernel_hypotheses.json)")
-    parser.add_argument("--only", default=None, help="run only configurations whose name contains this text")
+    parser.add_argument("--only", default=None, help="run only configurations whose name contains one of these texts (comma-separated)")
     parser.add_argument("--json", default=None, help="where to write the record (default "
                                                      "bench/results/update_kernel_sweep.json)")
     args = parser.parse_args()
@@ -185,7 +186,8 @@ def main() -> None:
         parser.error("--runs must be >= 3")
     configs = hypothesis_configurations(args.runs) if args.hypotheses else configurations(args.quick, args.runs)
     if args.only:
-        configs = [c for c in configs if args.only in c["name"]]
+        wanted = [w.strip() for w in args.only.split(",") if w.strip()]
+        configs = [c for c in configs if any(w in c["name"] for w in wanted)]
         if not configs:
             parser.error(f"--only {args.only!r} matches no configuration")
     counters = hardware_counters()
