@@ -29,9 +29,12 @@ The memory roofline is an upper bound, so it is the best of several streaming pr
 Adam implementations that stream the same 28 B/param (torch fused Adam, DeepSpeedCPUAdam). "vs roofline" divides
 by the best of them; the JSON records every probe.
 
-Arrays: the probes, torch fused Adam and DeepSpeedCPUAdam stream one shared set of host arrays p, g, m, v (each
-updates it in place; DeepSpeed keeps its moments in arrays of its own), so that 512M params fit beside nsp's and
-every host contender reads the same pages. nsp's and optax's state are XLA buffers of their own.
+Arrays: every contender streams arrays of its own, so that none finds another's data in the last-level cache
+(at 16M params, 256 MB of state, a contender that ran right after another on the same arrays found part of them
+there). Where four such sets would not fit in half the RAM (512M params here), the probes, torch fused Adam and
+DeepSpeedCPUAdam share one set of host arrays p, g, m, v instead (each updates it in place; DeepSpeed keeps its
+moments in arrays of its own); the record says which (shared_host_arrays). nsp's and optax's state are XLA
+buffers of their own.
 
 Calls per sample (--calls, default auto): each timed sample is that many back-to-back calls (the time reported is
 per call), enough that one sample moves at least 0.5 GB: at 1M params a single call takes well under a
@@ -340,8 +343,15 @@ def main() -> None:
     notes = {}
     if "optax" in groups:
         contenders["optax.adam (jit, donated)"], arrays["optax.adam (jit, donated)"] = optax_contender(n, rng)
-    shared = probe_arrays(n) if groups & {"torch", "deepspeed", "probes"} else []
-    host = {TORCH: lambda: torch_contender(shared, args.threads), DS: lambda: deepspeed_contender(shared, args.threads)}
+    # One set of host arrays per contender, unless four would not fit in half the RAM (then one shared set).
+    share = 4 * 16 * n > os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // 2
+    shared = probe_arrays(n) if share and groups & {"torch", "deepspeed", "probes"} else []
+
+    def host_arrays():
+        return shared or probe_arrays(n)
+
+    host = {TORCH: lambda: torch_contender(host_arrays(), args.threads),
+            DS: lambda: deepspeed_contender(host_arrays(), args.threads)}
     for name, group in ((TORCH, "torch"), (DS, "deepspeed")):
         if group in groups:
             fn, note, streams = host[name]()
@@ -349,8 +359,8 @@ def main() -> None:
             if fn is not None:
                 contenders[name], arrays[name] = fn, streams
     if "probes" in groups:
-        contenders[NSP_PROBE], arrays[NSP_PROBE] = nsp_stream_probe(shared)
-        contenders[NUMPY_PROBE], arrays[NUMPY_PROBE] = numpy_stream_probe(shared, args.threads)
+        contenders[NSP_PROBE], arrays[NSP_PROBE] = nsp_stream_probe(host_arrays())
+        contenders[NUMPY_PROBE], arrays[NUMPY_PROBE] = numpy_stream_probe(host_arrays(), args.threads)
     timed = {name: repeated(fn, calls) for name, fn in contenders.items()}
 
     print(f"fp32 Adam update of {n / 2**20:.0f}M params, {args.threads} threads, kernel ISA {kernel_isa()}, "
@@ -443,7 +453,7 @@ def main() -> None:
     path = write_json(
         "update_kernel",
         {"size": n, "threads": args.threads, "repeats": args.repeats, "calls_per_sample": calls,
-         "isa": kernel_isa(), "contender_groups": sorted(groups),
+         "isa": kernel_isa(), "contender_groups": sorted(groups), "shared_host_arrays": share,
          "times_s": times, "median_s": med, "notes": notes, "checks": checks,
          "bytes_per_param": {name: bytes_per_param.get(name, 28.0) for name in med},
          "roofline_probes_gbs": probes, "roofline_probe": best_probe, "roofline_gbs": roofline_gbs,
