@@ -38,3 +38,18 @@ def corpus(tmp_path):
     path = tmp_path / "corpus.txt"
     path.write_text(inspect.getsource(collections) + inspect.getsource(json_mod.decoder))
     return str(path)
+
+
+# The files that take longest (minutes of end-to-end runs each), first: `make test` hands whole files to its
+# pytest-xdist workers in collection order, and a long file handed out last leaves the other workers idle while
+# it runs. Longest first keeps them busy to the end. Order only; every test is independent of the others.
+_LONG_FIRST = (
+    "test_readme_commands.py", "test_fault_campaign.py", "test_distributed.py", "test_big_model_setup.py",
+    "test_clock_jump.py", "test_disk_full.py", "test_gpu_step_bench.py", "test_share_nothing.py", "test_train.py",
+    "test_features.py", "test_optim.py", "test_train_failures.py", "test_freeze.py", "test_offload_planner.py",
+)
+
+
+def pytest_collection_modifyitems(session, config, items):
+    rank = {name: i for i, name in enumerate(_LONG_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: file order kept otherwise
