@@ -31,8 +31,11 @@ HERE = Path(__file__).resolve().parent
 DATA = str(HERE.parent / "nsp" / "train" / "corpus.py")
 TRAIN = ["train", "--model", "tiny", "--batch", "2", "--seq", "32", "--log-every", "1", "--eval-every", "0",
          "--eval-batches", "1", "--ckpt-every", "4", "--steps", "400", "--data", DATA]
-SMALL_S = 3  # a step the run takes in its stride, forward then back: below the heartbeat timeout (10 s) less
-HOLD_S = 1.5  # its interval (5 s); each held this long, past a check of the service's (once a second)
+# A step the run takes in its stride, forward then back: below the heartbeat timeout (10 s) less its interval (5 s)
+# less how late a heartbeat may run on a loaded machine (3 s once stopped a run here, beside other tests), and above
+# the 1 s the watchdog counts as a step of the clock.
+SMALL_S = 1.5
+HOLD_S = 1.5  # each held this long, past a check of the service's (once a second)
 BIG_S = 3 * 3600  # a step the run cannot take
 STOP_BOUND_S = 15.0  # from the big step to the end of every process
 

@@ -27,6 +27,7 @@ def test_a_buffer_comes_back_only_when_every_holder_is_gone():
     c = pool.take(1000, np.float32)
     assert c.ctypes.data == addr and pool.reused == 1 and pool.allocated == 2
     assert c.flags.writeable and c.flags.c_contiguous and c.dtype == np.float32 and c.shape == (1000,)
+    assert addr % 64 == 0 and b.ctypes.data % 64 == 0  # whole lines: the kernels' streaming stores need them
     other = pool.take(1000, np.uint16)  # another dtype never gets a float32 buffer
     assert other.ctypes.data not in (addr, b.ctypes.data)
 

@@ -4,6 +4,7 @@
 #include <immintrin.h>
 
 #include "kernels/kernel_block.h"
+#include "kernels/kernel_prefetch.h"
 
 namespace nsp::internal {
 namespace {
@@ -134,20 +135,11 @@ bool Avx2Block(const Coefficients& c, const Block& b) {
     }
   };
 
-  // Prefetch 2 KiB ahead on every input stream, one line per stream per iteration: one core alone cannot keep
-  // enough loads in flight otherwise (+20% single-threaded). Past the block's end is fine: a prefetch never
-  // faults, and a sparse update's next block continues the same arrays.
+  // Prefetch on every input stream, one line per stream per iteration (kernel_prefetch.h).
   const int64_t ahead = c.prefetch;
   int64_t i = 0;
   for (; i < n16; i += 16) {
-    if (ahead != 0) {
-      _mm_prefetch(reinterpret_cast<const char*>(b.p_in + i + ahead), _MM_HINT_T0);
-      if (b.m_in != nullptr) _mm_prefetch(reinterpret_cast<const char*>(b.m_in + i + ahead), _MM_HINT_T0);
-      if (b.v_in != nullptr) _mm_prefetch(reinterpret_cast<const char*>(b.v_in + i + ahead), _MM_HINT_T0);
-      _mm_prefetch(reinterpret_cast<const char*>(GRAD_BF16 ? static_cast<const void*>(gh + i + ahead)
-                                                           : static_cast<const void*>(gf + i + ahead)),
-                   _MM_HINT_T0);
-    }
+    PrefetchInputs<GRAD_BF16>(b, i, ahead);
     const Step s[2] = {step(i), step(i + 8)};
     store(i, s, 2);
   }

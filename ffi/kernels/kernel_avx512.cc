@@ -13,6 +13,7 @@
 #pragma GCC diagnostic pop
 
 #include "kernels/kernel_block.h"
+#include "kernels/kernel_prefetch.h"
 
 namespace nsp::internal {
 namespace {
@@ -171,19 +172,11 @@ bool Avx512Block(const Coefficients& c, const Block& b) {
     if (b.p32_copy != nullptr) put(b.p32_copy, s.p, nt_copy);
   };
 
-  // Prefetch 2 KiB ahead on every input stream, one line per stream per iteration, as the AVX2 kernels do.
-  // Past the block's end is fine: a prefetch never faults.
+  // Prefetch on every input stream, one line per stream per iteration (kernel_prefetch.h).
   const int64_t ahead = c.prefetch;
   int64_t i = 0;
   for (; i < n16; i += 16) {
-    if (ahead != 0) {
-      _mm_prefetch(reinterpret_cast<const char*>(b.p_in + i + ahead), _MM_HINT_T0);
-      if (b.m_in != nullptr) _mm_prefetch(reinterpret_cast<const char*>(b.m_in + i + ahead), _MM_HINT_T0);
-      if (b.v_in != nullptr) _mm_prefetch(reinterpret_cast<const char*>(b.v_in + i + ahead), _MM_HINT_T0);
-      _mm_prefetch(reinterpret_cast<const char*>(GRAD_BF16 ? static_cast<const void*>(gh + i + ahead)
-                                                           : static_cast<const void*>(gf + i + ahead)),
-                   _MM_HINT_T0);
-    }
+    PrefetchInputs<GRAD_BF16>(b, i, ahead);
     store(i, step(i, false, 0xffff), false, 0xffff);
   }
   // No fence here: the dispatcher fences once per task (FenceStreamingStores), not once per block.

@@ -236,10 +236,11 @@ class StateStore(StoreCreation):
           params_out: return the new fp32 params.
           bf16_out: return a bf16 copy of the new params.
           params_into: a float32, C-contiguous array of ``layout.padded_total`` elements to write the new params
-            into (and return as ``"params"``) instead of a fresh array: a loop of updates then allocates nothing
-            (a fresh array's first touch costs about as much as the kernel's pass, and several times more on a
-            virtual machine that hands freed memory back to its host: ``bench/store_update.py``'s "numpy in and
-            out" row against its "params_into reused" row). Needs ``params_out``.
+            into (and return as ``"params"``) instead of the result array the store hands out. Without it the
+            result comes on a recycled, page-aligned buffer (``nsp.storage.out_buffers``: reused only once every
+            reference to an earlier result is gone), as fast as this. One that starts on a 64-byte line
+            (``out_buffers.aligned_empty``; numpy's large arrays start 16 bytes past one) is written with
+            streaming stores, 4 B/param instead of 8. Needs ``params_out``.
 
         Returns:
           ``{"params": flat fp32, "params_bf16": flat bf16}`` (those asked for), ``layout.padded_total`` long, and
