@@ -122,7 +122,15 @@ def test_a_spill_directory_turned_read_only_mid_run_stops_it_with_the_store_whol
         for line in proc.stdout:
             lines.append(line)
             if re.match(r"step\s+3/", line):
-                remount = subprocess.run(["mount", "-o", "remount,ro", str(small_fs)], capture_output=True, text=True)
+                # The kernel refuses to make a file system read-only while a file on it is open for writing
+                # ("mount point is busy"): tried again until it catches the run between two spill writes.
+                deadline = time.monotonic() + 20
+                while True:
+                    remount = subprocess.run(["mount", "-o", "remount,ro", str(small_fs)], capture_output=True,
+                                             text=True)
+                    if remount.returncode == 0 or "busy" not in remount.stderr or time.monotonic() > deadline:
+                        break
+                    time.sleep(0.01)
                 assert remount.returncode == 0, remount.stderr
                 break
         out = "".join(lines) + proc.communicate(timeout=120)[0]
