@@ -105,7 +105,8 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import page_backing  # noqa: E402
 import wait_policy  # noqa: E402
-from common import DeviceCounts, DeviceTraffic, median, reset_peak_rss, status_kib, time_interleaved  # noqa: E402
+from common import (DeviceCounts, DeviceTraffic, median, reset_peak_rss, status_kib, time_interleaved,  # noqa: E402
+                    write_json)
 from slow_disk import SlowDisk, SlowDiskError, parse_rates  # noqa: E402
 from store_contenders import (B1, B2, EPS, LR, MEMORY_NAMES, DiskProbe, PerfectSerialSwap, in_ram_adam,  # noqa: E402
                               memory_contenders, setup_deepspeed)
@@ -281,8 +282,6 @@ def run_memory_only(args, n: int, page_bytes: int, repeats: int, threads: int) -
                            "min": e["min"], "max": e["max"], "met": e["median"] >= target,
                            "met_in_every_run": e["min"] >= target})
     huge = page_backing.huge_share(streamed["kernel"]()) if "kernel" in streamed else None
-    from common import write_json
-
     path = write_json("store_update_memory", {
         "params": n, "threads": threads, "isa": kernel_isa(), "runs": args.runs, "repeats": repeats,
         "page_bytes": page_bytes, "bytes_per_param": {
