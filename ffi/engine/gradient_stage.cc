@@ -2,6 +2,7 @@
 #include "engine/gradient_stage.h"
 
 #include <fcntl.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <cerrno>
@@ -62,6 +63,16 @@ std::string GradientStage::Read(int64_t at, void* dst, int64_t n, int64_t elem_b
     offset += done;
   }
   return {};
+}
+
+std::string GradientStage::Sync() const {
+  if (::fdatasync(fd_) != 0) return Failed("cannot sync", path_);
+  return {};
+}
+
+int64_t GradientStage::Bytes() const {
+  struct stat st;
+  return ::fstat(fd_, &st) == 0 ? static_cast<int64_t>(st.st_size) : -1;
 }
 
 }  // namespace nsp

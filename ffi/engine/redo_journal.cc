@@ -15,13 +15,15 @@
 #include <chrono>
 #include <cstdlib>
 #include <cstring>
+#include <functional>
 
 #include "util/crc32c.h"
 
 namespace nsp {
 namespace {
 
-constexpr char kMagic[8] = {'N', 'S', 'P', 'R', 'E', 'D', 'O', '1'};
+// 2: the header names the payload's kind and a staged gradient's scale (format 1's journals are refused).
+constexpr char kMagic[8] = {'N', 'S', 'P', 'R', 'E', 'D', 'O', '2'};
 constexpr int64_t kRecordMagic = 0x44524345524f444eLL;  // "NODRECRD"
 
 std::string Errno(const std::string& what, const std::string& path) {
@@ -66,45 +68,37 @@ RedoJournal::~RedoJournal() {
   if (map_ != nullptr) ::munmap(map_, map_bytes_);
 }
 
-std::string RedoJournal::Write(const std::string& dir, int64_t version, int64_t size, int64_t page_elems,
-                               const UpdateHyperParams& hp, GradType type, const PageFill& fill,
-                               const int32_t* indices, const void* values, int64_t count) {
-  const std::string path = dir + "/" + kJournalFile;
-  const std::string tmp = path + ".tmp";
+namespace {
+
+JournalHeader MakeHeader(int64_t version, int64_t size, int64_t page_elems, const UpdateHyperParams& hp,
+                         GradType type, JournalPayload payload, int64_t count, float scale) {
   JournalHeader h;
   std::memset(&h, 0, sizeof h);  // padding included: the header's CRC covers its bytes
   std::memcpy(h.magic, kMagic, sizeof kMagic);
   h.version = version;
   h.size = size;
   h.page_elems = page_elems;
-  h.compressed = fill ? 0 : 1;
+  h.compressed = static_cast<int32_t>(payload);
   h.grad_type = static_cast<int32_t>(type);
-  h.count = fill ? 0 : count;
+  h.count = count;
+  h.stage_scale = scale;
   h.hp_bytes = static_cast<int64_t>(sizeof(UpdateHyperParams));
   std::memcpy(&h.hp, &hp, sizeof hp);
+  return h;
+}
+
+// Writes header `h`, the payload `body` writes to `fd` (the temporary file `tmp`; it extends *crc over what it
+// writes and returns "" or an error), and the CRC to that file, makes it durable and renames it in: the journal
+// in `dir` exists whole or not at all.
+using PayloadWriter = std::function<std::string(int fd, const std::string& tmp, uint32_t* crc)>;
+std::string WriteJournalFile(const std::string& dir, const JournalHeader& h, const PayloadWriter& body) {
+  const std::string path = dir + "/" + kJournalFile;
+  const std::string tmp = path + ".tmp";
   const int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
   if (fd < 0) return Errno("cannot create", tmp);
   uint32_t crc = Crc32c(&h, sizeof h);
   bool ok = WriteAll(fd, &h, sizeof h);
-  std::string err;
-  const int64_t gbytes = GradBytes(type);
-  if (ok && fill) {
-    std::vector<char> page(static_cast<size_t>(page_elems * gbytes));
-    const int64_t pages = (size + page_elems - 1) / page_elems;
-    for (int64_t i = 0; i < pages && ok && err.empty(); ++i) {
-      if (i == pages / 2) MaybeKillInJournal();  // a kill halfway through the journal (the fault campaign)
-      const size_t bytes = static_cast<size_t>(std::min(page_elems, size - i * page_elems) * gbytes);
-      err = fill(i, page.data());
-      if (!err.empty()) break;
-      crc = Crc32cExtend(crc, page.data(), bytes);
-      ok = WriteAll(fd, page.data(), bytes);
-    }
-  } else if (ok) {
-    MaybeKillInJournal();
-    const size_t ibytes = static_cast<size_t>(count) * sizeof(int32_t), vbytes = static_cast<size_t>(count * gbytes);
-    crc = Crc32cExtend(Crc32cExtend(crc, indices, ibytes), values, vbytes);
-    ok = WriteAll(fd, indices, ibytes) && WriteAll(fd, values, vbytes);
-  }
+  std::string err = ok ? body(fd, tmp, &crc) : std::string();
   ok = ok && err.empty() && WriteAll(fd, &crc, sizeof crc) && ::fsync(fd) == 0;
   const int write_errno = errno;
   ::close(fd);
@@ -120,6 +114,53 @@ std::string RedoJournal::Write(const std::string& dir, int64_t version, int64_t 
     return e;
   }
   return FsyncDir(dir);
+}
+
+}  // namespace
+
+std::string RedoJournal::Write(const std::string& dir, int64_t version, int64_t size, int64_t page_elems,
+                               const UpdateHyperParams& hp, GradType type, const PageFill& fill,
+                               const int32_t* indices, const void* values, int64_t count) {
+  const JournalHeader h = MakeHeader(version, size, page_elems, hp, type,
+                                     fill ? JournalPayload::kDense : JournalPayload::kCompressed, fill ? 0 : count,
+                                     1.0f);
+  const int64_t gbytes = GradBytes(type);
+  return WriteJournalFile(dir, h, [&](int fd, const std::string& tmp, uint32_t* crc) -> std::string {
+    if (fill) {
+      std::vector<char> page(static_cast<size_t>(page_elems * gbytes));
+      const int64_t pages = (size + page_elems - 1) / page_elems;
+      for (int64_t i = 0; i < pages; ++i) {
+        if (i == pages / 2) MaybeKillInJournal();  // a kill halfway through the journal (the fault campaign)
+        const size_t bytes = static_cast<size_t>(std::min(page_elems, size - i * page_elems) * gbytes);
+        if (std::string err = fill(i, page.data()); !err.empty()) return err;
+        *crc = Crc32cExtend(*crc, page.data(), bytes);
+        if (!WriteAll(fd, page.data(), bytes)) return Errno("cannot write the redo journal", tmp);
+      }
+      return {};
+    }
+    MaybeKillInJournal();
+    const size_t ibytes = static_cast<size_t>(count) * sizeof(int32_t), vbytes = static_cast<size_t>(count * gbytes);
+    *crc = Crc32cExtend(Crc32cExtend(*crc, indices, ibytes), values, vbytes);
+    if (!WriteAll(fd, indices, ibytes) || !WriteAll(fd, values, vbytes)) {
+      return Errno("cannot write the redo journal", tmp);
+    }
+    return {};
+  });
+}
+
+std::string RedoJournal::WriteStaged(const std::string& dir, int64_t version, int64_t size, int64_t page_elems,
+                                     const UpdateHyperParams& hp, GradType type, int64_t staged, float scale,
+                                     const std::vector<uint32_t>& page_crcs) {
+  if (static_cast<int64_t>(page_crcs.size()) != (size + page_elems - 1) / page_elems) {
+    return "internal error: a staged journal needs a checksum per page";
+  }
+  const JournalHeader h = MakeHeader(version, size, page_elems, hp, type, JournalPayload::kStaged, staged, scale);
+  return WriteJournalFile(dir, h, [&](int fd, const std::string& tmp, uint32_t* crc) -> std::string {
+    const size_t bytes = page_crcs.size() * sizeof(uint32_t);
+    *crc = Crc32cExtend(*crc, page_crcs.data(), bytes);
+    if (!WriteAll(fd, page_crcs.data(), bytes)) return Errno("cannot write the redo journal", tmp);
+    return {};
+  });
 }
 
 std::string RedoJournal::Append(const std::string& dir, const JournalRecord& record, int states) {
@@ -177,10 +218,18 @@ std::string RedoJournal::Read(const std::string& dir, int states, std::unique_pt
   j->header_ = reinterpret_cast<const JournalHeader*>(base);
   const JournalHeader& h = *j->header_;
   const int64_t gbytes = h.grad_type == static_cast<int32_t>(GradType::kF32) ? 4 : 2;
-  const int64_t payload = h.compressed ? h.count * (4 + gbytes) : h.size * gbytes;
+  int64_t payload = -1;
+  if (h.size > 0 && h.page_elems > 0) {
+    switch (static_cast<JournalPayload>(h.compressed)) {
+      case JournalPayload::kDense: payload = h.size * gbytes; break;
+      case JournalPayload::kCompressed: payload = h.count * (4 + gbytes); break;
+      case JournalPayload::kStaged:
+        payload = h.count >= 0 && h.count <= h.size ? (h.size + h.page_elems - 1) / h.page_elems * 4 : -1;
+        break;
+    }
+  }
   const bool header_ok = std::memcmp(h.magic, kMagic, sizeof kMagic) == 0 &&
-                         h.hp_bytes == static_cast<int64_t>(sizeof(UpdateHyperParams)) && h.size > 0 &&
-                         h.page_elems > 0 && payload >= 0 &&
+                         h.hp_bytes == static_cast<int64_t>(sizeof(UpdateHyperParams)) && payload >= 0 &&
                          static_cast<size_t>(payload) + sizeof h + sizeof(uint32_t) <= bytes;
   if (!header_ok) return "the redo journal " + path + " has a header this build does not read: the shard is damaged";
   j->payload_ = base + sizeof h;

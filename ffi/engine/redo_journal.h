@@ -11,11 +11,17 @@
 // gradient: the update's kernel, the same inputs, the same bits. A kill before the journal exists leaves version
 // t untouched; after it, recovery finishes version t+1.
 //
+// A gradient staged on the shard's disk (gradient_stage.h) is not copied into the journal: the stage file is made
+// durable and the journal holds each page's checksum of it instead, so that a one-slot store's staged step costs
+// no more disk than the stage file already takes. The new params the update writes over that file are held back
+// until their window is recorded: a page's gradient stays in the stage file until its new state is in place.
+//
 // The format (native byte order; the shard is read back on the machine that wrote it):
 //   header (JournalHeader), payload (dense: size gradient elements; compressed: count int32 indices, then count
-//   values), CRC-32C of header and payload; then records, each {kRecordMagic, first, end, the new checksum of each
-//   page of [first, end) for each used state in state order, CRC-32C of the record}. A torn last record (a kill
-//   while it was appended) fails its CRC and is ignored: its pages were not renamed in yet.
+//   values; staged: a CRC-32C of each page's staged gradient bytes), CRC-32C of header and payload; then records,
+//   each {kRecordMagic, first, end, the new checksum of each page of [first, end) for each used state in state
+//   order, CRC-32C of the record}. A torn last record (a kill while it was appended) fails its CRC and is
+//   ignored: its pages were not renamed in yet.
 #pragma once
 
 #include <condition_variable>
@@ -33,6 +39,9 @@ namespace nsp {
 
 constexpr const char* kJournalFile = "redo.journal";
 
+// What a journal's payload holds (JournalHeader::compressed).
+enum class JournalPayload : int32_t { kDense = 0, kCompressed = 1, kStaged = 2 };
+
 // Why the header holds the hyperparameters' raw bytes: they are the kernel's input, and redo must hand the kernel
 // exactly what the interrupted update had.
 struct JournalHeader {
@@ -40,9 +49,11 @@ struct JournalHeader {
   int64_t version;  // the version the update read (it writes version + 1)
   int64_t size;
   int64_t page_elems;
-  int32_t compressed;  // 0: dense gradient; 1: sorted indices and their values
+  int32_t compressed;  // JournalPayload: dense gradient, sorted indices and their values, or staged
   int32_t grad_type;   // GradType
-  int64_t count;       // compressed pairs
+  int64_t count;       // compressed pairs; staged: the elements the stage file holds (the rest are padding)
+  float stage_scale;   // staged: the factor the gradient is multiplied by as it is read (ShardPieces::scale)
+  int32_t reserved;
   int64_t hp_bytes;    // sizeof(UpdateHyperParams), so another build's journal is refused, not misread
   UpdateHyperParams hp;
 };
@@ -71,6 +82,12 @@ class RedoJournal {
   static std::string Write(const std::string& dir, int64_t version, int64_t size, int64_t page_elems,
                            const UpdateHyperParams& hp, GradType type, const PageFill& fill,
                            const int32_t* indices, const void* values, int64_t count);
+  // Writes the journal of an update whose gradient is staged (`staged` elements in the shard's stage file, read
+  // times `scale`): `page_crcs` holds each page's CRC-32C of its staged bytes. The stage file must already be
+  // durable. Durable before it returns; "" or an error (then no journal exists).
+  static std::string WriteStaged(const std::string& dir, int64_t version, int64_t size, int64_t page_elems,
+                                 const UpdateHyperParams& hp, GradType type, int64_t staged, float scale,
+                                 const std::vector<uint32_t>& page_crcs);
   // Appends `record` to the journal in `dir` and makes it durable. `states`: used states. Returns "" or an error.
   static std::string Append(const std::string& dir, const JournalRecord& record, int states);
   // Reads the journal in `dir`: *out null when there is none (a temporary left by a kill while it was written is
@@ -81,12 +98,18 @@ class RedoJournal {
 
   const JournalHeader& header() const { return *header_; }
   GradType grad_type() const { return static_cast<GradType>(header_->grad_type); }
-  const void* dense() const { return header_->compressed ? nullptr : payload_; }
+  JournalPayload payload() const { return static_cast<JournalPayload>(header_->compressed); }
+  const void* dense() const { return payload() == JournalPayload::kDense ? payload_ : nullptr; }
   const int32_t* indices() const {
-    return header_->compressed ? reinterpret_cast<const int32_t*>(payload_) : nullptr;
+    return payload() == JournalPayload::kCompressed ? reinterpret_cast<const int32_t*>(payload_) : nullptr;
   }
   const void* values() const {
-    return header_->compressed ? payload_ + header_->count * static_cast<int64_t>(sizeof(int32_t)) : nullptr;
+    return payload() == JournalPayload::kCompressed
+               ? payload_ + header_->count * static_cast<int64_t>(sizeof(int32_t)) : nullptr;
+  }
+  // Staged: each page's CRC-32C of its staged gradient bytes (header().count elements in all).
+  const uint32_t* staged_page_crcs() const {
+    return payload() == JournalPayload::kStaged ? reinterpret_cast<const uint32_t*>(payload_) : nullptr;
   }
   const std::vector<JournalRecord>& records() const { return records_; }
 

@@ -98,6 +98,15 @@ std::string ShardPieces::ScatterParams(int64_t begin, int64_t n, const float* sr
   if (stage != nullptr) {
     const int64_t covered = Covered(this, begin, n);
     if (covered <= 0) return {};
+    if (sink != nullptr) {
+      char* at = sink + (begin - sink_begin) * GradBytes(type);
+      if (type == GradType::kF32) {
+        std::memcpy(at, src, sizeof(float) * static_cast<size_t>(covered));
+      } else {
+        internal::RoundToBf16(src, reinterpret_cast<uint16_t*>(at), covered);
+      }
+      return {};
+    }
     if (type == GradType::kF32) return stage->Write(begin, src, covered, sizeof(float));
     thread_local std::vector<uint16_t> rounded;  // a page at a time, per thread
     rounded.resize(static_cast<size_t>(covered));

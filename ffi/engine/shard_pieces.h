@@ -29,6 +29,11 @@ struct ShardPieces {
   // staged gradient, whose norm is known only once every leaf is staged), in float32, rounded back to bf16 for a
   // bf16 gradient. 1 reads the gradient as it is.
   float scale = 1.0f;
+  // With `stage`: where the new params go instead of the stage file, when set: elements from `sink_begin` on, in
+  // the pieces' dtype. A one-slot store's update holds a window's params there until the window is recorded in
+  // its redo journal, because until then the stage file's gradient is what recovery redoes the window from.
+  char* sink = nullptr;
+  int64_t sink_begin = 0;
   std::string Finalize(int64_t shard_size);
   // Copies elements [begin, begin + n) of the gradient into dst (type's bytes per element; zeros in padding).
   // Returns "" or the stage file's error.

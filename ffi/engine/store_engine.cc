@@ -57,7 +57,7 @@ int64_t ShardEngine::buffer_bytes() const {
   for (const auto& set : buffers_) {
     for (const auto& b : set) total += static_cast<int64_t>(b.bytes);
   }
-  return total + static_cast<int64_t>(grad_stage_.bytes + params_stage_.bytes);
+  return total + static_cast<int64_t>(grad_stage_.bytes + params_stage_.bytes + window_params_.bytes);
 }
 
 // {"store": ID, "shard": I, "version": V, "checksums": {"SLOT": {"version": W, "STATE": [crc, ...]}}}: the slots

@@ -236,6 +236,13 @@ class ShardEngine {
   std::string StepOneSlot(ShardUpdate u, int64_t version);
   // Writes the update's journal (its gradient as given, its hyperparameters) for `version`; "" or an error.
   std::string WriteJournal(const ShardUpdate& u, int64_t version);
+  // WriteJournal for a gradient staged in the shard's stage file: the file made durable, each page's checksum.
+  std::string WriteStagedJournal(const ShardUpdate& u, int64_t version);
+  // The CRC-32C of page `page`'s staged gradient bytes (0 for a page of padding only); "" or an error.
+  std::string StagedPageCrc(const ShardPieces& pieces, int64_t page, uint32_t* crc);
+  // The pieces recovery redoes a staged update from: the stage file, checked against the journal's checksum of
+  // every page from `from_page` on; "" or an error naming what is damaged.
+  std::string StagedForRecovery(const RedoJournal& journal, int64_t from_page, ShardPieces* out);
   // The windows of a one-slot update from page `start` on (the ones before it are in place), then the commit of
   // version + 1 and the journal's removal. A failure leaves needs_recovery_ set.
   std::string ApplyWindows(ShardUpdate u, int64_t version, int64_t start);
@@ -307,6 +314,8 @@ class ShardEngine {
   AlignedBuffer grad_stage_;
   // One page of the caller's params (allocated on the first update that starts from them).
   AlignedBuffer params_stage_;
+  // A one-slot window's new params, held until the window is recorded (a staged gradient's update).
+  AlignedBuffer window_params_;
   TrafficStats stats_;
   // The running update's progress (Progress()): written by the update's thread, read by anyone.
   class ProgressScope;

@@ -7,6 +7,7 @@
 #include <vector>
 
 #include "engine/store_engine.h"
+#include "util/crc32c.h"
 #include "util/elapsed.h"
 
 namespace nsp {
@@ -31,6 +32,7 @@ std::string ShardEngine::WriteJournal(const ShardUpdate& u, int64_t version) {
     return "a one-slot store steps from its own params: a step that adopts the caller's params needs a two-slot "
            "store (its journal would have to hold the params too)";
   }
+  if (u.pieces != nullptr && u.pieces->stage != nullptr) return WriteStagedJournal(u, version);
   const bool dense = u.grad != nullptr || u.pieces != nullptr;
   RedoJournal::PageFill fill;
   if (dense) {
@@ -47,6 +49,31 @@ std::string ShardEngine::WriteJournal(const ShardUpdate& u, int64_t version) {
   }
   return RedoJournal::Write(ShardDir(), version, size_, page_elems_, u.hp, u.grad_type, fill, u.indices, u.values,
                             u.count);
+}
+
+std::string ShardEngine::StagedPageCrc(const ShardPieces& pieces, int64_t page, uint32_t* crc) {
+  const int64_t begin = page * page_elems_;
+  const int64_t covered = ShardPieces::Covered(&pieces, begin, std::min(page_elems_, size_ - begin));
+  *crc = 0;
+  if (covered <= 0) return {};
+  char* buf = GradStage();
+  if (std::string e = pieces.stage->Read(begin, buf, covered, GradBytes(pieces.type)); !e.empty()) return e;
+  *crc = Crc32c(buf, static_cast<size_t>(covered * GradBytes(pieces.type)));
+  return {};
+}
+
+std::string ShardEngine::WriteStagedJournal(const ShardUpdate& u, int64_t version) {
+  // The stage file already holds the gradient: made durable, it is the journal's gradient, named by a checksum
+  // of each page (read back once, mostly from the page cache) instead of copied.
+  const ShardPieces& pieces = *u.pieces;
+  if (std::string e = pieces.stage->Sync(); !e.empty()) return e;
+  std::vector<uint32_t> crcs(static_cast<size_t>(num_pages_));
+  for (int64_t page = 0; page < num_pages_; ++page) {
+    if (page == num_pages_ / 2) MaybeKillInJournal();  // a kill halfway through the journal (the fault campaign)
+    if (std::string e = StagedPageCrc(pieces, page, &crcs[static_cast<size_t>(page)]); !e.empty()) return e;
+  }
+  return RedoJournal::WriteStaged(ShardDir(), version, size_, page_elems_, u.hp, u.grad_type,
+                                  ShardPieces::Covered(&pieces, 0, size_), pieces.scale, crcs);
 }
 
 std::string ShardEngine::StepOneSlot(ShardUpdate u, int64_t version) {
@@ -76,13 +103,24 @@ std::string ShardEngine::ApplyWindows(ShardUpdate u, int64_t version, int64_t st
   needs_recovery_ = true;  // from here until the commit, only the journal can finish this update
   u.src_slot = 0;
   u.dst_slot = 1;
-  std::vector<uint32_t> crcs;
+  // A staged gradient is the journal's: each window's new params wait in memory until the window is recorded,
+  // and only then go over its gradient in the stage file (redo_journal.h).
+  ShardPieces window_pieces;
+  const bool staged = u.pieces != nullptr && u.pieces->stage != nullptr;
+  if (staged) {
+    window_pieces = *u.pieces;
+    u.pieces = &window_pieces;
+    const size_t bytes = static_cast<size_t>(window_pages_ * page_elems_ * GradBytes(window_pieces.type));
+    if (window_params_.bytes < bytes) window_params_ = AlignedBuffer(bytes);
+    window_pieces.sink = reinterpret_cast<char*>(window_params_.data);
+  }
   for (int64_t first = start; first < num_pages_; first += window_pages_) {
     JournalRecord record;
     record.first = first;
     record.end = std::min(num_pages_, first + window_pages_);
     u.first_page = first;
     u.end_page = record.end;
+    window_pieces.sink_begin = first * page_elems_;
     if (std::string e = Update(u); !e.empty()) return e;
     {
       const AddElapsedNs sync_timer(&stats_.sync_ns);
@@ -95,6 +133,18 @@ std::string ShardEngine::ApplyWindows(ShardUpdate u, int64_t version, int64_t st
     if (std::string e = backend_->SwitchPages(first, record.end, used_.data(), record.crcs.data(), false);
         !e.empty()) {
       return e;
+    }
+    if (staged) {
+      const int64_t begin = first * page_elems_;
+      const int64_t end = std::min(size_, record.end * page_elems_);
+      const int64_t covered = ShardPieces::Covered(&window_pieces, begin, end - begin);
+      if (covered > 0) {
+        if (std::string e = window_pieces.stage->Write(begin, window_pieces.sink, covered,
+                                                       GradBytes(window_pieces.type));
+            !e.empty()) {
+          return e;
+        }
+      }
     }
   }
   {
@@ -154,9 +204,44 @@ std::string ShardEngine::Recover() {
   u.grad = journal->dense();
   u.indices = journal->indices();
   u.values = journal->values();
-  u.count = h.compressed ? h.count : 0;
+  u.count = journal->payload() == JournalPayload::kCompressed ? h.count : 0;
+  ShardPieces staged;  // a staged gradient: the stage file, as the interrupted update read it
+  if (journal->payload() == JournalPayload::kStaged) {
+    if (std::string e = StagedForRecovery(*journal, done, &staged); !e.empty()) return e;
+    u.pieces = &staged;
+  }
   // With every window recorded, only the renames' sync and the commit remain: ApplyWindows does just those.
   return ApplyWindows(u, version_, done);
+}
+
+std::string ShardEngine::StagedForRecovery(const RedoJournal& journal, int64_t from_page, ShardPieces* out) {
+  const JournalHeader& h = journal.header();
+  ShardPieces& pieces = *out;
+  pieces.type = journal.grad_type();
+  pieces.scale = h.stage_scale;
+  if (h.count > 0) pieces.sizes.push_back(h.count);
+  const std::string path = ShardDir() + "/" + kStageFile;
+  GradientStage* stage = nullptr;
+  if (std::string e = Stage(&stage); !e.empty()) return e;
+  const int64_t need = h.count * GradBytes(pieces.type);
+  if (stage->Bytes() < need) {
+    return "the redo journal of shard " + ShardDir() + " redoes its update from the staged gradient " + path +
+           ", which holds " + std::to_string(std::max<int64_t>(0, stage->Bytes())) + " bytes, not " +
+           std::to_string(need) + ": the shard is damaged (it was removed or cut short)";
+  }
+  pieces.stage = stage;
+  if (std::string e = pieces.Finalize(size_); !e.empty()) return e;
+  // Every page still to redo must hold the gradient the journal recorded, or the redo would be silently wrong.
+  for (int64_t page = from_page; page < num_pages_; ++page) {
+    uint32_t crc = 0;
+    if (std::string e = StagedPageCrc(pieces, page, &crc); !e.empty()) return e;
+    if (crc != journal.staged_page_crcs()[page]) {
+      return "the staged gradient " + path + " does not match the redo journal of shard " + ShardDir() +
+             " at page " + std::to_string(page) + ": the shard is damaged (the update of version " +
+             std::to_string(h.version) + " cannot be redone)";
+    }
+  }
+  return {};
 }
 
 }  // namespace nsp
