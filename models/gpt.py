@@ -187,6 +187,9 @@ CONFIGS: dict[str, GPTConfig] = {
                "gpt3-2.7b": (32, 32, 2560), "gpt3-6.7b": (32, 32, 4096),
                "gpt3-13b": (40, 40, 5120), "gpt3-175b": (96, 96, 12288)},
               vocab_size=50257, block_size=2048, bias=True),
+    # Not a row of GPT-3's table: 6.7B's width (32 heads of 128) at 23 of its 32 layers, the step between 2.7B and
+    # 6.7B that a one-slot file-tier store fits on an 80 GB disk (bench/max_model.py --full --slots 1).
+    **_family({"gpt3-4.8b": (23, 32, 4096)}, vocab_size=50257, block_size=2048, bias=True),
 }
 
 

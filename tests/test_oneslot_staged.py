@@ -159,3 +159,18 @@ def test_a_damaged_stage_file_is_refused_by_name(tmp_path):
     stage.unlink()
     with pytest.raises((StoreError, RuntimeError), match="gradient.stage, which holds 0 bytes"):
         open_store(path, 1)
+
+
+def test_required_bytes_counts_the_stage_file_and_no_journal_copy():
+    layout = storage.Layout.from_tree({"w": jax.ShapeDtypeStruct((1024, 1 << 20), jnp.float32)}, num_shards=1)
+    n = layout.shard_size
+    plain = storage.required_bytes(layout, SPEC, checkpoints=0, slots=1)
+    staged = storage.required_bytes(layout, SPEC, checkpoints=0, slots=1, stage_itemsize=2)
+    # Staged bf16: the stage file (2 bytes per element) instead of the journal's copy (4 at most), so 14 bytes
+    # per parameter with the state's 12, where the unstaged bound is 16.
+    assert abs(staged - (plain - 4 * n + 2 * n)) < 1 << 16  # (the journal's page checksums, whole blocks)
+    assert 14 * n < staged < 14 * n + 16 * 3 * (5 << 20)  # and one window of scratch pages (16 x 3 states)
+    two = storage.required_bytes(layout, SPEC, checkpoints=0)
+    assert storage.required_bytes(layout, SPEC, checkpoints=0, stage_itemsize=2) == two + 2 * n  # two slots too
+    with pytest.raises(ValueError, match="stage_itemsize must be"):
+        storage.required_bytes(layout, SPEC, stage_itemsize=3)

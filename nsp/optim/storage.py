@@ -183,8 +183,15 @@ def scale_by_storage(
         if staleness is None:
             raise TypeError("staleness must be a concrete 0 or 1 when init runs")
         if resume:  # nsp.optim.resuming(): the state the store holds, checked against the params' layout
-            return store.initialize(params, optimizer, staleness=int(staleness))
+            return store.initialize(params, optimizer, staleness=int(staleness),
+                                    stage_itemsize=_stage_itemsize(params))
         return store.restart(params, optimizer, staleness=int(staleness))
+
+    def _stage_itemsize(params) -> int:
+        # The stage file holds the gradient in the params' dtype (the staged update needs one for all leaves).
+        if not stage_gradients:
+            return 0
+        return max((jnp.dtype(x.dtype).itemsize for x in jax.tree_util.tree_leaves(params)), default=4)
 
     def _initialize_from(producer, params, leaves) -> None:
         if staleness is None:
@@ -201,7 +208,8 @@ def scale_by_storage(
                               progress=producer.progress)
             else:
                 store.initialize_from(abstract, produce, optimizer, staleness=int(staleness),
-                                      progress=producer.progress, checkpoint_margin=producer.checkpoint_margin)
+                                      progress=producer.progress, checkpoint_margin=producer.checkpoint_margin,
+                                      stage_itemsize=_stage_itemsize(params))
 
         producer.writes.append(write)
 

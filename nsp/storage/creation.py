@@ -32,7 +32,7 @@ class StoreCreation:
     """``StateStore``'s creation methods (the attributes they use are ``StateStore``'s)."""
 
     def initialize(self, params: Any, optimizer: OptimizerSpec, *, staleness: int = 0,
-                   checkpoint_margin: int = 1) -> int:
+                   checkpoint_margin: int = 1, stage_itemsize: int = 0) -> int:
         """Writes the layout of ``params`` and their values as version 0, or checks an existing store matches.
 
         ``staleness``: how the updates will run (0: each returns its own params; 1: in the background, returning
@@ -43,11 +43,11 @@ class StoreCreation:
         """
         leaves = jax.tree_util.tree_leaves(params)
         return self.initialize_from(params, lambda i: leaves[i], optimizer, staleness=staleness,
-                                    checkpoint_margin=checkpoint_margin)
+                                    checkpoint_margin=checkpoint_margin, stage_itemsize=stage_itemsize)
 
     def initialize_from(self, abstract_params: Any, produce: Callable[[int], Any], optimizer: OptimizerSpec, *,
                         staleness: int = 0, progress: Callable[[int, int], None] | None = None,
-                        checkpoint_margin: int = 1) -> int:
+                        checkpoint_margin: int = 1, stage_itemsize: int = 0) -> int:
         """``initialize`` from the params' shapes, asking for their values one leaf at a time: setting up never
         holds the whole model, only the leaves the pages being written need.
 
@@ -66,6 +66,8 @@ class StoreCreation:
           checkpoint_margin: versions of pages that live checkpoints may add to the disk's need (a snapshot keeps
             the pages it links, so the second update after it writes those pages anew; ``nsp.storage.space``).
             0 when no update will follow a checkpoint while this store lives (a run that saves only at its end).
+          stage_itemsize: bytes per element of the gradient its updates will stage on its disk (2: bf16, 4: fp32;
+            ``nsp.optim``'s ``stage_gradients``), counted in the disk it needs; 0: they will not.
 
         Returns:
           The committed version: 0, or an existing store's.
@@ -95,7 +97,7 @@ class StoreCreation:
         if self.tier != "memory":  # every backend on disk keeps the file tier's files
             check_free_space(self.shard_paths, layout, optimizer, root=self.root, shards=self.local_shards,
                              checksum=self.checksum, checkpoints=checkpoint_margin, slots=self.slots,
-                             redo_window=self.redo_window)
+                             redo_window=self.redo_window, stage_itemsize=stage_itemsize)
         self.layout, self.optimizer = layout, optimizer
         asked_page_bytes, self.page_bytes = self.page_bytes, layout.page_elems * 4  # less when a shard is smaller
         try:

@@ -11,6 +11,9 @@ holds, in every shard directory:
 - or, for a one-slot store (``slots=1``), one copy of them plus its redo journal (``ffi/engine/redo_journal.h``:
   the update's gradient, at most 4 bytes per element, and a record per window of pages) and the scratch of one
   window in flight (``redo_window`` pages of every state, written beside the old ones before they are switched in);
+- for a store whose updates take their gradient staged on its disk (``stage_gradients``, ``stage_itemsize``: 2
+  for bf16, 4 for fp32), the stage file beside each shard's pages (``gradient.stage``: the gradient, then the new
+  params over it); a one-slot store's journal then holds a checksum per page of that file, not a copy;
 - room for checkpoints: a snapshot hard-links the committed slot's page files, and the engine replaces a linked
   file (a fresh file renamed over it) instead of rewriting it in place, so while a snapshot lives the shard can
   hold one more version of its pages (``checkpoints``: how many snapshots may pin their own pages at once);
@@ -95,38 +98,46 @@ def root_metadata_bytes(layout: Layout, *, block_bytes: int = BLOCK_BYTES_DEFAUL
 
 
 def shard_bytes(layout: Layout, optimizer: OptimizerSpec, *, checksum: bool = True, checkpoints: int = 1,
-                block_bytes: int = BLOCK_BYTES_DEFAULT, slots: int = VERSION_SLOTS, redo_window: int = 16) -> int:
+                block_bytes: int = BLOCK_BYTES_DEFAULT, slots: int = VERSION_SLOTS, redo_window: int = 16,
+                stage_itemsize: int = 0) -> int:
     """What one shard takes on disk at most: its version slots (two; or one, with its redo journal and a window
-    of scratch pages), ``checkpoints`` more versions of its pages (the pages live snapshots keep), and its
-    metadata (without the root's)."""
+    of scratch pages), ``checkpoints`` more versions of its pages (the pages live snapshots keep), its gradient
+    stage file when its updates stage their gradient (``stage_itemsize`` bytes per element; 0: they do not), and
+    its metadata (without the root's)."""
     if checkpoints < 0:
         raise ValueError(f"checkpoints must be >= 0, got {checkpoints}")
     if slots not in (1, 2):
         raise ValueError(f"slots must be 1 or 2, got {slots}")
+    if stage_itemsize not in (0, 2, 4):
+        raise ValueError(f"stage_itemsize must be 0 (no staged gradient), 2 (bf16) or 4 (fp32), got {stage_itemsize}")
     pages = version_bytes(layout, optimizer, checksum=checksum, block_bytes=block_bytes)
     meta = shard_metadata_bytes(layout, optimizer, block_bytes=block_bytes, slots=slots)
+    stage = _blocks(stage_itemsize * layout.shard_size, block_bytes)
     if slots == 2:
-        return (VERSION_SLOTS + checkpoints) * pages + meta
-    return (1 + checkpoints) * pages + journal_bytes(layout, optimizer, redo_window=redo_window, checksum=checksum,
-                                                     block_bytes=block_bytes) + meta
+        return (VERSION_SLOTS + checkpoints) * pages + stage + meta
+    return (1 + checkpoints) * pages + stage + meta + journal_bytes(
+        layout, optimizer, redo_window=redo_window, checksum=checksum, block_bytes=block_bytes,
+        staged=stage_itemsize > 0)
 
 
 def journal_bytes(layout: Layout, optimizer: OptimizerSpec, *, redo_window: int = 16, checksum: bool = True,
-                  block_bytes: int = BLOCK_BYTES_DEFAULT) -> int:
+                  block_bytes: int = BLOCK_BYTES_DEFAULT, staged: bool = False) -> int:
     """What a one-slot shard's update adds at most: its redo journal (the gradient as given: dense, at most fp32;
     compressed pairs take 8 bytes each, so as much while they send at most half the elements, as Top-K does; a
-    header; a record per window) and one window of scratch pages."""
+    staged gradient: a checksum per page of the stage file, which is counted apart; a header; a record per
+    window) and one window of scratch pages."""
     states, pages = _states(optimizer), layout.pages_per_shard
     window = min(max(1, redo_window), pages)
     records = -(-pages // window) * (_RECORD_FIXED_BYTES + 4 * states * window)
-    journal = _blocks(_JOURNAL_HEADER_BYTES + 4 * layout.shard_size + records, block_bytes)
+    gradient = 4 * pages if staged else 4 * layout.shard_size
+    journal = _blocks(_JOURNAL_HEADER_BYTES + gradient + records, block_bytes)
     page = page_file_bytes(layout.page_elems * 4, checksum=checksum, block_bytes=block_bytes)
     return journal + window * states * page
 
 
 def required_bytes(layout: Layout, optimizer: OptimizerSpec, *, checksum: bool = True, checkpoints: int = 1,
                    shards: int | None = None, block_bytes: int = BLOCK_BYTES_DEFAULT, slots: int = VERSION_SLOTS,
-                   redo_window: int = 16) -> int:
+                   redo_window: int = 16, stage_itemsize: int = 0) -> int:
     """The disk a store needs at most, all its shards on one file system of ``block_bytes`` blocks: for a plan
     or a command line to print before creating it (``check_free_space`` checks each file system's part).
 
@@ -140,10 +151,12 @@ def required_bytes(layout: Layout, optimizer: OptimizerSpec, *, checksum: bool =
       block_bytes: the file system's allocation block.
       slots: the store's version slots (1: one copy of the state and a redo journal; ``nsp.storage.open``).
       redo_window: a one-slot store's pages in flight per shard (their scratch is counted).
+      stage_itemsize: bytes per element of a gradient the updates stage on the store's disk (2: bf16, 4: fp32;
+        ``nsp.optim``'s ``stage_gradients``); 0: they do not.
     """
     shards = layout.num_shards if shards is None else shards
     per_shard = shard_bytes(layout, optimizer, checksum=checksum, checkpoints=checkpoints, block_bytes=block_bytes,
-                            slots=slots, redo_window=redo_window)
+                            slots=slots, redo_window=redo_window, stage_itemsize=stage_itemsize)
     return shards * per_shard + root_metadata_bytes(layout, block_bytes=block_bytes)
 
 
@@ -177,13 +190,13 @@ class FileSystemNeed:
 def check_free_space(shard_paths: Sequence[str | os.PathLike], layout: Layout, optimizer: OptimizerSpec, *,
                      root: str | os.PathLike | None = None, shards: Sequence[int] | None = None,
                      checksum: bool = True, checkpoints: int = 1, slots: int = VERSION_SLOTS,
-                     redo_window: int = 16) -> list[FileSystemNeed]:
+                     redo_window: int = 16, stage_itemsize: int = 0) -> list[FileSystemNeed]:
     """Checks that every file system the store's shards (and its root) live on can hold what it will write there.
 
     Args:
       shard_paths: each shard's directory (``StateStore.shard_paths``); one that does not exist yet is asked
         about through its nearest existing parent.
-      layout, optimizer, checksum, checkpoints, slots, redo_window: as for ``required_bytes``.
+      layout, optimizer, checksum, checkpoints, slots, redo_window, stage_itemsize: as for ``required_bytes``.
       root: the store's directory, where ``nsp_store.json`` lives (None: count no root metadata).
       shards: the shards to count (default: all; one process of several counts its own).
 
@@ -210,7 +223,8 @@ def check_free_space(shard_paths: Sequence[str | os.PathLike], layout: Layout, o
     for device, group in groups.items():
         block = _block_bytes(group["directory"])
         needed = len(group["shards"]) * shard_bytes(layout, optimizer, checksum=checksum, checkpoints=checkpoints,
-                                                    block_bytes=block, slots=slots, redo_window=redo_window)
+                                                    block_bytes=block, slots=slots, redo_window=redo_window,
+                                                    stage_itemsize=stage_itemsize)
         if group["root"]:
             needed += root_metadata_bytes(layout, block_bytes=block)
         free = shutil.disk_usage(group["directory"]).free + group["reclaimable"]
