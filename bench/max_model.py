@@ -52,8 +52,8 @@ others) is stopped there, as is one whose store the disk cannot hold. Contenders
               disk with the staged bf16 gradient, which the journal names instead of copying, against 26 with two
               slots; 16 and 24 without staging); the other contenders keep no store on disk and are unchanged.
 
-Each attempt sets up (timed), compiles the step, then runs two steps on different batches; the table gives the
-second step's time split into forward/backward and update (optax: two jitted calls; nsp: ``nsp train``'s one
+Each attempt sets up (timed), compiles the step, then runs ``--steps`` (default two) steps on different batches;
+the table gives the last step's time split into forward/backward and update (optax: two jitted calls; nsp: ``nsp train``'s one
 step, split by the store's update time), the peak RSS, and the disk the store took. The record goes to
 ``bench/results/max_model_full.json`` (``--slots 1``: ``bench/results/max_model_full_oneslot.json``).
 """
@@ -175,7 +175,7 @@ def full_child(args) -> None:
     setup_s = time.perf_counter() - t0
     setup_rss = peak_rss_bytes()
     n_params = sum(x.size for x in jax.tree_util.tree_leaves(params))
-    batch = [jnp.asarray(batches.batch(i)) for i in range(2)]
+    batch = [jnp.asarray(batches.batch(i)) for i in range(args.steps)]
     t0 = time.perf_counter()
     if args.child == "optax":
         loss = functools.partial(trainer.loss_fn, graphdef)
@@ -222,7 +222,8 @@ def full_attempt(contender: str, model: str, args, workdir: Path) -> dict:
     store = workdir / f"store-{model}"
     cmd = [sys.executable, __file__, "--full", "--child", contender, "--model", model, "--seq", str(args.seq),
            "--store", str(store), "--f32-accum" if args.f32_accum else "--no-f32-accum",
-           "--stage-gradients" if args.stage_gradients else "--no-stage-gradients", "--slots", str(args.slots)]
+           "--stage-gradients" if args.stage_gradients else "--no-stage-gradients", "--slots", str(args.slots),
+           "--steps", str(args.steps)]
     env = dict(os.environ, MALLOC_ARENA_MAX="2", MALLOC_MMAP_THRESHOLD_=str(args.mmap_threshold or 131072))
     limit = int(args.rss_limit_gib * 2**30)
     t0 = time.perf_counter()
@@ -396,6 +397,9 @@ def main() -> None:
                         help="the largest named GPT each contender trains on the whole machine (no cap)")
     parser.add_argument("--ladder", default=",".join(FULL_LADDER), help="--full: the sizes tried, in order")
     parser.add_argument("--contenders", default=",".join(FULL_CONTENDERS), help="--full: who is measured")
+    parser.add_argument("--steps", type=int, default=2,
+                        help="--full: training steps of each attempt, on different batches (at least 2; the table "
+                             "times the last, the record keeps every loss)")
     parser.add_argument("--rss-limit-gib", type=float, default=20.0,
                         help="--full: an attempt whose resident memory passes this is stopped (does not fit)")
     parser.add_argument("--child", choices=FULL_CONTENDERS, help=argparse.SUPPRESS)
@@ -403,6 +407,8 @@ def main() -> None:
     parser.add_argument("--layers", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--store", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.steps < 2:
+        parser.error("--steps must be at least 2 (the first step's time includes warming up)")
     if args.seq is None:
         args.seq = 128 if args.full else 64
     if args.full and args.child:
