@@ -11,6 +11,9 @@ as each shard's engine is made, and wrap its file backend in a fault-injecting o
 normal run has none. Then it checks every page of the store's committed version (`nsp store verify`),
 resumes with `--resume`, and compares the final params with an uninterrupted run of the same seed, bit for bit.
 `--train-args` adds options to every run (`--offload-activations all`: activations spilled in each step).
+`--stage-gradients` runs every trial with `--stage-gradients --bf16-params` (the gradient staged on the store's
+disk leaf by leaf; on a one-slot store the stage file is the redo journal's gradient): one device and one shard
+(the staged step's), dense gradients only (no Top-K trials).
 
 `--slots 1` runs every trial on a one-slot store (one copy of the state and a redo journal): every kill point
 above, plus halfway through a shard's journal write (NSP_DEBUG_KILL_IN_JOURNAL), between a window's journal record
@@ -77,7 +80,7 @@ def steps_done(run_dir: Path) -> int:
 
 
 def run_trial(i: int, mode: str, args, corpus: Path, workdir: Path, rng: random.Random, env: dict) -> dict:
-    topk = bool(i % 2)
+    topk = bool(i % 2) and not args.stage_gradients  # the staged step takes dense gradients only
     run_dir = workdir / f"trial{i:03d}"
     trial_env = dict(env)
     # Targeted points: a random occurrence of the point within the run. Each shard's backend counts its own
@@ -176,6 +179,8 @@ def main() -> int:
                              f"--slots 1 also {','.join(ONE_SLOT_MODES)})")
     parser.add_argument("--slots", type=int, choices=(1, 2), default=2,
                         help="version slots of every run's store (1: one slot and a redo journal)")
+    parser.add_argument("--stage-gradients", action="store_true",
+                        help="every run with nsp train --stage-gradients --bf16-params (one device; no Top-K)")
     parser.add_argument("--dir", default=None, help="work directory (default: a temp dir here)")
     parser.add_argument("--json", default=None)
     parser.add_argument("--train-args", default="",
@@ -187,21 +192,23 @@ def main() -> int:
     if not args.modes or any(m not in allowed for m in args.modes):
         parser.error(f"--modes must name some of {', '.join(allowed)}"
                      + ("" if args.slots == 1 else f" ({', '.join(ONE_SLOT_MODES)} need --slots 1)"))
-    EXTRA_ARGS[:] = args.train_args.split() + (["--slots", "1"] if args.slots == 1 else [])
+    EXTRA_ARGS[:] = (args.train_args.split() + (["--slots", "1"] if args.slots == 1 else [])
+                     + (["--stage-gradients", "--bf16-params"] if args.stage_gradients else []))
+    devices = 1 if args.stage_gradients else 4  # the staged step runs on one device
     rng = random.Random(args.seed)
     Path(args.dir or os.getcwd()).mkdir(parents=True, exist_ok=True)
     workdir = Path(tempfile.mkdtemp(prefix="nsp-faults-", dir=args.dir or os.getcwd()))
     # A persistent compilation cache: every run compiles the same step, and a cached executable is the same
     # code (so the same bits); it saves each subprocess its compile time.
     env = {**os.environ, "NSP_CACHE_DIR": str(workdir / "cache"), "XLA_FLAGS":
-           "--xla_force_host_platform_device_count=4", "JAX_COMPILATION_CACHE_DIR": str(workdir / "jax-cache"),
+           f"--xla_force_host_platform_device_count={devices}", "JAX_COMPILATION_CACHE_DIR": str(workdir / "jax-cache"),
            "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0"}
     results = []
     try:
         corpus = workdir / "corpus.txt"
         make_corpus(corpus)
         args.reference = {}
-        for topk in (False, True, False):  # uninterrupted runs to compare with
+        for topk in (False, False) if args.stage_gradients else (False, True, False):  # uninterrupted runs
             ref_dir = workdir / f"reference-{'topk' if topk else 'dense'}"
             shutil.rmtree(ref_dir, ignore_errors=True)
             t0 = time.perf_counter()
@@ -211,7 +218,8 @@ def main() -> int:
             args.reference_seconds = time.perf_counter() - t0
             args.reference[topk] = final_params(ref_dir)
         print(f"{args.trials} trials of `nsp train` (tiny, file tier, {args.slots} version slot"
-              f"{'s' if args.slots == 2 else ' and a redo journal'}, 4 shards, {args.steps} steps, checkpoint "
+              f"{'s' if args.slots == 2 else ' and a redo journal'}, {devices} shard{'s' if devices > 1 else ''}"
+              f"{', staged bf16 gradients' if args.stage_gradients else ''}, {args.steps} steps, checkpoint "
               f"every 2), killed with SIGKILL, resumed, compared with an uninterrupted run")
         for i in range(args.trials):
             mode = args.modes[i % len(args.modes)]
@@ -239,7 +247,8 @@ def main() -> int:
     from common import write_json
 
     path = write_json("fault_campaign", {"trials": results, "steps": args.steps, "seed": args.seed,
-                                         "slots": args.slots, "modes": args.modes}, args.json)
+                                         "slots": args.slots, "modes": args.modes,
+                                         "stage_gradients": args.stage_gradients}, args.json)
     print(f"\nlost steps: max {max(lost, default=0)}, mean {np.mean(lost) if lost else 0:.1f} "
           f"(checkpoints every 2 steps)\nwrote {path}")
     print(f"bit-identical: {identical}/{n}, corrupt: {corrupt}")

@@ -100,7 +100,7 @@ def main() -> None:
     upload_probe_s = min(timed(lambda: probe.copy_(host, non_blocking=True), args.repeats, sync))
     memory_gbps = 2 * probe.numel() / copy_s / 1e9
     link_gbps = host.numel() / upload_probe_s / 1e9
-    del probe, probe_dst, host
+    probe = probe_dst = host = None  # freed (not del: the timed lambdas above still name them)
     print(f"memory: device-to-device copy {memory_gbps:.0f} GB/s (read + written); host link: page-locked upload "
           f"{link_gbps:.1f} GB/s")
 
@@ -141,7 +141,7 @@ def main() -> None:
                      "download_s": median(down), "upload_times_s": up, "select_times_s": sel,
                      "download_times_s": down, "upload_gbps": 2 * n / median(up) / 1e9,
                      "select_gelem_per_s": n / median(sel) / 1e9})
-        del grad, grad_host, state
+        grad = grad_host = state = None  # freed before the next size (the closures above name them)
         if cuda:
             torch.cuda.empty_cache()
 
@@ -150,8 +150,8 @@ def main() -> None:
         ("upload_gbps", "upload GB/s", ".1f"), ("select_s", "select s", ".4f"),
         ("select_gelem_per_s", "select G elem/s", ".2f"), ("download_s", "download s", ".5f")])
     largest = max(rows, key=lambda r: r["elements"])
-    payload = {"device": args.device, "gpu": gpu, "density": args.density, "repeats": args.repeats, "memory_copy_gbps": memory_gbps,
-               "host_link_upload_gbps": link_gbps, "rows": rows,
+    payload = {"device": args.device, "gpu": gpu, "density": args.density, "repeats": args.repeats,
+               "memory_copy_gbps": memory_gbps, "host_link_upload_gbps": link_gbps, "rows": rows,
                "select_gelem_per_s": largest["select_gelem_per_s"], "select_elements": largest["elements"]}
     out = write_json("smartcomp_topk", payload, args.json)
     print(f"wrote {out}")

@@ -223,3 +223,15 @@ def test_a_page_from_the_other_slot_or_place_is_damage(tmp_path):
         assert len(problems) == 2 and all("not the page written" in p for p in problems)
         with pytest.raises(storage.StoreError, match="not the page written"):
             store.update(grad(3, store.layout), version=2, lr=0.01, step=3)
+
+
+def test_a_copy_keeps_where_each_optimizer_run_began(tmp_path):
+    """``restarts.json`` (the versions ``restart`` began afresh at) goes with the copy: without it the copy would
+    count its updates from version 0 (``base_version``) and a resumed optimizer would take the wrong step count."""
+    with make_store(tmp_path / "a") as store:
+        store.restart(params(), ADAM)  # version 3: a new optimizer run
+        store.update(grad(1, store.layout), version=3, lr=0.01, step=1)
+        assert store.base_version() == 3
+    assert cli(["store", "copy", str(tmp_path / "a"), str(tmp_path / "copy")]) == 0
+    with storage.open(tmp_path / "copy") as copy:
+        assert copy.version == 4 and copy.restarts() == [3] and copy.base_version() == 3

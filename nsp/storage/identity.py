@@ -12,8 +12,8 @@ import shutil
 import uuid
 from pathlib import Path
 
-from nsp.storage.format import (LOCK, MANIFEST, METADATA, SHARD_ID, StoreError, atomic_write_json, fsync_file,
-                                inside, lock_store, read_json, release_locks, shard_dir, write_shard_id)
+from nsp.storage.format import (LOCK, MANIFEST, METADATA, RESTARTS, SHARD_ID, StoreError, atomic_write_json,
+                                fsync_file, inside, lock_store, read_json, release_locks, shard_dir, write_shard_id)
 from nsp.storage.metadata import check_metadata
 from nsp.storage.opening import open as open_store
 
@@ -38,6 +38,8 @@ def copy_store(src: str | os.PathLike, dst: str | os.PathLike) -> Path:
                 shutil.copytree(shard, target, ignore=shutil.ignore_patterns(LOCK, SHARD_ID, "*.tmp", "*.nsp-tmp"))
                 _rename_identity(target, store_id, i, dst)
                 shards.append(target)
+            if (store.root / RESTARTS).exists():  # where each optimizer run began (StateStore.base_version)
+                shutil.copy2(store.root / RESTARTS, dst / RESTARTS)
             for path in dst.rglob("*"):
                 if path.is_file():
                     fsync_file(path)
