@@ -75,6 +75,9 @@ def test_updates_cpu_equal_jnp(pdtype, tdtype, wide):
         big = float(jnp.finfo(pdtype).max) / 2
         t32 = np.clip(t32, -big, big)
         p = jnp.asarray(np.clip(np.asarray(p, np.float32), -big, big)).astype(pdtype)
+    # Params stepping onto or across zero from far above it (|t| < |p| / 2**16): p + (t - p) cannot land on t in
+    # float32 there, and the fingerprint must expect where it does land.
+    t32[n // 16: n // 16 + 500] = np.asarray(p, np.float32)[n // 16: n // 16 + 500] * np.float32(-3e-7)
     t = jnp.asarray(t32).astype(jnp.float32 if tdtype == "f32" else pdtype)
     ps, ts = [p, p[:100]], [t, t[:100]]
 
@@ -88,6 +91,26 @@ def test_updates_cpu_equal_jnp(pdtype, tdtype, wide):
     # And the hash is the one of the params optax.apply_updates gives.
     nxt = [jnp.asarray(a + u).astype(a.dtype) for a, u in zip(ps, u_ref)]
     np.testing.assert_array_equal(np.asarray(h_cxx), np.asarray(fp.fingerprint(nxt)))
+
+
+def test_wide_updates_of_bf16_params_are_expected_where_they_land():
+    """A bf16 param stepping onto or across zero from far above it lands beside its new value (no float32 update
+    takes it there exactly): the fingerprint expects the landing, so the next update sees the params it led to.
+    Seen in a 4.6B-parameter GPT's third step, where the mismatch made the store adopt the params as changed."""
+    p = jnp.asarray([1e-3, 0.5, -3e-2, 1e-3, 2.0, 1.0], jnp.bfloat16)
+    t = jnp.asarray([1.2345e-9, 0.25, 7.77e-9, -1e-3, 1e-6, -0.0], jnp.bfloat16)
+    for new in (t, t.astype(jnp.float32)):
+        updates, expected = jax.jit(lambda p, t: fp.updates_and_expected([p], [t], True))(p, new)
+        landed = jnp.asarray(p + updates[0]).astype(p.dtype)  # optax.apply_updates
+        assert not np.array_equal(np.asarray(landed), np.asarray(t))  # not t itself
+        assert not bool(fp.params_changed(expected, [landed]))
+        assert bool(fp.params_changed(expected, [t]))
+    # The same through the store's flat vector (the update of a multi-leaf model).
+    q = jnp.ones((3,), jnp.bfloat16)
+    flat = jnp.concatenate([t, jnp.asarray([1.5, 0.5, 2.0], jnp.bfloat16)])
+    updates, expected = jax.jit(lambda ps, f: fp.updates_and_expected_flat(ps, f, [0, 6], True))([p, q], flat)
+    landed = [jnp.asarray(a + u).astype(a.dtype) for a, u in zip([p, q], updates)]
+    assert not bool(fp.params_changed(expected, landed))
 
 
 def test_updates_and_expected_tree():
@@ -111,7 +134,7 @@ def test_a_step_lowered_for_cuda_calls_no_cpu_only_target():
     import nsp.storage
 
     params = {"w": jnp.ones((300, 7), jnp.bfloat16), "b": jnp.zeros((7,), jnp.bfloat16)}
-    cpu_only = ("nsp_params_hash", "nsp_next_params_update", "nsp_segment_hash", "nsp_topk_select",
+    cpu_only = ("nsp_params_hash", "nsp_next_params_update", "nsp_landed_hash", "nsp_topk_select",
                 "nsp_topk_feedback")
     for kw in ({}, {"compression": nsp.optim.TopK(0.05)}):
         store = nsp.storage.open(None, tier="memory")

@@ -13,8 +13,7 @@
 //
 // Targets (every operand a params leaf, flat or not; result uint32[leaves]):
 //   nsp_params_hash       attribute `cast` (0: the bits as they are; 1, 2, 3: float leaves rounded to float32,
-//                         bfloat16, float16 first, as `x.astype(cast)` rounds: to nearest, ties to even; plus 8:
-//                         then -0 taken as +0, where `p + (t - p)` lands).
+//                         bfloat16, float16 first, as `x.astype(cast)` rounds: to nearest, ties to even).
 //   nsp_next_params_update  operands p_0..p_{L-1}, t_0..t_{L-1}; results the hashes, then u_0..u_{L-1}: the
 //                         update the storage transform returns for new params `t` (float32 or p's dtype), in p's
 //                         dtype: target = t rounded to p's dtype, u = target - p in float32 rounded to p's dtype;
@@ -24,7 +23,11 @@
 //                         then needs no copy of them.
 //   nsp_next_params_update_flat  the same with the new params as one flat vector (a store layout's, leaf l at
 //                         attribute offsets[l], in p's dtype) and the updates flat like it.
-//   nsp_segment_hash      segments of one flat vector (attributes offsets, sizes, cast as nsp_params_hash's).
+//   nsp_landed_hash       operands p_0..p_{L-1}, then t_0..t_{L-1} or (attribute offsets given) one flat t: the
+//                         hash of where float32 updates land, p + (t' - p) in float32 rounded back to p's dtype,
+//                         t' = t rounded to p's dtype (p: bfloat16 or float16; the updates of `float32_updates`).
+//                         Not always t': where t' is below |p| / 2**16 (a param stepping across or onto zero) the
+//                         float32 difference is inexact and the sum lands on a neighbour.
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -127,13 +130,6 @@ inline uint32_t BitsAs(float f, Float type) {
   }
 }
 
-// The bits of float32 `f` rounded to `type`; with `landed`, -0 taken as +0 (where `p + (t - p)` lands).
-inline uint32_t HashedBits(float f, Float type, bool landed) {
-  const uint32_t bits = BitsAs(f, type);
-  const uint32_t negative_zero = type == Float::kF32 ? 0x80000000u : 0x8000u;
-  return landed && bits == negative_zero ? 0u : bits;
-}
-
 // Float `f` rounded to `type` and back to float32.
 inline float RoundTo(float f, Float type) {
   switch (type) {
@@ -201,12 +197,7 @@ ffi::Error ParamsHashImpl(ffi::RemainingArgs leaves, ffi::Result<ffi::Buffer<ffi
   if (out->element_count() != leaves.size()) {
     return Invalid(kOp, "the result needs one element per leaf: " + std::to_string(leaves.size()));
   }
-  // Bit 3 of `cast`: the values as a float32-wide update lands on them, p + (t - p), where a zero target is +0.
-  const bool landed = (cast & 8) != 0;
-  cast &= ~8;
-  if (cast < 0 || cast > 3 || (landed && cast == 0)) {
-    return Invalid(kOp, "cast must be 0 (none), 1 (float32), 2 (bfloat16) or 3 (float16), plus 8 for landed values");
-  }
+  if (cast < 0 || cast > 3) return Invalid(kOp, "cast must be 0 (none), 1 (float32), 2 (bfloat16) or 3 (float16)");
   static constexpr Float kCasts[] = {Float::kOther, Float::kF32, Float::kBF16, Float::kF16};
   for (size_t l = 0; l < leaves.size(); ++l) {
     auto leaf = leaves.get<ffi::AnyBuffer>(l);
@@ -226,9 +217,7 @@ ffi::Error ParamsHashImpl(ffi::RemainingArgs leaves, ffi::Result<ffi::Buffer<ffi
     } else {
       const void* data = leaf->untyped_data();
       const Float to = kCasts[cast];
-      h = HashLeaf(n, 1, [data, type, to, landed](int64_t i, int) {
-        return HashedBits(ToF32(data, type, i), to, landed);
-      });
+      h = HashLeaf(n, 1, [data, type, to](int64_t i, int) { return BitsAs(ToF32(data, type, i), to); });
     }
     out->typed_data()[l] = h;
   }
@@ -336,36 +325,53 @@ ffi::Error NextParamsUpdateFlatImpl(ffi::RemainingArgs args, ffi::RemainingRets 
   return ffi::Error::Success();
 }
 
-// The hashes of segments [offsets[l], offsets[l] + sizes[l]) of one flat float vector, rounded to `cast` as
-// nsp_params_hash rounds (its codes, landed bit included).
-ffi::Error SegmentHashImpl(ffi::AnyBuffer flat, ffi::Result<ffi::Buffer<ffi::U32>> out,
-                           ffi::Span<const int64_t> offsets, ffi::Span<const int64_t> sizes, int32_t cast) {
-  const size_t leaves = offsets.size();
-  const Float type = FloatOf(flat.element_type());
-  const bool landed = (cast & 8) != 0;
-  static constexpr Float kCasts[] = {Float::kOther, Float::kF32, Float::kBF16, Float::kF16};
-  const int code = cast & ~8;
-  if (sizes.size() != leaves || out->element_count() != leaves || type == Float::kOther || code < 1 || code > 3) {
-    return Invalid(kOp, "a segment hash needs a float32, bfloat16 or float16 vector, one size per offset, one "
-                        "result per segment and a cast of 1, 2 or 3 (plus 8)");
+// Where float32 updates take the params of one leaf (nsp_landed_hash): element i of p + (t' - p), each float32,
+// rounded to p's dtype. `td` holds `t_type` elements (float32 or p's dtype).
+uint32_t LandedLeaf(const void* pd, Float ptype, const void* td, Float t_type, int64_t n) {
+  return HashLeaf(n, 1, [=](int64_t i, int) {
+    const float param = ToF32(pd, ptype, i);
+    const float update = RoundTo(ToF32(td, t_type, i), ptype) - param;  // update_in_params_dtype(wide=True)
+    return BitsAs(param + update, ptype);  // optax.apply_updates: p + u in float32, back in p's dtype
+  });
+}
+
+ffi::Error LandedHashImpl(ffi::RemainingArgs args, ffi::Result<ffi::Buffer<ffi::U32>> out,
+                          ffi::Span<const int64_t> offsets) {
+  const size_t leaves = out->element_count();
+  const bool flat = offsets.size() != 0;
+  if (args.size() != (flat ? leaves + 1 : 2 * leaves) || (flat && offsets.size() != leaves)) {
+    return Invalid(kOp, "a landed hash needs the params leaves, then as many new-params leaves or (with offsets, "
+                        "one per leaf) one flat vector, and one result per leaf");
   }
-  const Float to = kCasts[code];
-  const int64_t total = static_cast<int64_t>(flat.element_count());
-  const size_t bytes = type == Float::kF32 ? 4 : 2;
   for (size_t l = 0; l < leaves; ++l) {
-    if (offsets[l] < 0 || sizes[l] < 0 || offsets[l] + sizes[l] > total) {
-      return Invalid(kOp, "segment " + std::to_string(l) + " lies outside the vector");
+    auto p = args.get<ffi::AnyBuffer>(l);
+    auto t = args.get<ffi::AnyBuffer>(flat ? leaves : leaves + l);
+    if (p.has_error()) return p.error();
+    if (t.has_error()) return t.error();
+    const Float ptype = FloatOf(p->element_type()), ttype = FloatOf(t->element_type());
+    if ((ptype != Float::kBF16 && ptype != Float::kF16) || (ttype != Float::kF32 && ttype != ptype)) {
+      return Invalid(kOp, "leaf " + std::to_string(l) + ": a landed hash takes bfloat16 or float16 params and new "
+                          "params of float32 or the params' dtype");
     }
-    const char* data = static_cast<const char*>(flat.untyped_data()) + offsets[l] * bytes;
-    out->typed_data()[l] = HashLeaf(sizes[l], 1, [data, type, to, landed](int64_t i, int) {
-      return HashedBits(ToF32(data, type, i), to, landed);
-    });
+    const int64_t n = static_cast<int64_t>(p->element_count());
+    const int64_t at = flat ? offsets[l] : 0;
+    if (at < 0 || at + n > static_cast<int64_t>(t->element_count())) {
+      return Invalid(kOp, "leaf " + std::to_string(l) + " lies outside its new params");
+    }
+    const char* td = static_cast<const char*>(t->untyped_data()) + at * (ttype == Float::kF32 ? 4 : 2);
+    out->typed_data()[l] = LandedLeaf(p->untyped_data(), ptype, td, ttype, n);
   }
   return ffi::Error::Success();
 }
 
 }  // namespace
 }  // namespace nsp
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(NspLandedHash, nsp::LandedHashImpl,
+                              xla::ffi::Ffi::Bind()
+                                  .RemainingArgs()
+                                  .Ret<xla::ffi::Buffer<xla::ffi::U32>>()
+                                  .Attr<xla::ffi::Span<const int64_t>>("offsets"));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(NspParamsHash, nsp::ParamsHashImpl,
                               xla::ffi::Ffi::Bind()
@@ -379,11 +385,3 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(NspNextParamsUpdate, nsp::NextParamsUpdateImpl,
 XLA_FFI_DEFINE_HANDLER_SYMBOL(NspNextParamsUpdateFlat, nsp::NextParamsUpdateFlatImpl,
                               xla::ffi::Ffi::Bind().RemainingArgs().RemainingRets().Attr<xla::ffi::Span<const int64_t>>(
                                   "offsets"));
-
-XLA_FFI_DEFINE_HANDLER_SYMBOL(NspSegmentHash, nsp::SegmentHashImpl,
-                              xla::ffi::Ffi::Bind()
-                                  .Arg<xla::ffi::AnyBuffer>()
-                                  .Ret<xla::ffi::Buffer<xla::ffi::U32>>()
-                                  .Attr<xla::ffi::Span<const int64_t>>("offsets")
-                                  .Attr<xla::ffi::Span<const int64_t>>("sizes")
-                                  .Attr<int32_t>("cast"));

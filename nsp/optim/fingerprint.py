@@ -10,9 +10,10 @@ It must cost no params-sized memory (the storage transform's step holds the grad
 computed where each platform does that well:
 
 - **CPU**: in C++ (``ffi/xla/params_hash.cc``: ``nsp_params_hash``, ``nsp_next_params_update[_flat]``,
-  ``nsp_segment_hash``), reading each leaf where it lies on the kernels' thread pool. XLA:CPU fuses no integer elementwise work into a reduction, so
-  a jnp hash of a leaf writes a uint32 per element; cut into chunks in a loop, XLA hoists whole-leaf conversions
-  out of the loop (bf16 ops are computed in float32 there), which cost 4-8 bytes per parameter.
+  ``nsp_landed_hash``), reading each leaf where it lies on the kernels' thread pool. XLA:CPU fuses no integer
+  elementwise work into a reduction, so a jnp hash of a leaf writes a uint32 per element; cut into chunks in a
+  loop, XLA hoists whole-leaf conversions out of the loop (bf16 ops are computed in float32 there), which cost 4-8
+  bytes per parameter.
 - **elsewhere** (GPU): the same hash in jnp, whole leaves at once, which XLA fuses into one reduction per leaf:
   one read of the leaf, no temporaries, no loop.
 
@@ -111,6 +112,19 @@ def _hash_cpu(leaves: list[jax.Array], cast=None) -> jax.Array:
     return _stack(out)
 
 
+def _landed_hash(params: list[jax.Array], new: list[jax.Array] | jax.Array, offsets=None) -> jax.Array:
+    """Per bf16/f16 leaf, the hash of where its float32 update lands: ``p + (t - p)`` in float32 (``t`` rounded to
+    the params' dtype first), rounded back to the params' dtype, without materialising it. That is ``t`` itself
+    unless ``t`` is below ``|p| / 2**16`` (a param stepping onto or across zero): there the float32 difference is
+    inexact and the sum lands on a neighbour of ``t``, which the fingerprint must expect, or the next update would
+    take the params for changed ones. ``new``: leaves like ``params``, or one flat vector with leaf ``l`` at
+    ``offsets[l]``."""
+    operands = [*params, *(new if offsets is None else [new])]
+    call = jax.ffi.ffi_call("nsp_landed_hash", jax.ShapeDtypeStruct((len(params),), jnp.uint32),
+                            vmap_method="sequential")
+    return call(*operands, offsets=np.asarray([] if offsets is None else offsets, np.int64))
+
+
 def _updates_cpu(params: list[jax.Array], new: list[jax.Array], wide: bool):
     """``(updates, hashes)`` on the CPU. Params narrower than float32 with ``wide`` updates land exactly on the new
     params rounded to their dtype (``update_in_params_dtype``), so the hash is that of the new params alone and
@@ -124,13 +138,10 @@ def _updates_cpu(params: list[jax.Array], new: list[jax.Array], wide: bool):
     updates, hashes = [None] * len(params), [None] * len(params)
     narrow = [i for i, p in enumerate(params)
               if wide and p.dtype in _CXX_FLOATS and p.dtype != jnp.dtype(jnp.float32)]
-    by_dtype: dict[int, list[int]] = {}
-    for i in narrow:
-        by_dtype.setdefault(_CAST_CODES[params[i].dtype], []).append(i)
-    for code, idx in by_dtype.items():
-        # + 8: p + (t - p) lands on +0 where t rounds to -0.
-        h = _ffi_hash([new[i] for i in idx], "nsp_params_hash", len(idx), cast=code + 8)
-        for j, i in enumerate(idx):
+    if narrow:
+        # Where p + (t - p) lands in float32, rounded back: t itself but where t is far below p (_landed_hash).
+        h = _landed_hash([params[i] for i in narrow], [new[i] for i in narrow])
+        for j, i in enumerate(narrow):
             hashes[i] = h[j]
             updates[i] = update_in_params_dtype(new[i], params[i], wide)
     by_cxx = [i for i, (p, t) in enumerate(zip(params, new))
@@ -197,9 +208,14 @@ def update_in_params_dtype(new: jax.Array, param: jax.Array, wide: bool = False)
     ``p + u`` then lands within an ulp of ``t``, as ``p + (t - p)`` does in optax's own arithmetic.
 
     ``wide`` (``float32_updates``): for params narrower than float32 (bfloat16, float16) the update is ``t - p`` in
-    float32, where the difference of two such numbers is exact (or, with ``p`` far below ``t``, off by less than
-    a float32 ulp: nothing that moves ``t`` off its own grid point), so the sum rounded back to the params' dtype
-    is always ``t``: the params depend on the master alone, whatever path led there."""
+    float32, where the difference of two such numbers is exact while their exponents differ by at most 16 (and,
+    with ``p`` far below ``t``, off by less than a float32 ulp of ``t``: nothing that moves ``t`` off its own grid
+    point), so the sum rounded back to the params' dtype is ``t``: the params depend on the master alone. Not
+    where ``t`` is far below ``p`` (``|t| < |p| / 2**16``: a param stepping onto or across zero, rare at small
+    learning rates): no float32 ``u`` takes ``p`` exactly there, and the sum lands on a neighbour of ``t``. The
+    fingerprint expects exactly that landing (``_landed_hash``), so the next update does not mistake it for a
+    change; a run resumed from the store then starts from ``t`` itself (the master's rounding), a last-bit
+    difference in those params from the run it continues."""
     target = new.astype(param.dtype)
     promoted = jnp.promote_types(param.dtype, jnp.float32)
     update = target.astype(promoted) - param.astype(promoted)
@@ -276,11 +292,7 @@ def updates_and_expected_flat(params, new_flat: jax.Array, offsets: list[int], w
 
     def cpu():
         if wide and dtype != jnp.dtype(jnp.float32):
-            call = jax.ffi.ffi_call("nsp_segment_hash", jax.ShapeDtypeStruct((len(ps),), jnp.uint32),
-                                    vmap_method="sequential")
-            hashes = call(new_flat, offsets=np.asarray(offsets, np.int64),
-                          sizes=np.asarray([p.size for p in ps], np.int64),
-                          cast=np.int32(_CAST_CODES[dtype] + 8))  # + 8: p + (t - p) lands on +0 at -0
+            hashes = _landed_hash(ps, new_flat, offsets)
             updates = [update_in_params_dtype(leaf(new_flat, i), p, wide) for i, p in enumerate(ps)]
             return updates, hashes
         call = jax.ffi.ffi_call("nsp_next_params_update_flat",
