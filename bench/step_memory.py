@@ -84,17 +84,29 @@ def main() -> None:
                         store.close()
                 rows.append({"step": f"nsp {tier} {'top-k 1%' if topk else 'dense'} s{staleness}", "params": "bf16",
                              "temp_b_per_param": temp, "within_bound": "yes" if temp <= bound else "NO"})
-    for clip in (None, 1.0):
+    for tier in ("memory", "file"):  # nsp train --bf16-params's updates (float32_updates)
         with tempfile.TemporaryDirectory() as tmp:
-            store = nsp.storage.open(tmp, tier="file")
+            store = nsp.storage.open(tmp if tier == "file" else None, tier=tier)
             try:
-                tx = nsp.optim.adamw(1e-4, store=store, stage_gradients=True, clip_norm=clip)
+                tx = nsp.optim.adamw(1e-4, store=store, float32_updates=True)
                 state = tx.init(params)
                 temp = per_param(make_train_step(graphdef, tx)[0].lower(bf16, state, tokens).compile())
             finally:
                 store.close()
-        rows.append({"step": "nsp file staged" + (" clip" if clip else ""), "params": "bf16",
-                     "temp_b_per_param": temp, "within_bound": "yes" if temp <= bound else "NO"})
+        rows.append({"step": f"nsp {tier} dense s0 f32-updates", "params": "bf16", "temp_b_per_param": temp,
+                     "within_bound": "yes" if temp <= bound else "NO"})
+    # float32_updates: what nsp train --bf16-params runs (the updates land bf16 params on the master's rounding).
+    for clip, wide in ((None, False), (1.0, False), (None, True), (1.0, True)):
+        with tempfile.TemporaryDirectory() as tmp:
+            store = nsp.storage.open(tmp, tier="file")
+            try:
+                tx = nsp.optim.adamw(1e-4, store=store, stage_gradients=True, clip_norm=clip, float32_updates=wide)
+                state = tx.init(params)
+                temp = per_param(make_train_step(graphdef, tx)[0].lower(bf16, state, tokens).compile())
+            finally:
+                store.close()
+        rows.append({"step": "nsp file staged" + (" clip" if clip else "") + (" f32-updates" if wide else ""),
+                     "params": "bf16", "temp_b_per_param": temp, "within_bound": "yes" if temp <= bound else "NO"})
     print_table(f"compiled step temporaries, GPT {args.layers} x {args.width} ({n / 1e6:.1f}M params), batch 1 x "
                 f"{args.seq}; nsp's bound: fwd/bwd + bf16 gradient + {SLACK_PER_PARAM} = {bound:.2f} B/param",
                 rows, [("step", "step", "s"), ("params", "params", "s"), ("temp_b_per_param", "temp (B/param)", ".2f"),

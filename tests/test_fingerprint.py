@@ -134,7 +134,7 @@ def test_a_step_lowered_for_cuda_calls_no_cpu_only_target():
     import nsp.storage
 
     params = {"w": jnp.ones((300, 7), jnp.bfloat16), "b": jnp.zeros((7,), jnp.bfloat16)}
-    cpu_only = ("nsp_params_hash", "nsp_next_params_update", "nsp_landed_hash", "nsp_topk_select",
+    cpu_only = ("nsp_params_hash", "nsp_next_params_update", "nsp_topk_select",
                 "nsp_topk_feedback")
     for kw in ({}, {"compression": nsp.optim.TopK(0.05)}):
         store = nsp.storage.open(None, tier="memory")

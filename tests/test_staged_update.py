@@ -161,9 +161,12 @@ def test_refuses_what_it_cannot_take(tmp_path):
         store.close()
 
 
-def test_step_never_holds_the_whole_gradient(tmp_path):
+@pytest.mark.parametrize("float32_updates", [False, True])
+def test_step_never_holds_the_whole_gradient(tmp_path, float32_updates):
     """The guard: the staged step's temporaries stay below the forward/backward's own plus half the gradient
-    (the default update holds all of it: forward/backward + the whole gradient), and below the default step's."""
+    (the default update holds all of it: forward/backward + the whole gradient), and below the default step's.
+    float32_updates: what nsp train --bf16-params --stage-gradients runs (its fingerprint hashes where the updates
+    land; a hash that read the params in a call of its own cost 1.65 bytes per parameter here)."""
     graphdef, params, tokens = _gpt()
     bf16 = jax.tree_util.tree_map(lambda x: x.astype(jnp.bfloat16), params)
     n = sum(x.size for x in jax.tree_util.tree_leaves(params))
@@ -173,7 +176,7 @@ def test_step_never_holds_the_whole_gradient(tmp_path):
     for stage in (False, True):
         store = storage.open(tmp_path / f"s{stage}", tier="file", num_shards=1)
         try:
-            tx = nsp.optim.adamw(1e-3, store=store, stage_gradients=stage)
+            tx = nsp.optim.adamw(1e-3, store=store, stage_gradients=stage, float32_updates=float32_updates)
             state = tx.init(params)
             compiled = make_train_step(graphdef, tx)[0].lower(bf16, state, tokens).compile()
             temps[stage] = compiled.memory_analysis().temp_size_in_bytes

@@ -66,19 +66,21 @@ def _check(compiled, dtype, what):
                            f"more than forward/backward + gradient + {SLACK_PER_PARAM} ({bound / n:.2f})")
 
 
-def _optimizer(store, staleness, topk):
+def _optimizer(store, staleness, topk, float32_updates=False):
     kw = {"compression": nsp.optim.TopK(0.01)} if topk else {}
-    return nsp.optim.adamw(1e-3, store=store, staleness=staleness, **kw)
+    return nsp.optim.adamw(1e-3, store=store, staleness=staleness, float32_updates=float32_updates, **kw)
 
 
 @pytest.mark.parametrize("tier", ["memory", "file"])
-@pytest.mark.parametrize("staleness", [0, 1])
-@pytest.mark.parametrize("topk", [False, True], ids=["dense", "topk"])
-def test_train_step_bf16_params(tier, staleness, topk, tmp_path):
+@pytest.mark.parametrize("staleness,topk,float32_updates", [
+    (0, False, False), (1, False, False), (0, True, False), (1, True, False),
+    (0, False, True), (0, True, True),  # float32_updates: nsp train --bf16-params's optimizer
+], ids=["dense-s0", "dense-s1", "topk-s0", "topk-s1", "dense-s0-f32updates", "topk-s0-f32updates"])
+def test_train_step_bf16_params(tier, staleness, topk, float32_updates, tmp_path):
     graphdef, params = _model(jnp.float32)
     store = _store(tier, tmp_path)
     try:
-        tx = _optimizer(store, staleness, topk)
+        tx = _optimizer(store, staleness, topk, float32_updates)
         state = tx.init(params)
         _, bf16 = _model(jnp.bfloat16)
         compiled = make_train_step(graphdef, tx)[0].lower(bf16, state, TOKENS).compile()

@@ -35,7 +35,6 @@ XLA_FFI_DECLARE_HANDLER_SYMBOL(NspGradientStageLoad);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(NspParamsHash);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(NspNextParamsUpdate);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(NspNextParamsUpdateFlat);
-XLA_FFI_DECLARE_HANDLER_SYMBOL(NspLandedHash);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(NspTopkSelect);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(NspTopkFeedback);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(NspSpillSave);
@@ -89,7 +88,6 @@ NB_MODULE(_nsp_ffi, m) {
                                  {"nsp_params_hash", NspParamsHash},
                                  {"nsp_next_params_update", NspNextParamsUpdate},
                                  {"nsp_next_params_update_flat", NspNextParamsUpdateFlat},
-                                 {"nsp_landed_hash", NspLandedHash},
                                  {"nsp_topk_select", NspTopkSelect},
                                  {"nsp_topk_feedback", NspTopkFeedback},
                                  {"nsp_spill_save", NspSpillSave},

@@ -23,11 +23,6 @@
 //                         then needs no copy of them.
 //   nsp_next_params_update_flat  the same with the new params as one flat vector (a store layout's, leaf l at
 //                         attribute offsets[l], in p's dtype) and the updates flat like it.
-//   nsp_landed_hash       operands p_0..p_{L-1}, then t_0..t_{L-1} or (attribute offsets given) one flat t: the
-//                         hash of where float32 updates land, p + (t' - p) in float32 rounded back to p's dtype,
-//                         t' = t rounded to p's dtype (p: bfloat16 or float16; the updates of `float32_updates`).
-//                         Not always t': where t' is below |p| / 2**16 (a param stepping across or onto zero) the
-//                         float32 difference is inexact and the sum lands on a neighbour.
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -325,53 +320,8 @@ ffi::Error NextParamsUpdateFlatImpl(ffi::RemainingArgs args, ffi::RemainingRets 
   return ffi::Error::Success();
 }
 
-// Where float32 updates take the params of one leaf (nsp_landed_hash): element i of p + (t' - p), each float32,
-// rounded to p's dtype. `td` holds `t_type` elements (float32 or p's dtype).
-uint32_t LandedLeaf(const void* pd, Float ptype, const void* td, Float t_type, int64_t n) {
-  return HashLeaf(n, 1, [=](int64_t i, int) {
-    const float param = ToF32(pd, ptype, i);
-    const float update = RoundTo(ToF32(td, t_type, i), ptype) - param;  // update_in_params_dtype(wide=True)
-    return BitsAs(param + update, ptype);  // optax.apply_updates: p + u in float32, back in p's dtype
-  });
-}
-
-ffi::Error LandedHashImpl(ffi::RemainingArgs args, ffi::Result<ffi::Buffer<ffi::U32>> out,
-                          ffi::Span<const int64_t> offsets) {
-  const size_t leaves = out->element_count();
-  const bool flat = offsets.size() != 0;
-  if (args.size() != (flat ? leaves + 1 : 2 * leaves) || (flat && offsets.size() != leaves)) {
-    return Invalid(kOp, "a landed hash needs the params leaves, then as many new-params leaves or (with offsets, "
-                        "one per leaf) one flat vector, and one result per leaf");
-  }
-  for (size_t l = 0; l < leaves; ++l) {
-    auto p = args.get<ffi::AnyBuffer>(l);
-    auto t = args.get<ffi::AnyBuffer>(flat ? leaves : leaves + l);
-    if (p.has_error()) return p.error();
-    if (t.has_error()) return t.error();
-    const Float ptype = FloatOf(p->element_type()), ttype = FloatOf(t->element_type());
-    if ((ptype != Float::kBF16 && ptype != Float::kF16) || (ttype != Float::kF32 && ttype != ptype)) {
-      return Invalid(kOp, "leaf " + std::to_string(l) + ": a landed hash takes bfloat16 or float16 params and new "
-                          "params of float32 or the params' dtype");
-    }
-    const int64_t n = static_cast<int64_t>(p->element_count());
-    const int64_t at = flat ? offsets[l] : 0;
-    if (at < 0 || at + n > static_cast<int64_t>(t->element_count())) {
-      return Invalid(kOp, "leaf " + std::to_string(l) + " lies outside its new params");
-    }
-    const char* td = static_cast<const char*>(t->untyped_data()) + at * (ttype == Float::kF32 ? 4 : 2);
-    out->typed_data()[l] = LandedLeaf(p->untyped_data(), ptype, td, ttype, n);
-  }
-  return ffi::Error::Success();
-}
-
 }  // namespace
 }  // namespace nsp
-
-XLA_FFI_DEFINE_HANDLER_SYMBOL(NspLandedHash, nsp::LandedHashImpl,
-                              xla::ffi::Ffi::Bind()
-                                  .RemainingArgs()
-                                  .Ret<xla::ffi::Buffer<xla::ffi::U32>>()
-                                  .Attr<xla::ffi::Span<const int64_t>>("offsets"));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(NspParamsHash, nsp::ParamsHashImpl,
                               xla::ffi::Ffi::Bind()

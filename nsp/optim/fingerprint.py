@@ -9,11 +9,10 @@ same bits: any single changed element always changes the hash, several cancel ou
 It must cost no params-sized memory (the storage transform's step holds the gradient and little else), so it is
 computed where each platform does that well:
 
-- **CPU**: in C++ (``ffi/xla/params_hash.cc``: ``nsp_params_hash``, ``nsp_next_params_update[_flat]``,
-  ``nsp_landed_hash``), reading each leaf where it lies on the kernels' thread pool. XLA:CPU fuses no integer
-  elementwise work into a reduction, so a jnp hash of a leaf writes a uint32 per element; cut into chunks in a
-  loop, XLA hoists whole-leaf conversions out of the loop (bf16 ops are computed in float32 there), which cost 4-8
-  bytes per parameter.
+- **CPU**: in C++ (``ffi/xla/params_hash.cc``: ``nsp_params_hash``, ``nsp_next_params_update[_flat]``),
+  reading each leaf where it lies on the kernels' thread pool. XLA:CPU fuses no integer elementwise work into a
+  reduction, so a jnp hash of a leaf writes a uint32 per element; cut into chunks in a loop, XLA hoists whole-leaf
+  conversions out of the loop (bf16 ops are computed in float32 there), which cost 4-8 bytes per parameter.
 - **elsewhere** (GPU): the same hash in jnp, whole leaves at once, which XLA fuses into one reduction per leaf:
   one read of the leaf, no temporaries, no loop.
 
@@ -112,38 +111,37 @@ def _hash_cpu(leaves: list[jax.Array], cast=None) -> jax.Array:
     return _stack(out)
 
 
-def _landed_hash(params: list[jax.Array], new: list[jax.Array] | jax.Array, offsets=None) -> jax.Array:
-    """Per bf16/f16 leaf, the hash of where its float32 update lands: ``p + (t - p)`` in float32 (``t`` rounded to
-    the params' dtype first), rounded back to the params' dtype, without materialising it. That is ``t`` itself
-    unless ``t`` is below ``|p| / 2**16`` (a param stepping onto or across zero): there the float32 difference is
-    inexact and the sum lands on a neighbour of ``t``, which the fingerprint must expect, or the next update would
-    take the params for changed ones. ``new``: leaves like ``params``, or one flat vector with leaf ``l`` at
-    ``offsets[l]``."""
-    operands = [*params, *(new if offsets is None else [new])]
-    call = jax.ffi.ffi_call("nsp_landed_hash", jax.ShapeDtypeStruct((len(params),), jnp.uint32),
-                            vmap_method="sequential")
-    return call(*operands, offsets=np.asarray([] if offsets is None else offsets, np.int64))
+def _landed_hash(params: list[jax.Array], updates: list[jax.Array]) -> jax.Array:
+    """Per leaf, the hash of where float32 ``updates`` take bf16/f16 ``params``: the params
+    ``optax.apply_updates`` gives, ``p + u`` in float32 rounded back to the params' dtype. That is the new params
+    ``t`` the updates were made from (``update_in_params_dtype``) unless ``t`` is below ``|p| / 2**16`` (a param
+    stepping onto or across zero): there ``t - p`` is inexact in float32 and the sum lands on a neighbour of
+    ``t``, which the fingerprint must expect, or the next update would take the params for changed ones.
+
+    Hashed from the next params themselves, as the step's own ``optax.apply_updates`` computes them (XLA merges
+    the two: a hash reading ``p`` in a call of its own made XLA keep a copy of the params for it, 1.6-1.9 bytes
+    per parameter)."""
+    return _hash_cpu([jnp.asarray(p + u).astype(p.dtype) for p, u in zip(params, updates)])
 
 
 def _updates_cpu(params: list[jax.Array], new: list[jax.Array], wide: bool):
-    """``(updates, hashes)`` on the CPU. Params narrower than float32 with ``wide`` updates land exactly on the new
-    params rounded to their dtype (``update_in_params_dtype``), so the hash is that of the new params alone and
-    the updates stay jnp (XLA fuses them into ``optax.apply_updates``). Otherwise C++ computes the updates and the
-    hash of where they lead in one pass, writing each update over its new params when their dtypes match.
+    """``(updates, hashes)`` on the CPU. For params narrower than float32 with ``wide`` updates the updates stay jnp
+    (XLA fuses them into ``optax.apply_updates``) and the hash is that of where they land (``_landed_hash``).
+    Otherwise C++ computes the updates and the hash of where they lead in one pass, writing each update over its
+    new params when their dtypes match.
 
-    One edge: XLA:CPU flushes float32 denormals to zero, so a param whose new value lies below float32's smallest
-    normal (about 1.2e-38 in magnitude) lands on zero instead, and with ``wide`` updates the next update then sees
-    params that differ from the fingerprint and adopts them (the step is still the one optax would take: it starts
-    from the params given). So does a step from or to an infinite param."""
+    One edge: a step from or to an infinite param (``p + (inf - p)`` is NaN, whose bits XLA and C++ need not
+    share) makes the next update see params that differ from the fingerprint and adopt them (the step is still the
+    one optax would take: it starts from the params given)."""
     updates, hashes = [None] * len(params), [None] * len(params)
     narrow = [i for i, p in enumerate(params)
               if wide and p.dtype in _CXX_FLOATS and p.dtype != jnp.dtype(jnp.float32)]
     if narrow:
-        # Where p + (t - p) lands in float32, rounded back: t itself but where t is far below p (_landed_hash).
-        h = _landed_hash([params[i] for i in narrow], [new[i] for i in narrow])
+        for i in narrow:
+            updates[i] = update_in_params_dtype(new[i], params[i], wide)
+        h = _landed_hash([params[i] for i in narrow], [updates[i] for i in narrow])
         for j, i in enumerate(narrow):
             hashes[i] = h[j]
-            updates[i] = update_in_params_dtype(new[i], params[i], wide)
     by_cxx = [i for i, (p, t) in enumerate(zip(params, new))
               if hashes[i] is None and p.dtype in _CXX_FLOATS and t.dtype in (jnp.dtype(jnp.float32), p.dtype)
               and p.size == t.size and (not wide or p.dtype == jnp.dtype(jnp.float32))]
@@ -292,9 +290,8 @@ def updates_and_expected_flat(params, new_flat: jax.Array, offsets: list[int], w
 
     def cpu():
         if wide and dtype != jnp.dtype(jnp.float32):
-            hashes = _landed_hash(ps, new_flat, offsets)
             updates = [update_in_params_dtype(leaf(new_flat, i), p, wide) for i, p in enumerate(ps)]
-            return updates, hashes
+            return updates, _landed_hash(ps, updates)
         call = jax.ffi.ffi_call("nsp_next_params_update_flat",
                                 (jax.ShapeDtypeStruct((len(ps),), jnp.uint32),
                                  jax.ShapeDtypeStruct(new_flat.shape, dtype)),
