@@ -14,8 +14,9 @@ them together in ``scale_by_storage``):
   of the params the update led to, and the next update compares, on the accelerator, before touching the store.
   After ``init`` it also knows the params' roundings to bf16/f16 (casting them after ``init`` is no change).
 - **``float32_updates``** (``updates_and_expected``). optax returns updates in the params' dtype; for bf16 or
-  f16 params float32 updates instead land ``optax.apply_updates`` exactly on the master's rounding, so the
-  params depend on the master alone and a run can continue from its store.
+  f16 params float32 updates instead land ``optax.apply_updates`` on the master's rounding, so the params depend
+  on the master alone and a run can continue from its store (but for params stepping onto or across zero from
+  far above it, which land beside it: ``nsp.optim.fingerprint.update_in_params_dtype``).
 - **The learning-rate scale** (``LR_SCALE_ARG``, ``lr_scale_consumers``, ``mark_lr_scaled``, ``scaled_lr``).
   ``optax.contrib.reduce_on_plateau`` scales updates after the optimizer, which would make every step adopt
   changed params; ``nsp.optim.reduce_on_plateau`` passes its scale as an extra argument instead, the storage
