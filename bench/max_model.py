@@ -52,7 +52,9 @@ others) is stopped there, as is one whose store the disk cannot hold. Contenders
               disk with the staged bf16 gradient, which the journal names instead of copying, against 26 with two
               slots; 16 and 24 without staging); the other contenders keep no store on disk and are unchanged.
 
-Each attempt sets up (timed), compiles the step, then runs ``--steps`` (default two) steps on different batches;
+Each attempt sets up (timed), compiles the step, then runs ``--steps`` (default two) steps on different batches
+(the learning rate warming up over them, by the model's recipe: ``nsp.train.recipes``), and takes the first
+batch's loss again after the last step (each step's loss is on its own batch);
 the table gives the last step's time split into forward/backward and update (optax: two jitted calls; nsp: ``nsp train``'s one
 step, split by the store's update time), the peak RSS, and the disk the store took. The record goes to
 ``bench/results/max_model_full.json`` (``--slots 1``: ``bench/results/max_model_full_oneslot.json``).
@@ -150,7 +152,7 @@ def full_child(args) -> None:
 
     config = TrainConfig(model=args.model, tier="file" if args.child == "nsp-file" else "memory", bf16=True,
                          f32_accum=args.f32_accum, bf16_params=args.child != "optax", batch=1, seq=args.seq,
-                         steps=100, checkpoints=False,
+                         steps=args.steps, checkpoints=False,
                          stage_gradients=args.child == "nsp-file" and args.stage_gradients).resolved()
     model_cfg = trainer.model_config(config, 256)
     tokens = load_tokens(None, seq_len=args.seq)
@@ -208,12 +210,16 @@ def full_child(args) -> None:
             update_s = (store.stats()["update_ns"] - before) / 1e9
             rows.append({"fwd_bwd_s": t2 - t0 - update_s, "update_s": update_s, "step_s": t2 - t0})
         losses.append(float(value))
+    # Each step's loss is on its own batch (so it moves with the batch as much as with the params): the first
+    # batch's loss again after the last step says whether the steps trained.
+    first_after = float(jax.jit(functools.partial(trainer.loss_fn, graphdef))(params, batch[0]))
     disk = 0
     if args.child == "nsp-file":
         disk = sum(f.stat().st_blocks * 512 for f in Path(args.store).rglob("*") if f.is_file())
     if store is not None:
         store.close()
-    print(json.dumps({"params": n_params, "losses": losses, **rows[-1], "setup_s": setup_s, "compile_s": compile_s,
+    print(json.dumps({"params": n_params, "losses": losses, "first_batch_loss_after": first_after, **rows[-1],
+                      "setup_s": setup_s, "compile_s": compile_s,
                       "setup_peak_rss": setup_rss, "peak_rss": peak_rss_bytes(), "disk_bytes": disk}))
 
 
@@ -255,7 +261,9 @@ def full_attempt(contender: str, model: str, args, workdir: Path) -> dict:
     row = {"contender": contender, "model": model, "status": status or "ok", "wall_s": wall,
            "watched_peak_rss": peak, **(result or {})}
     extra = (f", {result['params'] / 1e6:.0f}M params, step {result['step_s']:.1f} s, peak RSS "
-             f"{result['peak_rss'] / 2**30:.2f} GiB" if result else f", RSS reached {peak / 2**30:.2f} GiB")
+             f"{result['peak_rss'] / 2**30:.2f} GiB, losses {', '.join(f'{v:.3f}' for v in result['losses'])}"
+             + (f", first batch after {result['first_batch_loss_after']:.3f}" if "first_batch_loss_after" in result
+                else "") if result else f", RSS reached {peak / 2**30:.2f} GiB")
     print(f"  {contender:10s} {model:10s}: {row['status']} ({wall:.0f} s{extra})", flush=True)
     return row
 
@@ -301,7 +309,7 @@ def full(args) -> None:
                      "peak_rss_gib": r["peak_rss"] / 2**30 if r else None,
                      "setup_s": r.get("setup_s"), "fwd_bwd_s": r.get("fwd_bwd_s"), "update_s": r.get("update_s"),
                      "step_s": r.get("step_s"), "disk_gb": r["disk_bytes"] / 1e9 if r else None,
-                     "losses": r.get("losses")})
+                     "losses": r.get("losses"), "first_batch_loss_after": r.get("first_batch_loss_after")})
     base_params = rows[0]["params_m"] if rows and rows[0]["contender"] == "optax" else 0
     for row in rows:
         row["ratio"] = row["params_m"] / base_params if base_params else None
