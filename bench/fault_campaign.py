@@ -11,7 +11,7 @@ as each shard's engine is made, and wrap its file backend in a fault-injecting o
 normal run has none. Then it checks every page of the store's committed version (`nsp store verify`),
 resumes with `--resume`, and compares the final params with an uninterrupted run of the same seed, bit for bit.
 `--train-args` adds options to every run (`--offload-activations all`: activations spilled in each step).
-`--stage-gradients` runs every trial with `--stage-gradients --bf16-params` (the gradient staged on the store's
+`--stage-gradients` runs every trial with `--stage-gradients --bf16 --bf16-params` (the gradient staged on the store's
 disk leaf by leaf; on a one-slot store the stage file is the redo journal's gradient): one device and one shard
 (the staged step's), dense gradients only (no Top-K trials).
 
@@ -180,7 +180,7 @@ def main() -> int:
     parser.add_argument("--slots", type=int, choices=(1, 2), default=2,
                         help="version slots of every run's store (1: one slot and a redo journal)")
     parser.add_argument("--stage-gradients", action="store_true",
-                        help="every run with nsp train --stage-gradients --bf16-params (one device; no Top-K)")
+                        help="every run with nsp train --stage-gradients --bf16 --bf16-params (one device; no Top-K)")
     parser.add_argument("--dir", default=None, help="work directory (default: a temp dir here)")
     parser.add_argument("--json", default=None)
     parser.add_argument("--train-args", default="",
@@ -193,7 +193,7 @@ def main() -> int:
         parser.error(f"--modes must name some of {', '.join(allowed)}"
                      + ("" if args.slots == 1 else f" ({', '.join(ONE_SLOT_MODES)} need --slots 1)"))
     EXTRA_ARGS[:] = (args.train_args.split() + (["--slots", "1"] if args.slots == 1 else [])
-                     + (["--stage-gradients", "--bf16-params"] if args.stage_gradients else []))
+                     + (["--stage-gradients", "--bf16", "--bf16-params"] if args.stage_gradients else []))
     devices = 1 if args.stage_gradients else 4  # the staged step runs on one device
     rng = random.Random(args.seed)
     Path(args.dir or os.getcwd()).mkdir(parents=True, exist_ok=True)

@@ -54,9 +54,9 @@ others) is stopped there, as is one whose store the disk cannot hold. Contenders
 
 Each attempt sets up (timed), compiles the step, then runs ``--steps`` (default two) steps on different batches
 (the learning rate warming up over them, by the model's recipe: ``nsp.train.recipes``), and takes the first
-batch's loss again after the last step (each step's loss is on its own batch);
-the table gives the last step's time split into forward/backward and update (optax: two jitted calls; nsp: ``nsp train``'s one
-step, split by the store's update time), the peak RSS, and the disk the store took. The record goes to
+batch's loss again after the last step (each step's loss is on its own batch); the table gives the last step's
+time split into forward/backward and update (optax: two jitted calls; nsp: ``nsp train``'s one step, split by the
+store's update time), the peak RSS, and the disk the store took. The record goes to
 ``bench/results/max_model_full.json`` (``--slots 1``: ``bench/results/max_model_full_oneslot.json``).
 """
 
