@@ -85,16 +85,17 @@ def run_trial(i: int, mode: str, args, corpus: Path, workdir: Path, rng: random.
     trial_env = dict(env)
     # Targeted points: a random occurrence of the point within the run. Each shard's backend counts its own
     # page writes (3 per step for the tiny model: one page per state), the commit counter is the process's
-    # (4 shards commit each step), and a checkpoint snapshots every 2 steps.
+    # (every shard commits each step: 4, or 1 with --stage-gradients), and a checkpoint snapshots every 2 steps.
     # A one-slot store's shards each write one journal and switch one window (its one page) in per step.
+    shards = 1 if args.stage_gradients else 4
     if mode in ("update", "recovery"):
         trial_env["NSP_DEBUG_KILL_AFTER_WRITES"] = str(rng.randrange(4, 3 * args.steps + 3))
     elif mode == "journal":
-        trial_env["NSP_DEBUG_KILL_IN_JOURNAL"] = str(rng.randrange(1, 4 * args.steps))
+        trial_env["NSP_DEBUG_KILL_IN_JOURNAL"] = str(rng.randrange(1, shards * args.steps))
     elif mode == "switch":
-        trial_env["NSP_DEBUG_KILL_AT_SWITCH"] = str(rng.randrange(1, 4 * args.steps))
+        trial_env["NSP_DEBUG_KILL_AT_SWITCH"] = str(rng.randrange(1, shards * args.steps))
     elif mode == "commit":
-        trial_env["NSP_DEBUG_KILL_AT_COMMIT"] = str(rng.randrange(5, 4 * args.steps))
+        trial_env["NSP_DEBUG_KILL_AT_COMMIT"] = str(rng.randrange(shards + 1, shards * args.steps))
     elif mode == "snapshot":
         trial_env["NSP_DEBUG_KILL_AT_SNAPSHOT"] = str(rng.randrange(1, args.steps // 2 + 1))
     started = time.perf_counter()
