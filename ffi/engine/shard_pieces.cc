@@ -94,17 +94,25 @@ std::string ShardPieces::GatherGrad(int64_t begin, int64_t n, char* dst) const {
   return {};
 }
 
+namespace {
+
+// n fp32 params from src into dst in the pieces' dtype (rounded to bf16 for bf16 pieces).
+void StoreParams(GradType type, const float* src, void* dst, int64_t n) {
+  if (type == GradType::kF32) {
+    std::memcpy(dst, src, sizeof(float) * static_cast<size_t>(n));
+  } else {
+    internal::RoundToBf16(src, static_cast<uint16_t*>(dst), n);
+  }
+}
+
+}  // namespace
+
 std::string ShardPieces::ScatterParams(int64_t begin, int64_t n, const float* src) const {
   if (stage != nullptr) {
     const int64_t covered = Covered(this, begin, n);
     if (covered <= 0) return {};
     if (sink != nullptr) {
-      char* at = sink + (begin - sink_begin) * GradBytes(type);
-      if (type == GradType::kF32) {
-        std::memcpy(at, src, sizeof(float) * static_cast<size_t>(covered));
-      } else {
-        internal::RoundToBf16(src, reinterpret_cast<uint16_t*>(at), covered);
-      }
+      StoreParams(type, src, sink + (begin - sink_begin) * GradBytes(type), covered);
       return {};
     }
     if (type == GradType::kF32) return stage->Write(begin, src, covered, sizeof(float));
@@ -114,12 +122,7 @@ std::string ShardPieces::ScatterParams(int64_t begin, int64_t n, const float* sr
     return stage->Write(begin, rounded.data(), covered, sizeof(uint16_t));
   }
   ForEachOverlap(starts, sizes, begin, begin + n, [&](size_t i, int64_t lo, int64_t hi) {
-    if (type == GradType::kF32) {
-      std::memcpy(static_cast<float*>(out[i]) + (lo - starts[i]), src + (lo - begin),
-                  sizeof(float) * static_cast<size_t>(hi - lo));
-    } else {
-      internal::RoundToBf16(src + (lo - begin), static_cast<uint16_t*>(out[i]) + (lo - starts[i]), hi - lo);
-    }
+    StoreParams(type, src + (lo - begin), static_cast<char*>(out[i]) + (lo - starts[i]) * GradBytes(type), hi - lo);
   });
   return {};
 }
