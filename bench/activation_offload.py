@@ -83,7 +83,8 @@ def child(args) -> None:
         import nsp.rss
         from nsp.offload import planner
 
-        area = nsp.offload.SpillArea(args.spill_dir)
+        area = nsp.offload.SpillArea(args.spill_dir, read_ahead=args.read_ahead, write_behind=args.write_behind,
+                                      image_limit_bytes=args.image_limit_mib * 2**20)
         first = jax.random.randint(jax.random.fold_in(jax.random.key(0), 0), (args.batch, args.seq + 1), 0, 256,
                                    jnp.int32)
         model = nnx.merge(graphdef, params)
@@ -103,7 +104,8 @@ def child(args) -> None:
         block_call = (nsp.offload.offload_blocks(area, sparse=plan.sparse, layers=plan.layers, num_layers=args.layers)
                       if plan.layers else None)
     elif args.child.startswith("offload"):
-        area = nsp.offload.SpillArea(args.spill_dir)
+        area = nsp.offload.SpillArea(args.spill_dir, read_ahead=args.read_ahead, write_behind=args.write_behind,
+                                      image_limit_bytes=args.image_limit_mib * 2**20)
         block_call = nsp.offload.offload_blocks(area, sparse=args.child == "offload-sparse",
                                                 compress=jnp.bfloat16 if args.child == "offload-bf16" else None)
     elif args.child == "remat":
@@ -156,7 +158,9 @@ def attempt(contender: str, batch: int, args, *, steps: int, cap: int | None, bu
     spill = Path(tempfile.mkdtemp(prefix="nsp-actoff-", dir=args.dir))
     cmd = [sys.executable, __file__, "--child", contender, "--batch", str(batch), "--seq", str(args.seq),
            "--layers", str(args.layers), "--width", str(args.width), "--steps", str(steps),
-           "--spill-dir", str(spill), "--budget-gib", str(budget_gib)]
+           "--spill-dir", str(spill), "--budget-gib", str(budget_gib), "--read-ahead", str(args.read_ahead),
+           "--write-behind", str(args.write_behind),
+           "--image-limit-mib", str(args.image_limit_mib)]
 
     env = dict(os.environ, MALLOC_ARENA_MAX="2", MALLOC_MMAP_THRESHOLD_="131072")
     charged = None
@@ -334,6 +338,10 @@ def main() -> None:
                         "RAM; default where one can be made) or RLIMIT_AS (the process's address space)")
     parser.add_argument("--dir", default=None, help="where the spill areas go (default: a temp dir here)")
     parser.add_argument("--timeout", type=float, default=900)
+    parser.add_argument("--read-ahead", type=int, default=1, help="the spill areas' read_ahead (entries)")
+    parser.add_argument("--write-behind", type=int, default=1, help="the spill areas' write_behind (entries)")
+    parser.add_argument("--image-limit-mib", type=int, default=256,
+                        help="the spill areas' image_limit_bytes, in MiB (larger entries go through the page cache)")
     parser.add_argument("--quick", action="store_true", help="4 layers of width 256, batch 8, 3 steps, no cap part")
     parser.add_argument("--skip-planner", action="store_true", help="leave out part 3")
     parser.add_argument("--verbose", action="store_true")

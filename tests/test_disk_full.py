@@ -205,3 +205,36 @@ def test_a_full_disk_under_one_process_of_two_stops_both_with_its_message_and_re
                                  timeout=120)
     assert resumed.returncode == 0, resumed.stdout + resumed.stderr
     assert "resumed" in resumed.stdout and re.search(r"\[1\] step +4/4", resumed.stdout), resumed.stdout
+
+
+def test_a_spill_area_that_fills_fails_its_step_by_name_and_trains_again_once_freed(small_fs):
+    # A write that fails on the area's I/O thread is reported by the step's next push or pop, naming the file.
+    import functools
+
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    import nsp.offload
+
+    def layer(w, x):
+        return jnp.sin(jnp.tanh(x @ w) @ w.T)
+
+    def loss(layer_fn, ws, x):
+        for w in ws:
+            x = layer_fn(w, x)
+        return jnp.sum(x ** 2)
+
+    ws = [jax.random.normal(jax.random.key(i), (64, 512)) * 0.05 for i in range(4)]
+    x = jax.random.normal(jax.random.key(9), (256, 64))  # each layer spills about 0.6 MB
+    want = jax.jit(jax.grad(functools.partial(loss, layer)))(ws, x)
+    with nsp.offload.SpillArea(small_fs) as area:
+        grad = jax.jit(jax.grad(functools.partial(loss, nsp.offload.offload(layer, area))))
+        filler = _fill(small_fs, 100_000)
+        with pytest.raises(Exception, match="cannot write spilled activations to .*No space left on device"):
+            jax.block_until_ready(grad(ws, x))
+        filler.unlink()
+        area.reset()
+        got = grad(ws, x)
+        for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(b))

@@ -31,10 +31,14 @@ def _loss(layer, stacked, x):
     return jnp.mean(x ** 2)
 
 
-def test_offloaded_gradients_equal_the_plain_ones_bit_for_bit(tmp_path):
+@pytest.mark.parametrize("io", [dict(), dict(direct_io=False), dict(write_behind=0, read_ahead=0),
+                                dict(write_behind=4, read_ahead=4), dict(image_limit_bytes=40_000)],
+                         ids=["direct", "buffered", "on-the-calling-thread", "behind4-ahead4", "large-entries"])
+def test_offloaded_gradients_equal_the_plain_ones_bit_for_bit(tmp_path, io):
     layers = [_mlp_params(jax.random.key(i)) for i in range(4)]
     x = jax.random.normal(jax.random.key(9), (32, 64))
-    with nsp.offload.SpillArea(tmp_path) as area:
+    with nsp.offload.SpillArea(tmp_path, **io) as area:
+        assert area.direct_io == io.get("direct_io", True)  # tmp_path is on a disk, which takes O_DIRECT
         offloaded = nsp.offload.offload(_mlp, area)
         got = jax.jit(jax.value_and_grad(functools.partial(_loss, offloaded)))(layers, x)
         stats = area.stats()
@@ -43,7 +47,13 @@ def test_offloaded_gradients_equal_the_plain_ones_bit_for_bit(tmp_path):
         assert stats["bytes_written"] >= 4 * (32 * 256 + 32 * 64) * 4
         assert stats["bytes_written"] < 4 * (64 * 256 * 2) * 4  # the weights stay where they are
         assert stats["bytes_read"] == stats["bytes_written"]
-        assert stats["read_ahead_hints"] > 0
+        if io.get("write_behind", 1) == 0 or "image_limit_bytes" in io:  # every push wrote, every pop read
+            assert stats["disk_bytes_written"] >= stats["bytes_written"]
+            assert stats["disk_bytes_read"] >= stats["bytes_read"]
+            assert stats["loads_from_memory"] == 0
+            assert stats["read_ahead"] == (0 if io.get("read_ahead") == 0 else 3)  # hints to the kernel
+        else:  # the disk saw at most the entries, each rounded up to whole blocks
+            assert stats["disk_bytes_written"] <= stats["bytes_written"] + 4 * 4096
     want = jax.jit(jax.value_and_grad(functools.partial(_loss, _mlp)))(layers, x)
     for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))

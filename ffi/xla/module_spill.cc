@@ -14,12 +14,22 @@ namespace nsp::spill {
 void Bind(nb::module_& m) {
   m.def(
       "spill_open",
-      [](const std::string& dir, int read_ahead) {
-        auto [area, err] = SpillArea::Open(dir, read_ahead);
+      [](const std::string& dir, int read_ahead, int write_behind, int64_t image_limit, const std::string& io) {
+        if (image_limit < 0) throw std::runtime_error("image_limit must be >= 0");
+        SpillOptions options{read_ahead, write_behind, static_cast<size_t>(image_limit), IoMode::kAuto};
+        if (io == "direct") {
+          options.io = IoMode::kDirect;
+        } else if (io == "buffered") {
+          options.io = IoMode::kBuffered;
+        } else if (io != "auto") {
+          throw std::runtime_error("io must be auto, direct or buffered, got " + io);
+        }
+        auto [area, err] = SpillArea::Open(dir, options);
         if (!area) throw std::runtime_error(err);
         return Areas().Register(std::move(area));
       },
-      nb::arg("dir"), nb::arg("read_ahead"),
+      nb::arg("dir"), nb::arg("read_ahead"), nb::arg("write_behind"), nb::arg("image_limit"),
+      nb::arg("io"),
       "Opens a spill area over an existing, writable directory; returns its id (the handlers' `area`).");
   m.def(
       "spill_close",
@@ -46,10 +56,15 @@ void Bind(nb::module_& m) {
         d["bytes_read"] = s.bytes_read;
         d["array_bytes"] = s.array_bytes;
         d["arrays_sparse"] = s.arrays_sparse;
-        d["read_ahead_hints"] = s.read_ahead_hints;
+        d["disk_bytes_written"] = s.disk_bytes_written;
+        d["disk_bytes_read"] = s.disk_bytes_read;
+        d["read_ahead"] = s.read_ahead;
+        d["loads_from_memory"] = s.loads_from_memory;
+        d["save_waits"] = s.save_waits;
+        d["direct_io"] = s.direct_io;
         return d;
       },
-      nb::arg("area"), "Counters of a spill area: saves, loads, bytes_written, bytes_read, array_bytes, arrays_sparse, read_ahead_hints.");
+      nb::arg("area"), "Counters of a spill area (spill_area.h's SpillStats).");
 }
 
 }  // namespace nsp::spill

@@ -17,8 +17,8 @@ def offload_blocks(area: SpillArea | HostMemory, *, compress: Any = None, sparse
                    layers: Iterable[int] | None = None,
                    num_layers: int | None = None) -> Callable[[nnx.Module, jax.Array], jax.Array]:
     """``block_call(block, x)``: applies an ``nnx`` block (deterministic: no dropout) to ``x`` with its residuals
-    spilled to ``area`` (a ``SpillArea`` or ``HostMemory``; ``nsp.offload.offload``, with ``compress`` and ``sparse`` as there). Pass it as
-    ``GPT(...)(tokens, block_call=...)``.
+    spilled to ``area`` (a ``SpillArea`` or ``HostMemory``; ``nsp.offload.offload``, with ``compress`` and
+    ``sparse`` as there). Pass it as ``GPT(...)(tokens, block_call=...)``.
 
     ``layers``: offload only these blocks (indices; None: all), the others run as usual; the index is the order of
     the calls, counted modulo ``num_layers`` (needed with ``layers``: the model's block count), so every trace of

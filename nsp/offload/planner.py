@@ -8,8 +8,9 @@ so that the step fits a memory budget and the disk keeps up with the forward pas
   ``(1 - z) * 2 + 1/8`` bytes per element; 4-byte arrays likewise), so its size in that format;
 - each block's forward and backward compute time (its jitted forward, and its VJP, on that batch);
 - what a spill costs the step: a block's residuals pushed to and popped from the spill area through the FFI
-  calls, timed, raw and sparse; and the disk's own write rate (a file written and synced in the spill
-  directory), which the spilled bytes must not outrun during the forward pass;
+  calls, timed, raw and sparse; and the disk's own write rate (a file written in the spill directory as the
+  area writes: by direct I/O where it can, else synced), which the spilled bytes must not outrun during the
+  forward pass;
 - the step's memory: the process's peak resident memory once a forward/backward with every block offloaded ran,
   and what keeping blocks adds to it (XLA's memory analysis of the compiled forward/backward without offload and
   with every block offloaded).
@@ -69,8 +70,9 @@ class Profile:
     Attributes:
       blocks: per block, in the model's order.
       save_s_per_byte, load_s_per_byte: what pushing and popping a byte of residuals costs the step (the FFI
-        calls, on the calling thread: a copy into the page cache, and back); ``*_sparse``: the same in the
-        sparse format, per byte before it.
+        calls, on the calling thread: a copy into the entry's image and back, the disk's work on the area's I/O
+        thread; for an entry over the area's image limit, a copy into the page cache and back); ``*_sparse``:
+        the same in the sparse format, per byte before it.
       disk_write_bytes_per_s: the spill directory's disk, written and synced.
       rss_bytes: the process's peak resident memory while a forward/backward with every block offloaded ran
         (params, store buffers, libraries, that step's own memory; from the process's start where the peak cannot
@@ -189,10 +191,21 @@ def _sparse_size(x: jax.Array) -> int:
 
 
 def _disk_write_rate(directory: Path) -> float:
-    """Bytes per second of a file written and synced in ``directory`` (then removed)."""
-    block = os.urandom(4 * 2**20)
+    """Bytes per second of a file written in ``directory`` as a spill area writes its entries: by direct I/O
+    where the file system takes it, else through the page cache and synced (then removed)."""
+    import mmap
+
+    block = mmap.mmap(-1, 4 * 2**20)  # page-aligned, as O_DIRECT needs
+    block.write(os.urandom(len(block)))
     fd, path = tempfile.mkstemp(prefix="nsp-disk-probe-", dir=directory)
+    os.close(fd)
     try:
+        try:
+            fd = os.open(path, os.O_WRONLY | getattr(os, "O_DIRECT", 0))
+            os.write(fd, block)  # refused (EINVAL) where the file system takes no direct I/O
+        except OSError:
+            fd = os.open(path, os.O_WRONLY)
+        os.lseek(fd, 0, os.SEEK_SET)
         t0 = time.perf_counter()
         for _ in range(DISK_PROBE_BYTES // len(block)):
             os.write(fd, block)
@@ -201,6 +214,7 @@ def _disk_write_rate(directory: Path) -> float:
     finally:
         os.close(fd)
         os.unlink(path)
+        block.close()
 
 
 def _memory(compiled) -> int:
