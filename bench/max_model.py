@@ -54,7 +54,9 @@ others) is stopped there, as is one whose store the disk cannot hold. Contenders
 
 Each attempt sets up (timed), compiles the step, then runs ``--steps`` (default two) steps on different batches
 (the learning rate warming up over them, by the model's recipe: ``nsp.train.recipes``), and takes the first
-batch's loss again after the last step (each step's loss is on its own batch); the table gives the last step's
+batch's loss again after the last step (each step's loss is on its own batch). ``--repeat-batch`` trains every
+step on that first batch instead: a check that the updates land at that scale (the batch's loss must fall step
+over step), not a measure of generalisation. The table gives the last step's
 time split into forward/backward and update (optax: two jitted calls; nsp: ``nsp train``'s one step, split by the
 store's update time), the peak RSS, and the disk the store took. The record goes to
 ``bench/results/max_model_full.json`` (``--slots 1``: ``bench/results/max_model_full_oneslot.json``).
@@ -177,7 +179,7 @@ def full_child(args) -> None:
     setup_s = time.perf_counter() - t0
     setup_rss = peak_rss_bytes()
     n_params = sum(x.size for x in jax.tree_util.tree_leaves(params))
-    batch = [jnp.asarray(batches.batch(i)) for i in range(args.steps)]
+    batch = [jnp.asarray(batches.batch(0 if args.repeat_batch else i)) for i in range(args.steps)]
     t0 = time.perf_counter()
     if args.child == "optax":
         loss = functools.partial(trainer.loss_fn, graphdef)
@@ -229,7 +231,7 @@ def full_attempt(contender: str, model: str, args, workdir: Path) -> dict:
     cmd = [sys.executable, __file__, "--full", "--child", contender, "--model", model, "--seq", str(args.seq),
            "--store", str(store), "--f32-accum" if args.f32_accum else "--no-f32-accum",
            "--stage-gradients" if args.stage_gradients else "--no-stage-gradients", "--slots", str(args.slots),
-           "--steps", str(args.steps)]
+           "--steps", str(args.steps)] + (["--repeat-batch"] if args.repeat_batch else [])
     env = dict(os.environ, MALLOC_ARENA_MAX="2", MALLOC_MMAP_THRESHOLD_=str(args.mmap_threshold or 131072))
     limit = int(args.rss_limit_gib * 2**30)
     t0 = time.perf_counter()
@@ -329,6 +331,7 @@ def full(args) -> None:
     default_json = "max_model_full.json" if args.slots == 2 else "max_model_full_oneslot.json"
     write_json("max_model_full", {"mode": "full", "seq": args.seq, "f32_accum": args.f32_accum, "ladder": ladder,
                                   "stage_gradients": args.stage_gradients, "slots": args.slots,
+                                  "steps": args.steps, "repeat_batch": args.repeat_batch,
                                   "rss_limit_gib": args.rss_limit_gib, "rows": rows, "attempts": attempts,
                                   "limits": limits}, args.json or str(Path(__file__).parent / "results"
                                                                       / default_json))
@@ -408,6 +411,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=2,
                         help="--full: training steps of each attempt, on different batches (at least 2; the table "
                              "times the last, the record keeps every loss)")
+    parser.add_argument("--repeat-batch", action="store_true",
+                        help="--full: train every step on the first batch (its loss must fall step over step)")
     parser.add_argument("--rss-limit-gib", type=float, default=20.0,
                         help="--full: an attempt whose resident memory passes this is stopped (does not fit)")
     parser.add_argument("--child", choices=FULL_CONTENDERS, help=argparse.SUPPRESS)
