@@ -154,7 +154,7 @@ def full_child(args) -> None:
 
     config = TrainConfig(model=args.model, tier="file" if args.child == "nsp-file" else "memory", bf16=True,
                          f32_accum=args.f32_accum, bf16_params=args.child != "optax", batch=1, seq=args.seq,
-                         steps=args.steps, checkpoints=False,
+                         steps=args.steps, checkpoints=False, lr=args.lr, warmup_steps=args.warmup_steps,
                          stage_gradients=args.child == "nsp-file" and args.stage_gradients).resolved()
     model_cfg = trainer.model_config(config, 256)
     tokens = load_tokens(None, seq_len=args.seq)
@@ -228,10 +228,11 @@ def full_child(args) -> None:
 def full_attempt(contender: str, model: str, args, workdir: Path) -> dict:
     """Runs one ``--full`` attempt, watching its resident memory; returns its result or why it did not fit."""
     store = workdir / f"store-{model}"
-    cmd = [sys.executable, __file__, "--full", "--child", contender, "--model", model, "--seq", str(args.seq),
+    cmd = ([sys.executable, __file__, "--full", "--child", contender, "--model", model, "--seq", str(args.seq),
            "--store", str(store), "--f32-accum" if args.f32_accum else "--no-f32-accum",
            "--stage-gradients" if args.stage_gradients else "--no-stage-gradients", "--slots", str(args.slots),
-           "--steps", str(args.steps)] + (["--repeat-batch"] if args.repeat_batch else [])
+           "--steps", str(args.steps), "--lr", str(args.lr), "--warmup-steps", str(args.warmup_steps)]
+           + (["--repeat-batch"] if args.repeat_batch else []))
     env = dict(os.environ, MALLOC_ARENA_MAX="2", MALLOC_MMAP_THRESHOLD_=str(args.mmap_threshold or 131072))
     limit = int(args.rss_limit_gib * 2**30)
     t0 = time.perf_counter()
@@ -331,7 +332,8 @@ def full(args) -> None:
     default_json = "max_model_full.json" if args.slots == 2 else "max_model_full_oneslot.json"
     write_json("max_model_full", {"mode": "full", "seq": args.seq, "f32_accum": args.f32_accum, "ladder": ladder,
                                   "stage_gradients": args.stage_gradients, "slots": args.slots,
-                                  "steps": args.steps, "repeat_batch": args.repeat_batch,
+                                  "steps": args.steps, "repeat_batch": args.repeat_batch, "lr": args.lr,
+                                  "warmup_steps": args.warmup_steps,
                                   "rss_limit_gib": args.rss_limit_gib, "rows": rows, "attempts": attempts,
                                   "limits": limits}, args.json or str(Path(__file__).parent / "results"
                                                                       / default_json))
@@ -411,6 +413,10 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=2,
                         help="--full: training steps of each attempt, on different batches (at least 2; the table "
                              "times the last, the record keeps every loss)")
+    parser.add_argument("--lr", type=float, default=0.0,
+                        help="--full: the peak learning rate (default 0: the model's recipe, warming up over the run)")
+    parser.add_argument("--warmup-steps", type=int, default=-1,
+                        help="--full: linear warm-up steps (default -1: the model's recipe; 0: none)")
     parser.add_argument("--repeat-batch", action="store_true",
                         help="--full: train every step on the first batch (its loss must fall step over step)")
     parser.add_argument("--rss-limit-gib", type=float, default=20.0,
