@@ -126,11 +126,13 @@ def run_trial(i: int, mode: str, args, corpus: Path, workdir: Path, rng: random.
         check = subprocess.run([sys.executable, "-m", "nsp.cli", "store", "verify", str(store)], env=kill_env,
                                capture_output=True, text=True)
         recovery_killed = check.returncode == -9
-    corrupt = False
+    corrupt, verify_said = False, None
     if (store / "nsp_store.json").exists():
         check = subprocess.run([sys.executable, "-m", "nsp.cli", "store", "verify", str(store)], env=env,
                                capture_output=True, text=True)
         corrupt = check.returncode != 0
+        if corrupt:  # what verify found, for the record (the store itself is gone once the trial resumes)
+            verify_said = (check.stdout + check.stderr).strip().splitlines()[-5:]
     resumed_from = None
     if not (run_dir / "config.json").exists():
         shutil.rmtree(run_dir, ignore_errors=True)  # killed before the run was set up: start it again
@@ -154,6 +156,8 @@ def run_trial(i: int, mode: str, args, corpus: Path, workdir: Path, rng: random.
               "corrupt": corrupt, "bit_identical": identical, "resume_rc": resume.returncode}
     if recovery_killed is not None:
         result["recovery_killed"] = recovery_killed
+    if verify_said is not None:
+        result["verify_said"] = verify_said
     if resume.returncode != 0:
         result["error"] = (resume.stderr or "").strip().splitlines()[-1:] or [err[-200:]]
     shutil.rmtree(run_dir, ignore_errors=True)
