@@ -255,23 +255,16 @@ std::string SpillArea::ReadThrough(const std::string& path, const std::vector<Sp
   size_t want = 0;
   if (got < 0) {
     err = Errno("cannot read spilled activations", path);
-  } else if (static_cast<size_t>(got) != head_bytes || file.magic != kImageMagic || file.count != arrays.size()) {
+  } else if (static_cast<size_t>(got) != head_bytes) {
     err = "spilled activations " + path + " are damaged (their header does not match the read)";
+  } else {
+    err = CheckHeaders(file, headers, arrays, path);
   }
   for (size_t i = 0; err.empty() && i < arrays.size(); ++i) {
-    if (headers[i].bytes != arrays[i].bytes || headers[i].elem != arrays[i].elem) {
-      err = "spilled activations " + path + " hold another array " + std::to_string(i) + " (" +
-            std::to_string(headers[i].bytes) + " bytes) than the read asks for (" +
-            std::to_string(arrays[i].bytes) + ")";
-      break;
-    }
     void* to = arrays[i].data;
     if (headers[i].codec == static_cast<uint32_t>(Codec::kBitmap)) {
       packed[i].resize(headers[i].stored);
       to = packed[i].data();
-    } else if (headers[i].codec != static_cast<uint32_t>(Codec::kRaw) || headers[i].stored != headers[i].bytes) {
-      err = "spilled activations " + path + " are damaged (array " + std::to_string(i) + ")";
-      break;
     }
     if (headers[i].stored) iov.push_back({to, headers[i].stored});
     want += headers[i].stored;

@@ -48,32 +48,44 @@ void WriteImage(const std::vector<SpillArray>& arrays, const ImageLayout& layout
   }
 }
 
-std::string ReadImage(const uint8_t* image, size_t bytes, const std::vector<SpillOut>& arrays,
-                      const std::string& path) {
-  const size_t head = sizeof(FileHeader) + arrays.size() * sizeof(ArrayHeader);
-  FileHeader file{};
-  if (bytes >= sizeof(file)) std::memcpy(&file, image, sizeof(file));
-  if (bytes < head || file.magic != kImageMagic || file.count != arrays.size()) {
+std::string CheckHeaders(const FileHeader& file, const std::vector<ArrayHeader>& headers,
+                         const std::vector<SpillOut>& arrays, const std::string& path) {
+  if (file.magic != kImageMagic || file.count != arrays.size() || headers.size() != arrays.size()) {
     return "spilled activations " + path + " are damaged (their header does not match the read)";
   }
-  std::vector<ArrayHeader> headers(arrays.size());
-  std::memcpy(headers.data(), image + sizeof(file), headers.size() * sizeof(ArrayHeader));
-  size_t at = head;
   for (size_t i = 0; i < arrays.size(); ++i) {
     const ArrayHeader& h = headers[i];
     if (h.bytes != arrays[i].bytes || h.elem != arrays[i].elem) {
       return "spilled activations " + path + " hold another array " + std::to_string(i) + " (" +
              std::to_string(h.bytes) + " bytes) than the read asks for (" + std::to_string(arrays[i].bytes) + ")";
     }
+    const bool bitmap = h.codec == static_cast<uint32_t>(Codec::kBitmap);
+    const bool raw = h.codec == static_cast<uint32_t>(Codec::kRaw) && h.stored == h.bytes;
+    if (!bitmap && !raw) return "spilled activations " + path + " are damaged (array " + std::to_string(i) + ")";
+  }
+  return "";
+}
+
+std::string ReadImage(const uint8_t* image, size_t bytes, const std::vector<SpillOut>& arrays,
+                      const std::string& path) {
+  const size_t head = sizeof(FileHeader) + arrays.size() * sizeof(ArrayHeader);
+  FileHeader file{};
+  std::vector<ArrayHeader> headers(arrays.size());
+  if (bytes >= head) {
+    std::memcpy(&file, image, sizeof(file));
+    std::memcpy(headers.data(), image + sizeof(file), headers.size() * sizeof(ArrayHeader));
+  }
+  if (std::string err = CheckHeaders(file, headers, arrays, path); !err.empty()) return err;
+  size_t at = head;
+  for (size_t i = 0; i < arrays.size(); ++i) {
+    const ArrayHeader& h = headers[i];
     if (h.stored > bytes - at) return page_file::TruncatedMessage(path, static_cast<ssize_t>(bytes), at + h.stored);
     if (h.codec == static_cast<uint32_t>(Codec::kBitmap)) {
       if (!DecodeBitmap(image + at, h.stored, h.bytes / h.elem, h.elem, arrays[i].data)) {
         return "spilled activations " + path + " are damaged (array " + std::to_string(i) + "'s sparse form)";
       }
-    } else if (h.codec == static_cast<uint32_t>(Codec::kRaw) && h.stored == h.bytes) {
-      if (h.stored) std::memcpy(arrays[i].data, image + at, h.stored);
-    } else {
-      return "spilled activations " + path + " are damaged (array " + std::to_string(i) + ")";
+    } else if (h.stored) {
+      std::memcpy(arrays[i].data, image + at, h.stored);
     }
     at += h.stored;
   }

@@ -52,6 +52,10 @@ struct ImageLayout {
 ImageLayout PlanImage(const std::vector<SpillArray>& arrays);
 // Writes the image of `arrays` laid out as `layout` to `out` (layout.bytes of it).
 void WriteImage(const std::vector<SpillArray>& arrays, const ImageLayout& layout, uint8_t* out);
+// Whether an entry's headers, as read, describe what the read asks for: the magic, one header per array of the
+// same size and element, each stored raw or in the sparse format. Returns "" or an error naming `path`.
+std::string CheckHeaders(const FileHeader& file, const std::vector<ArrayHeader>& headers,
+                         const std::vector<SpillOut>& arrays, const std::string& path);
 // Unpacks the image at `image` (`bytes` of it, or more) into `arrays`, which must be what was saved. Returns ""
 // or an error naming `path` (a damaged image is refused, never unpacked wrongly).
 std::string ReadImage(const uint8_t* image, size_t bytes, const std::vector<SpillOut>& arrays,
