@@ -30,11 +30,13 @@ NSP = [sys.executable, "-m", "nsp.cli"]
 HERE = Path(__file__).resolve().parent
 DATA = str(HERE.parent / "nsp" / "train" / "corpus.py")
 TRAIN = ["train", "--model", "tiny", "--batch", "2", "--seq", "32", "--log-every", "1", "--eval-every", "0",
-         "--eval-batches", "1", "--ckpt-every", "4", "--steps", "400", "--data", DATA]
-# A step the run takes in its stride, forward then back: below the heartbeat timeout (10 s) less its interval (5 s)
-# less how late a heartbeat may run on a loaded machine (3 s once stopped a run here, beside other tests), and above
-# the 1 s the watchdog counts as a step of the clock.
-SMALL_S = 1.5
+         "--eval-batches", "1", "--ckpt-every", "4", "--steps", "400", "--data", DATA,
+         "--heartbeat-timeout", "30"]
+# A step the run takes in its stride, forward then back: above the 1 s the watchdog counts as a step of the clock,
+# and well below the heartbeat timeout less the heartbeat interval less how late a heartbeat may run on a loaded
+# machine. With nsp's default timeout (10 s) a step of 3 s, and later one of 1.5 s, each once stopped a run here
+# beside other tests (the service took every process for dead): so this run takes a timeout of 30 s.
+SMALL_S = 3.0
 HOLD_S = 1.5  # each held this long, past a check of the service's (once a second)
 BIG_S = 3 * 3600  # a step the run cannot take
 STOP_BOUND_S = 15.0  # from the big step to the end of every process

@@ -143,6 +143,10 @@ class TrainConfig:
     ckpt_local: bool = False
     # This process's index in a multi-process run (-1 = from the environment).
     process_id: int = -1
+    # Multi-process runs: a process whose heartbeats stop this many seconds counts as dead, and every other process
+    # stops within about this bound saying which (JAX's own default is 100 s). Raise it where a process may stall
+    # that long alive (a machine loaded beyond its cores, a long swap-in).
+    heartbeat_timeout: int = 10
     # Stop early, checkpointed and resumable, after this many steps (0 = run to --steps; the schedule still
     # spans --steps).
     stop_after: int = 0
@@ -173,6 +177,7 @@ class TrainConfig:
             (self.eval_every >= 0 and self.ckpt_every >= 0, "eval_every and ckpt_every must be >= 0"),
             (self.keep_checkpoints >= 1, "keep_checkpoints must be >= 1"),
             (self.stop_after >= 0, "stop_after must be >= 0"),
+            (self.heartbeat_timeout >= 2, "heartbeat_timeout must be >= 2 (seconds)"),
             (self.staleness in (0, 1), "staleness must be 0 or 1"),
             (self.optimizer in KINDS, f"unknown optimizer {self.optimizer!r} ({', '.join(sorted(KINDS))})"),
             (self.tier in ("file", "memory", "csd"), f"unknown tier {self.tier!r} (file, memory, csd)"),

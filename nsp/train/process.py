@@ -39,7 +39,8 @@ def join(config: TrainConfig) -> None:
     detects; a lone process when there are none). Raises ``TrainError`` when they cannot be reached."""
     try:
         nsp.distributed.initialize(config.coordinator or None, config.num_processes or None,
-                                   config.process_id if config.process_id >= 0 else None)
+                                   config.process_id if config.process_id >= 0 else None,
+                                   heartbeat_timeout_s=config.heartbeat_timeout)
     except nsp.distributed.DistributedError as e:
         raise TrainError(str(e)) from None
 
