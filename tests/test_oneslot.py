@@ -181,6 +181,67 @@ def test_a_kill_leaves_t_or_t_plus_one_whole(tmp_path, reference, var, at):
     assert sorted(os.listdir(shard)) == ["0", "1", "2"]  # no scratch left behind
 
 
+# Shard 0's journal of step 2 is durable (its step waits in the barrier for shard 1's); shard 1 is halfway through
+# writing its own: the kill comes then. Made so by stepping shard 0's engine alone, not by a race.
+HALF_JOURNALED = textwrap.dedent("""
+    import os, signal, sys, threading, time
+    sys.path.insert(0, {tests!r})
+    from pathlib import Path
+    from test_oneslot import grad_for, open_one
+    from nsp.storage.update import split_grads
+    path = Path({path!r})
+    with open_one(path) as store:
+        kw = split_grads(store.layout, grad_for(2, store.layout), None, None)
+        hyper = store.optimizer.hyper_attrs()
+        threading.Thread(target=lambda: store._engines[0].step(1, 0.01, 2, hyper, **kw[0]), daemon=True).start()
+        while not (path / "shards" / "00000" / "redo.journal").exists():
+            time.sleep(0.01)
+        (path / "shards" / "00001" / "redo.journal.tmp").write_bytes(b"half a journal")
+        os.kill(os.getpid(), signal.SIGKILL)
+""")
+
+
+def test_a_kill_before_every_shard_journaled_keeps_version_t(tmp_path, reference):
+    """A kill after one shard's journal became durable but before another's: no page was switched in anywhere, so
+    the store stays at t (the durable journal is dropped): redone, it would take shard 0 alone to t+1."""
+    path = tmp_path / "s"
+    with open_one(path) as store:
+        store.initialize(make_params(), SPEC)
+        do_step(store, 1)
+    code = HALF_JOURNALED.format(tests=os.path.dirname(__file__), path=str(path))
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == -9, proc.stderr[-2000:]
+    assert (path / "shards" / "00000" / "redo.journal").exists()
+    assert not (path / "shards" / "00001" / "redo.journal").exists()
+    with storage.open(path) as store:
+        assert store.version == 1
+        assert_version_whole(store, reference, 1)
+        assert store.verify()["problems"] == []
+        for step in range(2, STEPS + 1):
+            do_step(store, step)
+        assert_version_whole(store, reference, STEPS)
+    for shard in ("00000", "00001"):
+        assert not [p for p in os.listdir(path / "shards" / shard) if p.startswith("redo.journal")]
+
+
+def test_a_journal_with_windows_recorded_beside_a_shard_without_one_is_damage(tmp_path, reference):
+    """Shard 0 recorded a window (pages of t+1 are in) while shard 1, at the same version, holds no journal: that
+    cannot come of a kill (the barrier), so the open refuses, naming both, and changes nothing."""
+    path = killed_store(tmp_path, {"NSP_DEBUG_KILL_AT_SWITCH": "1"}, reference)  # step 1: a record, no renames
+    for shard in ("00000", "00001"):
+        assert (path / "shards" / shard / "redo.journal").exists()
+    # The killed shard recorded a window; the other may have too. The larger journal holds a record (equal
+    # gradients, equal headers: a journal grows only by its records).
+    recorded = max(("00000", "00001"), key=lambda s: (path / "shards" / s / "redo.journal").stat().st_size)
+    other = "00001" if recorded == "00000" else "00000"
+    (path / "shards" / other / "redo.journal").unlink()
+    before = (path / "shards" / recorded / "redo.journal").read_bytes()
+    with pytest.raises(StoreError, match=rf"shard\(s\) \[{int(recorded)}\] switched in pages of version 1 .* "
+                                         rf"shard\(s\) \[{int(other)}\] hold no journal"):
+        storage.open(path)
+    assert (path / "shards" / recorded / "redo.journal").read_bytes() == before
+
+
 @pytest.mark.parametrize("kill_in_recovery", [1, 3])
 def test_a_kill_inside_recovery_is_recovered(tmp_path, reference, kill_in_recovery):
     path = killed_store(tmp_path, {"NSP_DEBUG_KILL_AFTER_WRITES": "12"}, reference)  # step 2, first window

@@ -214,6 +214,33 @@ std::string ShardEngine::Recover() {
   return ApplyWindows(u, version_, done);
 }
 
+std::string ShardEngine::JournalState(int64_t* version, int64_t* records) {
+  std::lock_guard<std::mutex> lock(step_mu_);
+  *version = -1;
+  *records = 0;
+  if (!one_slot_) return {};
+  std::unique_ptr<RedoJournal> journal;
+  if (std::string e = RedoJournal::Read(ShardDir(), CountStates(used_), &journal); !e.empty()) return e;
+  if (journal != nullptr) {
+    *version = journal->header().version;
+    *records = static_cast<int64_t>(journal->records().size());
+  }
+  return {};
+}
+
+std::string ShardEngine::DropJournal() {
+  std::lock_guard<std::mutex> lock(step_mu_);
+  std::unique_ptr<RedoJournal> journal;
+  if (std::string e = RedoJournal::Read(ShardDir(), CountStates(used_), &journal); !e.empty()) return e;
+  if (journal != nullptr && !journal->records().empty()) {
+    return "internal error: the redo journal of shard " + ShardDir() + " recorded windows of its update (pages of "
+           "version " + std::to_string(journal->header().version + 1) + " are in): it cannot be dropped";
+  }
+  if (std::string e = RedoJournal::Remove(ShardDir()); !e.empty()) return e;
+  needs_recovery_ = false;
+  return backend_->DiscardScratch();
+}
+
 std::string ShardEngine::StagedForRecovery(const RedoJournal& journal, int64_t from_page, ShardPieces* out) {
   const JournalHeader& h = journal.header();
   ShardPieces& pieces = *out;

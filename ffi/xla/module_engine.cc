@@ -288,6 +288,21 @@ void DefineShardEngine(nb::module_& m) {
            },
            "Finishes a one-slot update a kill interrupted, from the shard's redo journal; returns the committed "
            "version.")
+      .def("journal_state",
+           [](EngineRef& ref) {
+             ShardEngine& e = ref.get();
+             int64_t version = -1, records = 0;
+             CheckWithoutGil([&] { return e.JournalState(&version, &records); });
+             return nb::make_tuple(version, records);
+           },
+           "The one-slot shard's redo journal: (the version its update starts from, or -1 for none; the windows "
+           "it recorded).")
+      .def("drop_journal",
+           [](EngineRef& ref) {
+             ShardEngine& e = ref.get();
+             CheckWithoutGil([&] { return e.DropJournal(); });
+           },
+           "Removes the shard's redo journal, which recorded no window: its update is not taken.")
       .def_prop_ro("needs_recovery", [](EngineRef& ref) { return ref.get().needs_recovery(); })
       .def_prop_ro("previous_valid", [](EngineRef& ref) { return ref.get().previous_valid(); })
       .def("forget_previous", [](EngineRef& ref) { ref.get().ForgetPrevious(); },

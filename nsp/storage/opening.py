@@ -294,9 +294,12 @@ def _open_existing(root: Path, tier, num_shards, page_bytes, shard_paths, pages_
 
 
 def _open_one_slot(store: StateStore, layout: Layout, optimizer: OptimizerSpec) -> None:
-    """Attaches a one-slot store, finishing from its redo journals an update a kill interrupted. Its shards cannot
-    roll back (each keeps one copy), so they go forward: none switched a page in before every shard's journal was
-    durable (``JournalBarrier``), so each shard a version behind holds the journal that brings it level."""
+    """Attaches a one-slot store, finishing from its redo journals an update a kill interrupted. A shard cannot
+    roll back once a page of its update is in (it keeps one copy), but none switched a page in before every
+    shard's journal was durable (``JournalBarrier``). So when any shard went forward (a version ahead, or a
+    window recorded), every shard behind holds the journal that brings it level, and all go forward; when none
+    did and some shard holds no journal (a kill while journals were written), the others drop theirs and the
+    store stays at its version."""
     used = optimizer.states_used()
     manifests = []
     for i, shard in zip(store.local_shards, store.local_shard_paths):
@@ -315,12 +318,35 @@ def _open_one_slot(store: StateStore, layout: Layout, optimizer: OptimizerSpec) 
         if m["version"] != min(versions):
             engine.set_manifest(str(shard / MANIFEST), m["version"], store.store_id, i)
     try:
+        _drop_journals_not_in_force(store, versions)
         after = list(store._pool.map(lambda engine: engine.recover(), store._engines))
     except RuntimeError as e:
         raise StoreError(f"cannot recover store {store.root} from its redo journals: {e}") from None
     if len(set(after)) != 1:
         raise StoreError(f"store {store.root}: after recovery its shards hold versions {after} (a shard a version "
                          "behind has no redo journal to go forward by): the store is inconsistent")
+
+
+def _drop_journals_not_in_force(store: StateStore, versions: list[int]) -> None:
+    """Drops the redo journals of an update that never began: every shard at one version, none with a window
+    recorded, and some shard without a journal of that version (a kill came while the shards wrote theirs, before
+    the barrier let any switch a page in). Redone, those journals would take some shards a version ahead of the
+    rest."""
+    if len(set(versions)) != 1:
+        return  # a shard is ahead: the update was in force, and every shard behind redoes it
+    journals = [engine.journal_state() for engine in store._engines]  # (version it starts from, windows recorded)
+    pending = [v == versions[0] for v, _ in journals]
+    if all(pending):
+        return  # every shard can redo it: the store goes forward as one
+    recorded = [i for i, (p, (_, records)) in zip(store.local_shards, zip(pending, journals)) if p and records]
+    if recorded:
+        missing = [i for i, p in zip(store.local_shards, pending) if not p]
+        raise StoreError(f"store {store.root}: shard(s) {recorded} switched in pages of version {versions[0] + 1} "
+                         f"(their redo journals recorded windows), but shard(s) {missing} hold no journal to redo "
+                         "that update by: the store is damaged")
+    for engine, p in zip(store._engines, pending):
+        if p:
+            engine.drop_journal()
 
 
 def _check_pages_present(store: StateStore, layout: Layout, optimizer: OptimizerSpec, version: int) -> None:
