@@ -338,7 +338,7 @@ def _drop_journals_not_in_force(store: StateStore, versions: list[int]) -> None:
     pending = [v == versions[0] for v, _ in journals]
     if all(pending):
         return  # every shard can redo it: the store goes forward as one
-    recorded = [i for i, (p, (_, records)) in zip(store.local_shards, zip(pending, journals)) if p and records]
+    recorded = [i for i, p, (_, windows) in zip(store.local_shards, pending, journals) if p and windows]
     if recorded:
         missing = [i for i, p in zip(store.local_shards, pending) if not p]
         raise StoreError(f"store {store.root}: shard(s) {recorded} switched in pages of version {versions[0] + 1} "
