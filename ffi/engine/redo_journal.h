@@ -91,8 +91,10 @@ class RedoJournal {
   // Appends `record` to the journal in `dir` and makes it durable. `states`: used states. Returns "" or an error.
   static std::string Append(const std::string& dir, const JournalRecord& record, int states);
   // Reads the journal in `dir`: *out null when there is none (a temporary left by a kill while it was written is
-  // removed); "" or an error naming what is wrong with it.
-  static std::string Read(const std::string& dir, int states, std::unique_ptr<RedoJournal>* out);
+  // removed); "" or an error naming what is wrong with it. `check_gradient` false leaves the gradient's checksum
+  // unchecked (its whole size read): for a look at the header and records only, not for a redo.
+  static std::string Read(const std::string& dir, int states, std::unique_ptr<RedoJournal>* out,
+                          bool check_gradient = true);
   // Removes the journal in `dir` (after the commit of the version it produced); "" or an error.
   static std::string Remove(const std::string& dir);
 

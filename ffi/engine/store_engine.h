@@ -162,10 +162,11 @@ class ShardEngine {
   // and removes the journal. Without a journal it only removes scratch files. Returns "" or an error; the
   // committed version is version() after it.
   std::string Recover();
-  // The redo journal the shard holds, read back: *version the version its update started from (-1: none) and
-  // *records the windows it recorded (each was switched in, or may have been). Opening a store asks every shard
-  // before any recovers: a journal without records may have to be dropped (DropJournal) rather than redone,
-  // when another shard of the store holds none (a kill came before every shard's journal was durable).
+  // The redo journal the shard holds, its header and records read back (not its gradient: Recover checks that):
+  // *version the version its update started from (-1: none) and *records the windows it recorded (each was
+  // switched in, or may have been). Opening a store asks every shard before any recovers: a journal without
+  // records may have to be dropped (DropJournal) rather than redone, when another shard of the store holds none
+  // (a kill came before every shard's journal was durable).
   std::string JournalState(int64_t* version, int64_t* records);
   // Removes the shard's redo journal and what lies beside its pages: its update is not taken, the shard stays at
   // its committed version. Only for a journal that recorded no window (nothing of it was switched in).

@@ -220,7 +220,7 @@ std::string ShardEngine::JournalState(int64_t* version, int64_t* records) {
   *records = 0;
   if (!one_slot_) return {};
   std::unique_ptr<RedoJournal> journal;
-  if (std::string e = RedoJournal::Read(ShardDir(), CountStates(used_), &journal); !e.empty()) return e;
+  if (std::string e = RedoJournal::Read(ShardDir(), CountStates(used_), &journal, false); !e.empty()) return e;
   if (journal != nullptr) {
     *version = journal->header().version;
     *records = static_cast<int64_t>(journal->records().size());
@@ -231,7 +231,7 @@ std::string ShardEngine::JournalState(int64_t* version, int64_t* records) {
 std::string ShardEngine::DropJournal() {
   std::lock_guard<std::mutex> lock(step_mu_);
   std::unique_ptr<RedoJournal> journal;
-  if (std::string e = RedoJournal::Read(ShardDir(), CountStates(used_), &journal); !e.empty()) return e;
+  if (std::string e = RedoJournal::Read(ShardDir(), CountStates(used_), &journal, false); !e.empty()) return e;
   if (journal != nullptr && !journal->records().empty()) {
     return "internal error: the redo journal of shard " + ShardDir() + " recorded windows of its update (pages of "
            "version " + std::to_string(journal->header().version + 1) + " are in): it cannot be dropped";

@@ -190,22 +190,18 @@ def _sparse_size(x: jax.Array) -> int:
     return min(raw, nonzero * x.dtype.itemsize + -(-x.size // 8))
 
 
-def _disk_write_rate(directory: Path) -> float:
-    """Bytes per second of a file written in ``directory`` as a spill area writes its entries: by direct I/O
-    where the file system takes it, else through the page cache and synced (then removed)."""
+def _disk_write_rate(directory: Path, direct: bool) -> float:
+    """Bytes per second of a file written in ``directory`` as a spill area there writes its entries: by direct
+    I/O when ``direct`` (the area found the file system takes it), else through the page cache and synced (then
+    removed)."""
     import mmap
 
     block = mmap.mmap(-1, 4 * 2**20)  # page-aligned, as O_DIRECT needs
     block.write(os.urandom(len(block)))
     fd, path = tempfile.mkstemp(prefix="nsp-disk-probe-", dir=directory)
     os.close(fd)
+    fd = os.open(path, os.O_WRONLY | (os.O_DIRECT if direct else 0))
     try:
-        try:
-            fd = os.open(path, os.O_WRONLY | getattr(os, "O_DIRECT", 0))
-            os.write(fd, block)  # refused (EINVAL) where the file system takes no direct I/O
-        except OSError:
-            fd = os.open(path, os.O_WRONLY)
-        os.lseek(fd, 0, os.SEEK_SET)
         t0 = time.perf_counter()
         for _ in range(DISK_PROBE_BYTES // len(block)):
             os.write(fd, block)
@@ -282,7 +278,8 @@ def profile_blocks(model, loss_of: Callable[..., jax.Array], params, batch, spil
         peak_all = nsp.rss.peak_bytes()
         profiling_peak = max(profiling_peak, peak_all)
         area.reset()
-    disk = _disk_write_rate(Path(spill_dir))
+        direct = area.direct_io
+    disk = _disk_write_rate(Path(spill_dir), direct)
     spilled = sum(b.bytes for b in profiles)
     base = max(0.0, all_s - spilled * (io[0] + io[1]))
     log(f"offload planner: forward/backward holds {keep / 1e9:.2f} GB without offload, {all_bytes / 1e9:.2f} GB "
