@@ -242,6 +242,18 @@ def test_a_journal_with_windows_recorded_beside_a_shard_without_one_is_damage(tm
     assert (path / "shards" / recorded / "redo.journal").read_bytes() == before
 
 
+def test_a_journal_whose_gradient_is_damaged_is_refused_not_redone(tmp_path, reference):
+    """A flipped bit in a journal's gradient: recovery would redo a wrong update, so the open refuses it, naming
+    the journal (the look at every shard's journal before recovery skips that checksum; the redo does not)."""
+    path = killed_store(tmp_path, {"NSP_DEBUG_KILL_AT_SWITCH": "1"}, reference)  # step 1: dense, journals whole
+    journal = path / "shards" / "00000" / "redo.journal"
+    data = bytearray(journal.read_bytes())
+    data[4096] ^= 0x01  # inside the dense gradient (header < 4 KiB, gradient 4 bytes x a shard's elements)
+    journal.write_bytes(bytes(data))
+    with pytest.raises(StoreError, match=r"redo journal .*00000/redo.journal fails its checksum"):
+        storage.open(path)
+
+
 @pytest.mark.parametrize("kill_in_recovery", [1, 3])
 def test_a_kill_inside_recovery_is_recovered(tmp_path, reference, kill_in_recovery):
     path = killed_store(tmp_path, {"NSP_DEBUG_KILL_AFTER_WRITES": "12"}, reference)  # step 2, first window
