@@ -19,8 +19,19 @@ an extractor sends one vector per sequence; accuracy reported) and ``lm`` (langu
 each timed end to end (from the first process started to the last one finished: start-up, compilation and data
 loading included, as a user waits for them), for N = 1, 2, 4 extractors. Bytes moved: what crosses from where the
 data is to the trainer (the tokens, one byte each, for full and frozen; the features and tokens or labels for
-ndpipe, as ``features.json`` counts them). Every process runs on this machine's cores: the extractors and the
-Tuner compete for them, as they would not on separate storage servers; the record names the core count.
+ndpipe, as ``features.json`` counts them). For the pipelined schedule the record also gives the overlap: how long
+extraction and the Tuner ran side by side (from the Tuner's start to the end of extraction or of the Tuner,
+whichever came first).
+
+Where the processes run (``--cores``):
+
+  shared  (the default) every process on all of this machine's cores: the extractors and the Tuner compete for
+          them, as they would not on separate storage servers.
+  split   a software model of NDPipe's separate servers on one machine: the trainer's processes (full, frozen and
+          the Tuner) are pinned to the first half of the usable cores, the extractors (the "PipeStores") to the
+          other half (``sched_setaffinity``). Every schedule gets the same trainer cores, as every schedule in
+          NDPipe gets the same Tuner server; what NDPipe adds is the stores' own compute beside the data. All N
+          extractors share the stores' half here: N models more stores' processes, not more stores' cores.
 
 Beside the times: the held-out loss (and accuracy, for ``classify``) each schedule ends with, and, for the
 frozen schedule, the size of the checkpoint delta (``nsp ckpt delta``) from its first checkpoint (step 0) to its
@@ -40,6 +51,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -53,40 +65,81 @@ def _env() -> dict:
     return dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=1", PYTHONUNBUFFERED="1")
 
 
-def _run(args: list[str], timeout: float) -> float:
+# The CPUs each role may run on (``--cores``): None leaves a process on all of them.
+ROLE_CPUS: dict[str, set[int] | None] = {"trainer": None, "extractors": None}
+
+
+def split_cores(usable: set[int]) -> dict[str, set[int]]:
+    """The trainer's and the extractors' CPUs for ``--cores split``: the first half and the rest."""
+    cpus = sorted(usable)
+    if len(cpus) < 2:
+        raise SystemExit(f"--cores split needs at least 2 usable CPUs; this process may use {cpus}")
+    half = len(cpus) // 2
+    return {"trainer": set(cpus[:half]), "extractors": set(cpus[half:])}
+
+
+def _pin(role: str):
+    """A ``preexec_fn`` that pins the child (and whatever it starts) to ``role``'s CPUs, or None."""
+    cpus = ROLE_CPUS[role]
+    return None if cpus is None else (lambda: os.sched_setaffinity(0, cpus))
+
+
+def _run(args: list[str], timeout: float, role: str | None = "trainer") -> float:
+    """Runs ``nsp ARGS`` on ``role``'s CPUs (None: on every CPU); returns its wall time."""
     t0 = time.perf_counter()
-    done = subprocess.run(NSP + args, env=_env(), capture_output=True, text=True, timeout=timeout)
+    done = subprocess.run(NSP + args, env=_env(), capture_output=True, text=True, timeout=timeout,
+                          preexec_fn=_pin(role) if role else None)
     if done.returncode != 0:
         raise RuntimeError(f"nsp {' '.join(args[:1])} failed:\n{(done.stdout + done.stderr)[-3000:]}")
     return time.perf_counter() - t0
 
 
 def _ndpipe(common: list[str], fine: list[str], n: int, runs: int, out: Path, pipelined: bool,
-            timeout: float) -> tuple[float, float, dict]:
-    """(end-to-end seconds, the Tuner's wait for features, features.json) of N extractors and a Tuner (its run
-    directory: ``out / "tuner"``)."""
+            timeout: float) -> dict:
+    """N extractors and a Tuner (its run directory: ``out / "tuner"``), timed: ``seconds`` end to end,
+    ``extract_s`` (the extractors' own wall time), ``tune_s`` (the Tuner's), ``overlap_s`` (both running),
+    ``tuner_waited_s`` (the Tuner's wait for features, as it printed it) and ``meta`` (features.json)."""
     feats = out / "features"
     t0 = time.perf_counter()
     extractors = subprocess.Popen(NSP + ["launch", "-n", str(n), "--", *NSP, "features", *common, *fine,
                                          "--features-out", str(feats), "--features-runs", str(runs)],
-                                  env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                                  env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                  preexec_fn=_pin("extractors"))
+    # The extractors' output is drained, and their end time taken, on a thread of its own: the Tuner runs
+    # meanwhile, and a full pipe would stall them.
+    ended: dict[str, float | str] = {}
+
+    def drain() -> None:
+        ended["output"] = extractors.communicate()[0]
+        ended["at"] = time.perf_counter()
+
+    drainer = threading.Thread(target=drain, daemon=True)
+    drainer.start()
     if pipelined:
         while not (feats / "features.json").exists():
             if extractors.poll() is not None:
-                raise RuntimeError(f"the extractors failed:\n{extractors.communicate()[0][-3000:]}")
+                drainer.join()
+                raise RuntimeError(f"the extractors failed:\n{str(ended['output'])[-3000:]}")
             time.sleep(0.05)
     else:
-        if extractors.wait(timeout=timeout) != 0:
-            raise RuntimeError(f"the extractors failed:\n{extractors.communicate()[0][-3000:]}")
+        drainer.join(timeout=timeout)
+        if extractors.returncode != 0:
+            raise RuntimeError(f"the extractors failed:\n{str(ended.get('output', ''))[-3000:]}")
+    tuner_start = time.perf_counter()
     tuner = subprocess.run(NSP + ["train", *common, *fine, "--features", str(feats), "--run-dir",
-                                  str(out / "tuner")], env=_env(), capture_output=True, text=True, timeout=timeout)
-    if extractors.wait(timeout=timeout) != 0 or tuner.returncode != 0:
-        raise RuntimeError(f"ndpipe failed:\n{extractors.communicate()[0][-2000:]}\n{tuner.stdout[-2000:]}"
+                                  str(out / "tuner")], env=_env(), capture_output=True, text=True, timeout=timeout,
+                           preexec_fn=_pin("trainer"))
+    tuner_end = time.perf_counter()
+    drainer.join(timeout=timeout)
+    if extractors.returncode != 0 or tuner.returncode != 0:
+        raise RuntimeError(f"ndpipe failed:\n{str(ended.get('output', ''))[-2000:]}\n{tuner.stdout[-2000:]}"
                            f"{tuner.stderr[-2000:]}")
-    seconds = time.perf_counter() - t0
+    extract_end = float(ended["at"])
     waited = next((float(line.split("waited ")[1].split(" s")[0]) for line in tuner.stdout.splitlines()
                    if line.startswith("features: waited")), float("nan"))
-    return seconds, waited, json.loads((feats / "features.json").read_text())
+    return {"seconds": max(extract_end, tuner_end) - t0, "extract_s": extract_end - t0,
+            "tune_s": tuner_end - tuner_start, "overlap_s": max(0.0, min(extract_end, tuner_end) - tuner_start),
+            "tuner_waited_s": waited, "meta": json.loads((feats / "features.json").read_text())}
 
 
 def _final_eval(run_dir: Path) -> dict:
@@ -131,12 +184,15 @@ def fine_tune(task: str, args, common: list[str], pre: Path, base: Path) -> list
         for pipelined in (True, False):
             name = "ndpipe" if pipelined else "ndpipe-serial"
             out = base / f"{task}-{name}-{n}"
-            seconds, waited, meta = _ndpipe(common, frozen, n, args.runs, out, pipelined, args.timeout)
-            rows.append({"task": task, "schedule": name, "extractors": n, "seconds": seconds,
-                         "tuner_waited_s": waited, "bytes_moved": meta["bytes_features"] + meta["bytes_tokens"],
+            timed = _ndpipe(common, frozen, n, args.runs, out, pipelined, args.timeout)
+            meta = timed.pop("meta")
+            rows.append({"task": task, "schedule": name, "extractors": n, **timed,
+                         "bytes_moved": meta["bytes_features"] + meta["bytes_tokens"],
                          "bytes_features": meta["bytes_features"], "pooled": meta.get("pooled", False),
                          **_final_eval(out / "tuner")})
-            print(f"  {task:8s} {name:14s} N={n} {seconds:7.1f} s (the Tuner waited {waited:.1f} s)", flush=True)
+            print(f"  {task:8s} {name:14s} N={n} {timed['seconds']:7.1f} s (extraction {timed['extract_s']:.1f} s, "
+                  f"the Tuner {timed['tune_s']:.1f} s, side by side {timed['overlap_s']:.1f} s, the Tuner waited "
+                  f"{timed['tuner_waited_s']:.1f} s)", flush=True)
             shutil.rmtree(out, ignore_errors=True)
     full = next(r["seconds"] for r in rows if r["schedule"] == "full")
     for r in rows:
@@ -153,7 +209,9 @@ def main() -> None:
     parser.add_argument("--model", default="small")
     parser.add_argument("--seq", type=int, default=128)
     parser.add_argument("--batch", type=int, default=8)
-    parser.add_argument("--steps", type=int, default=48, help="fine-tuning steps")
+    # 150 steps: at 48 (the first record's) each process's start-up (~8 s for a trainer) was a third of the
+    # full fine-tune's time, and more extractors measured mostly more start-ups.
+    parser.add_argument("--steps", type=int, default=150, help="fine-tuning steps")
     parser.add_argument("--pretrain-steps", type=int, default=20)
     parser.add_argument("--tasks", default="classify,lm")
     parser.add_argument("--freeze-layers", type=int, default=3, help="blocks frozen for the lm task")
@@ -164,11 +222,18 @@ def main() -> None:
     parser.add_argument("--extractors", default="1,2,4")
     parser.add_argument("--dir", default=None, help="where the runs go (default: a temp dir)")
     parser.add_argument("--timeout", type=float, default=1800)
+    parser.add_argument("--cores", choices=("shared", "split"), default="shared",
+                        help="every process on every core, or the trainer and the extractors on halves of them")
     parser.add_argument("--quick", action="store_true", help="16 steps, N = 1 and 2")
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
     if args.quick:
         args.steps, args.extractors, args.pretrain_steps = 16, "1,2", 4
+    usable = os.sched_getaffinity(0)
+    if args.cores == "split":
+        ROLE_CPUS.update(split_cores(usable))
+        print(f"ndpipe: the trainer on CPUs {sorted(ROLE_CPUS['trainer'])}, the extractors on "
+              f"{sorted(ROLE_CPUS['extractors'])}", flush=True)
     base = Path(tempfile.mkdtemp(prefix="nsp-ndpipe-", dir=args.dir))
     common = ["--model", args.model, "--seq", str(args.seq), "--batch", str(args.batch), "--tier", "file",
               "--eval-every", "0", "--log-every", "10", "--ckpt-every", "0"]
@@ -176,7 +241,7 @@ def main() -> None:
     try:
         pre = base / "pre"
         print(f"ndpipe: pretraining {args.model} for {args.pretrain_steps} steps", flush=True)
-        _run(["train", *common, "--run-dir", str(pre), "--steps", str(args.pretrain_steps)], args.timeout)
+        _run(["train", *common, "--run-dir", str(pre), "--steps", str(args.pretrain_steps)], args.timeout, role=None)
         for task in args.tasks.split(","):
             rows += fine_tune(task, args, common, pre, base)
     finally:
@@ -184,13 +249,16 @@ def main() -> None:
     print_table(f"fine-tuning {args.model} for {args.steps} steps ({args.batch} x {args.seq} tokens), end to end",
                 rows, [("task", "task", ""), ("schedule", "schedule", ""), ("extractors", "N", "d"),
                        ("seconds", "seconds", ".1f"), ("speedup_vs_full", "vs full", ".2f"),
-                       ("speedup_vs_serial", "vs serial", ".2f"), ("tuner_waited_s", "Tuner waited (s)", ".1f"),
+                       ("speedup_vs_serial", "vs serial", ".2f"), ("overlap_s", "side by side (s)", ".1f"),
+                       ("tuner_waited_s", "Tuner waited (s)", ".1f"),
                        ("bytes_moved", "bytes moved", ",d"), ("eval_loss", "held-out loss", ".4f"),
                        ("eval_accuracy", "accuracy", ".3f"), ("delta_ratio", "delta/ckpt", ".3f")])
     write_json("ndpipe", {"model": args.model, "seq": args.seq, "batch": args.batch, "steps": args.steps,
                           "pretrain_steps": args.pretrain_steps, "freeze_layers": args.freeze_layers,
                           "classify_freeze_layers": args.classify_freeze_layers, "tasks": args.tasks.split(","),
-                          "runs": args.runs, "quick": args.quick, "rows": rows}, args.json)
+                          "runs": args.runs, "quick": args.quick, "cores": args.cores,
+                          "role_cpus": {k: sorted(v) if v is not None else sorted(usable)
+                                        for k, v in ROLE_CPUS.items()}, "rows": rows}, args.json)
 
 
 if __name__ == "__main__":

@@ -198,3 +198,29 @@ def test_init_from_another_model_names_the_leaf(tmp_path, corpus, capsys):
     assert train(tmp_path / "run", corpus, "--model", "small", "--init-from", base, "--steps", "1") == 2
     assert "leaf h/0/attn/c_attn/bias has shape (192,) there, (768,) in this model" in capsys.readouterr().err
     assert not (tmp_path / "run" / "store").exists()
+
+
+def test_an_abstract_template_loads_the_same_params_and_a_zero_head(tmp_path, corpus):
+    """An extractor loads ``--init-from`` into the model's shape alone (``setup.abstract_model``): every leaf the
+    checkpoint holds is the same as through a fresh model, and a classifier's new head, which it never runs,
+    is zeros of the head's shape instead of random values."""
+    from nsp.train.setup import abstract_model, init_model
+
+    base = tmp_path / "base"
+    assert train(base, corpus, "--steps", "1") == 0
+    cfg = dataclasses.replace(config(), task="classify", classes=3)
+    _, fresh = init_model(cfg, 256)
+    _, template = abstract_model(cfg, 256)
+    assert all(isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree.leaves(template))
+    through_fresh = named(freeze_lib.load_params(base, fresh))
+    through_shape = named(freeze_lib.load_params(base, template))
+    assert through_fresh.keys() == through_shape.keys()
+    heads = [n for n in through_fresh if n.startswith("cls/")]
+    assert heads, "the classifier config has no head"
+    for name, value in through_fresh.items():
+        assert through_shape[name].shape == value.shape and through_shape[name].dtype == value.dtype, name
+        if name in heads:
+            np.testing.assert_array_equal(through_shape[name], np.zeros_like(value), err_msg=name)
+        else:
+            np.testing.assert_array_equal(through_shape[name], value, err_msg=name)
+    assert any(np.any(through_fresh[n] != 0) for n in heads)  # a fresh head is random: the two differ there

@@ -159,7 +159,7 @@ def extract(config: TrainConfig, out: str | os.PathLike, *, dtype: str = "bfloat
     import tensorstore as ts
 
     from nsp.train import freeze as freeze_lib
-    from nsp.train.setup import init_model, load_data, model_config
+    from nsp.train.setup import abstract_model, load_data, model_config
 
     if not config.init_from or config.freeze_layers < 1:
         raise TrainError("nsp features needs --init-from (the pretrained model) and --freeze-layers N (the "
@@ -179,8 +179,9 @@ def extract(config: TrainConfig, out: str | os.PathLike, *, dtype: str = "bfloat
     data = load_data(config)
     vocab = int(data.tokens.vocab_size)
     width = model_config(config, vocab).n_embd
-    graphdef, fresh = init_model(config, vocab)
-    params = freeze_lib.load_params(config.init_from, fresh)
+    # Every param the backbone runs comes from the checkpoint: the model's shape is all the template needs.
+    graphdef, template = abstract_model(config, vocab)
+    params = freeze_lib.load_params(config.init_from, template)
     frozen = freeze_lib.resolve(config, params)
     source = str(freeze_lib.checkpoint_step_dir(config.init_from))
     n = config.freeze_layers

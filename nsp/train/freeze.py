@@ -140,7 +140,9 @@ def checkpoint_step_dir(source: str | Path) -> Path:
 def load_params(source: str | Path, template) -> Any:
     """The params saved with the checkpoint ``source`` names (``checkpoint_step_dir``), as a tree shaped like
     ``template`` (this run's fresh params) in its dtypes. A classifier's head (``cls``, ``--task classify``) that
-    the checkpoint lacks (a pretrained language model's) keeps ``template``'s fresh values.
+    the checkpoint lacks (a pretrained language model's) keeps ``template``'s fresh values; where the template is
+    abstract (``jax.ShapeDtypeStruct`` leaves, ``setup.abstract_model``: a process that never runs the head) the
+    head is zeros.
 
     Raises:
       TrainError: no checkpoint there, or its params are another model's (a leaf missing, extra or of another
@@ -159,7 +161,9 @@ def load_params(source: str | Path, template) -> Any:
     for path, like in paths:
         name = leaf_name(path)
         if name not in by_name and name.split("/")[0] == "cls":
-            leaves.append(jnp.asarray(like))  # a classifier on a language model: the new head starts fresh
+            # A classifier on a language model: the new head starts fresh (zeros from an abstract template).
+            abstract = isinstance(like, jax.ShapeDtypeStruct)
+            leaves.append(jnp.zeros(like.shape, like.dtype) if abstract else jnp.asarray(like))
             continue
         if name not in by_name:
             raise TrainError(f"--init-from {step_dir}: the checkpoint has no leaf {name} {tuple(like.shape)} "

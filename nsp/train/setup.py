@@ -119,6 +119,14 @@ def init_model(config: TrainConfig, vocab_size: int) -> tuple[Any, Any]:
     return nnx.split(GPT(model_config(config, vocab_size), rngs=nnx.Rngs(config.seed)), nnx.Param)
 
 
+def abstract_model(config: TrainConfig, vocab_size: int) -> tuple[Any, Any]:
+    """``(graphdef, params)`` of ``init_model``'s GPT with every param a ``jax.ShapeDtypeStruct``: its shape
+    without its values. For a process whose params all come from a checkpoint (an extractor): building the
+    fresh model's random values costs about as much as the rest of its start-up."""
+    return nnx.split(nnx.eval_shape(lambda: GPT(model_config(config, vocab_size), rngs=nnx.Rngs(config.seed))),
+                     nnx.Param)
+
+
 def init_store_layerwise(config: TrainConfig, layerwise: LayerwiseInit, store, tx: optax.GradientTransformation,
                          mesh=None, log: Callable[[str], None] = print) -> tuple[Any, Any]:
     """Writes a fresh model into ``store`` part by part and returns ``(bf16 params, opt_state)``.
