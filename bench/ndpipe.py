@@ -2,6 +2,9 @@
 
     python bench/ndpipe.py                 # the record in bench/results/ndpipe.json
     python bench/ndpipe.py --quick         # fewer steps, N = 1 and 2: a smoke run
+    python bench/ndpipe.py --cores split --json bench/results/ndpipe_split.json   # roles on their own cores
+    python bench/ndpipe.py --plot-only bench/results/ndpipe.json bench/results/ndpipe_split.json \
+        --png bench/results/ndpipe.png       # the plot of both records
 
 A GPT is pretrained once as a language model (``--pretrain-steps``), then fine-tuned for ``--steps`` steps on the
 same batches, for two tasks: ``classify`` (NDPipe's own kind: which top-level package of the standard library a
@@ -204,6 +207,46 @@ def fine_tune(task: str, args, common: list[str], pre: Path, base: Path) -> list
     return rows
 
 
+def plot(records: list[dict], png: str | os.PathLike) -> None:
+    """One panel per (task, ``--cores``) of the ``records``: each schedule's end-to-end seconds as a bar (NDPipe's
+    for N = 1, 2, 4 extractors, pipelined beside serial), its speed-up over full fine-tuning above it, and the
+    bytes each moved to the trainer in the panel's legend."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    panels = [(r, task) for r in records for task in r["tasks"]]
+    cols = min(2, len(panels))
+    rows_of_panels = -(-len(panels) // cols)
+    fig, axes = plt.subplots(rows_of_panels, cols, figsize=(6.2 * cols, 4.2 * rows_of_panels), squeeze=False)
+    colours = {"full": "#888888", "frozen": "#4c72b0", "ndpipe-serial": "#dd8452", "ndpipe": "#55a868"}
+    for ax, (record, task) in zip(axes.flat, panels):
+        rows = [r for r in record["rows"] if r["task"] == task]
+        labels, heights, colors = [], [], []
+        for r in rows:
+            n = f"\nN={r['extractors']}" if r["extractors"] else ""
+            labels.append({"full": "full", "frozen": "frozen", "ndpipe": "pipelined",
+                           "ndpipe-serial": "serial"}[r["schedule"]] + n)
+            heights.append(r["seconds"])
+            colors.append(colours[r["schedule"]])
+        bars = ax.bar(range(len(rows)), heights, color=colors)
+        for bar, r in zip(bars, rows):
+            ax.annotate(f"{r['speedup_vs_full']:.2f}x", (bar.get_x() + bar.get_width() / 2, bar.get_height()),
+                        ha="center", va="bottom", fontsize=8)
+        ax.set_xticks(range(len(rows)), labels, fontsize=7)
+        ax.set_ylabel("end to end (s)")
+        moved = {r["schedule"]: r["bytes_moved"] for r in rows}
+        ax.set_title(f"{task}, cores {record.get('cores', 'shared')}: {record['steps']} steps\n"
+                     f"to the trainer: tokens {moved['full'] / 1e6:.2f} MB, features "
+                     f"{moved.get('ndpipe', 0) / 1e6:.2f} MB", fontsize=9)
+    fig.suptitle("NDPipe: features beside the data against fine-tuning where the data is moved (above each bar: "
+                 "speed-up over full)", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(png, dpi=110)
+    plt.close(fig)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="small")
@@ -226,7 +269,16 @@ def main() -> None:
                         help="every process on every core, or the trainer and the extractors on halves of them")
     parser.add_argument("--quick", action="store_true", help="16 steps, N = 1 and 2")
     parser.add_argument("--json", default=None)
+    parser.add_argument("--png", default=None, help="also draw the record(s) to this file")
+    parser.add_argument("--plot-only", nargs="+", metavar="JSON", default=None,
+                        help="run nothing: draw these records (e.g. the shared and split ones) to --png")
     args = parser.parse_args()
+    if args.plot_only:
+        if not args.png:
+            parser.error("--plot-only needs --png (where the plot goes)")
+        plot([json.loads(Path(f).read_text()) for f in args.plot_only], args.png)
+        print(f"ndpipe: {', '.join(args.plot_only)} drawn to {args.png}")
+        return
     if args.quick:
         args.steps, args.extractors, args.pretrain_steps = 16, "1,2", 4
     usable = os.sched_getaffinity(0)
@@ -253,12 +305,14 @@ def main() -> None:
                        ("tuner_waited_s", "Tuner waited (s)", ".1f"),
                        ("bytes_moved", "bytes moved", ",d"), ("eval_loss", "held-out loss", ".4f"),
                        ("eval_accuracy", "accuracy", ".3f"), ("delta_ratio", "delta/ckpt", ".3f")])
-    write_json("ndpipe", {"model": args.model, "seq": args.seq, "batch": args.batch, "steps": args.steps,
+    written = write_json("ndpipe", {"model": args.model, "seq": args.seq, "batch": args.batch, "steps": args.steps,
                           "pretrain_steps": args.pretrain_steps, "freeze_layers": args.freeze_layers,
                           "classify_freeze_layers": args.classify_freeze_layers, "tasks": args.tasks.split(","),
                           "runs": args.runs, "quick": args.quick, "cores": args.cores,
                           "role_cpus": {k: sorted(v) if v is not None else sorted(usable)
                                         for k, v in ROLE_CPUS.items()}, "rows": rows}, args.json)
+    if args.png:
+        plot([json.loads(Path(written).read_text())], args.png)
 
 
 if __name__ == "__main__":
