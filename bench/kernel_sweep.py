@@ -117,7 +117,7 @@ def hypothesis_configurations(runs: int) -> list[dict]:
     cores = os.cpu_count() or 1
     best = (cpu_isas() or ["portable"])[0]
     return [{"name": f"hypothesis: {label}", "size": "64M", "threads": cores, "isa": best, "pages": "huge",
-             "contenders": "nsp,deepspeed,probes", "runs": runs, "targets": False, "env": env}
+             "contenders": "nsp,torch,deepspeed,probes", "runs": runs, "targets": False, "env": env}
             for label, env in HYPOTHESES.items()]
 
 
