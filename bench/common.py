@@ -98,18 +98,35 @@ VERSIONED_LIBRARIES = ("jax", "jaxlib", "flax", "optax", "tensorstore", "orbax-c
 ENV_PREFIXES = ("NSP_", "XLA_", "JAX_", "OMP_")
 
 
+def cpu_caches() -> dict[str, str]:
+    """The first CPU's caches as sysfs gives them, e.g. ``{"L1d": "48K", "L2": "2048K", "L3": "491520K"}``."""
+    caches = {}
+    for index in sorted(Path("/sys/devices/system/cpu/cpu0/cache").glob("index*")):
+        try:
+            level = (index / "level").read_text().strip()
+            kind = (index / "type").read_text().strip()
+            size = (index / "size").read_text().strip()
+        except OSError:
+            continue
+        caches[f"L{level}" + {"Data": "d", "Instruction": "i"}.get(kind, "")] = size
+    return caches
+
+
 def machine_info() -> dict[str, Any]:
     """What the numbers were measured on: CPU model and the SIMD flags that matter, the kernel ISA nsp picked,
     cores (all, and those this process may run on), RAM, OS kernel. Reads /proc only (no subprocess)."""
     import jax
 
-    cpu, flags = None, None
+    cpu, flags, ids = None, None, {}
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:  # the first processor's entries
-                if line.startswith("model name") and cpu is None:
+                key = line.split(":", 1)[0].strip()
+                if key == "model name" and cpu is None:
                     cpu = line.split(":", 1)[1].strip()
-                elif line.startswith("flags") and flags is None:
+                elif key in ("cpu family", "model", "stepping") and key not in ids:
+                    ids[key] = line.split(":", 1)[1].strip()
+                elif key == "flags" and flags is None:
                     present = set(line.split(":", 1)[1].split())
                     flags = [f for f in SIMD_FLAGS if f in present]
                 if cpu is not None and flags is not None:
@@ -134,6 +151,10 @@ def machine_info() -> dict[str, Any]:
         isa = f"unknown ({type(e).__name__})"
     return {
         "cpu": cpu,
+        # A virtual machine's CPUs often share one model name ("Intel(R) Xeon(R) Processor"): the family, model
+        # and stepping numbers and the cache sizes tell one machine kind from another.
+        "cpu_ids": ids,
+        "caches": cpu_caches(),
         "flags": flags,
         "kernel_isa": isa,
         "cores": os.cpu_count(),
