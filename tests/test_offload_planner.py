@@ -126,3 +126,39 @@ def test_offload_blocks_layers_offloads_only_those(tmp_path):
     assert stats["saves"] == stats["loads"] == 2 * 2  # two blocks a step, two steps
     with pytest.raises(ValueError, match="num_layers"):
         nsp.offload.offload_blocks(area, layers=[0])
+
+
+def test_a_planned_offload_on_several_devices_trains_as_without_offload(tmp_path, monkeypatch, capsys):
+    """``--offload-activations BUDGET`` on a mesh (the suite's 4 host devices, one process): the planner profiles
+    the whole batch on one device, counts the other devices' gradients beside the step, and the plan it writes
+    runs under the sharded step. The plan is narrowed to block 0 here, so that a partial offload on the mesh is
+    what runs whatever this machine's memory: the losses equal those of the run without offload."""
+    import dataclasses
+
+    import jax
+
+    from nsp.cli import main
+
+    assert jax.device_count() >= 2, "the suite runs on several host devices (conftest)"
+    real = planner.plan_offload
+    monkeypatch.setattr(planner, "plan_offload",
+                        lambda profile, budget, extra=0: dataclasses.replace(real(profile, budget, extra), layers=(0,)))
+    common = ["train", "--model", "tiny", "--steps", "3", "--seq", "32", "--batch", "8", "--activation", "relu",
+              "--log-every", "1", "--eval-every", "0", "--tier", "memory", "--no-checkpoints"]
+    assert main(common + ["--run-dir", str(tmp_path / "keep")]) == 0
+    keep = capsys.readouterr().out
+    from nsp.train import activations
+
+    stats, close = [], activations.close
+    monkeypatch.setattr(activations, "close", lambda area: (area and stats.append(area.stats()), close(area)))
+    assert main(common + ["--run-dir", str(tmp_path / "planned"), "--offload-activations", "64GiB"]) == 0
+    # Block 0 alone went to the spill area, from each device, every step (all blocks would be twice as many).
+    assert len(stats) == 1 and stats[0]["saves"] == stats[0]["loads"] == 3 * jax.device_count(), stats
+    planned = capsys.readouterr().out
+    assert f"offload planner: {jax.device_count()} devices: the whole batch profiled on one" in planned
+    assert "blocks offloaded: 0 (1 of 2)" in planned
+    saved = json.loads((tmp_path / "planned" / "offload_plan.json").read_text())
+    assert saved["plan"]["layers"] == [0]
+    losses = [[line.split("loss ")[1].split()[0] for line in out.splitlines() if line.startswith("step ")]
+              for out in (keep, planned)]
+    assert len(losses[0]) == 3 and losses[0] == losses[1]

@@ -92,18 +92,37 @@ def _update_bytes(store: Any) -> int:
 
 
 def _plan(config: TrainConfig, graphdef, params, model, batch, mesh, area, log, extra_bytes: int = 0):
-    """``(profile, plan)`` for ``--offload-activations auto|BUDGET``, the plan written to the run directory."""
-    if mesh is not None:
-        raise TrainError("--offload-activations auto|BUDGET plans one device's step; on several devices give "
-                         "--offload-activations all")
+    """``(profile, plan)`` for ``--offload-activations auto|BUDGET``, the plan written to the run directory.
+
+    On several devices of one process (a mesh) the planner profiles the whole batch on the first device: the
+    activations all devices hold together are those of the whole batch, and their spills share the one area and
+    its disk. What it does not see is that each further device computes its own gradients, a replica of the
+    params' size: that is added to what the step holds beside the forward/backward.
+    """
     if batch is None:
         raise TrainError("internal error: the planner needs the run's first batch")
+    devices = 1 if mesh is None else int(mesh.devices.size)
+    if devices > 1 and jax.process_count() > 1:
+        raise TrainError("--offload-activations auto|BUDGET plans one process's step; with several processes each "
+                         "would profile its own machine and could pick another plan: give --offload-activations "
+                         "all (or a plan's blocks with one process)")
     budget = (planner.available_budget() if config.offload_activations == "auto"
               else planner.parse_budget(config.offload_activations))
 
     def loss_of(p, b, block_call):
         return loss_fn(graphdef, p, b, block_call=block_call)
 
+    if devices > 1:
+        # The first device's replica of the params (no copy: it is already there), so that the profiling steps
+        # run once on one device instead of on every device of the mesh.
+        first = jax.sharding.SingleDeviceSharding(mesh.devices.flat[0])
+        params = jax.device_put(params, first)
+        model = nnx.merge(graphdef, params)
+        gradients = (devices - 1) * sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(params))
+        log(f"offload planner: {devices} devices: the whole batch profiled on one; the other devices' gradients "
+            f"({gradients / 2**30:.2f} GiB) counted beside the step")
+        extra_bytes += gradients
+        batch = jax.device_put(batch, first)
     profile = planner.profile_blocks(model, loss_of, params, jax.numpy.asarray(batch), area.path.parent, log)
     plan = planner.plan_offload(profile, budget, extra_bytes)
     planner.write_plan(Path(config.run_dir) / PLAN_FILE, profile, plan)
