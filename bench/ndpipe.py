@@ -59,7 +59,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import print_table, write_json  # noqa: E402
+from common import median, print_table, write_json  # noqa: E402
 
 NSP = [sys.executable, "-m", "nsp.cli"]
 
@@ -197,14 +197,41 @@ def fine_tune(task: str, args, common: list[str], pre: Path, base: Path) -> list
                   f"the Tuner {timed['tune_s']:.1f} s, side by side {timed['overlap_s']:.1f} s, the Tuner waited "
                   f"{timed['tuner_waited_s']:.1f} s)", flush=True)
             shutil.rmtree(out, ignore_errors=True)
-    full = next(r["seconds"] for r in rows if r["schedule"] == "full")
+    return rows
+
+
+def add_speedups(rows: list[dict]) -> list[dict]:
+    """Each row's speed-up over its task's full fine-tuning, and each pipelined row's over its serial one."""
     for r in rows:
-        r["speedup_vs_full"] = full / r["seconds"]
-        serial = next((s["seconds"] for s in rows if s["schedule"] == "ndpipe-serial"
-                       and s["extractors"] == r["extractors"]), None)
+        task = [t for t in rows if t["task"] == r["task"]]
+        r["speedup_vs_full"] = next(t["seconds"] for t in task if t["schedule"] == "full") / r["seconds"]
+        serial = next((t["seconds"] for t in task if t["schedule"] == "ndpipe-serial"
+                       and t["extractors"] == r["extractors"]), None)
         if r["schedule"] == "ndpipe" and serial:
             r["speedup_vs_serial"] = serial / r["seconds"]
     return rows
+
+
+TIMES = ("seconds", "extract_s", "tune_s", "overlap_s", "tuner_waited_s")
+
+
+def merge_repeats(repeats: list[list[dict]]) -> list[dict]:
+    """One row per (task, schedule, N) from ``--repeats`` passes: each time the median over passes (every pass's
+    in ``<time>_runs``), the speed-ups those medians give, and each pass's own speed-ups in ``<speedup>_runs``
+    (each pass ran every schedule once, in the same order, so a slow spell lands on a whole pass)."""
+    for rows in repeats:
+        add_speedups(rows)
+    merged = []
+    for i, first in enumerate(repeats[0]):
+        same = [rows[i] for rows in repeats]
+        row = dict(first)
+        for key in TIMES + ("speedup_vs_full", "speedup_vs_serial"):
+            if key in first:
+                row[f"{key}_runs"] = [r[key] for r in same]
+                if key in TIMES:
+                    row[key] = median(row[f"{key}_runs"])
+        merged.append(row)
+    return add_speedups(merged)
 
 
 def plot(records: list[dict], png: str | os.PathLike) -> None:
@@ -265,6 +292,8 @@ def main() -> None:
     parser.add_argument("--extractors", default="1,2,4")
     parser.add_argument("--dir", default=None, help="where the runs go (default: a temp dir)")
     parser.add_argument("--timeout", type=float, default=1800)
+    parser.add_argument("--repeats", type=int, default=1,
+                        help="passes over every schedule; the record keeps each pass and the medians")
     parser.add_argument("--cores", choices=("shared", "split"), default="shared",
                         help="every process on every core, or the trainer and the extractors on halves of them")
     parser.add_argument("--quick", action="store_true", help="16 steps, N = 1 and 2")
@@ -289,16 +318,21 @@ def main() -> None:
     base = Path(tempfile.mkdtemp(prefix="nsp-ndpipe-", dir=args.dir))
     common = ["--model", args.model, "--seq", str(args.seq), "--batch", str(args.batch), "--tier", "file",
               "--eval-every", "0", "--log-every", "10", "--ckpt-every", "0"]
-    rows = []
     try:
         pre = base / "pre"
         print(f"ndpipe: pretraining {args.model} for {args.pretrain_steps} steps", flush=True)
         _run(["train", *common, "--run-dir", str(pre), "--steps", str(args.pretrain_steps)], args.timeout, role=None)
-        for task in args.tasks.split(","):
-            rows += fine_tune(task, args, common, pre, base)
+        passes = []
+        for k in range(args.repeats):
+            if args.repeats > 1:
+                print(f"ndpipe: pass {k + 1} of {args.repeats}", flush=True)
+            passes.append([row for task in args.tasks.split(",") for row in fine_tune(task, args, common, pre, base)])
+        rows = merge_repeats(passes)
     finally:
         shutil.rmtree(base, ignore_errors=True)
-    print_table(f"fine-tuning {args.model} for {args.steps} steps ({args.batch} x {args.seq} tokens), end to end",
+    passes_note = f", median of {args.repeats} passes" if args.repeats > 1 else ""
+    print_table(f"fine-tuning {args.model} for {args.steps} steps ({args.batch} x {args.seq} tokens), end to end"
+                f"{passes_note}",
                 rows, [("task", "task", ""), ("schedule", "schedule", ""), ("extractors", "N", "d"),
                        ("seconds", "seconds", ".1f"), ("speedup_vs_full", "vs full", ".2f"),
                        ("speedup_vs_serial", "vs serial", ".2f"), ("overlap_s", "side by side (s)", ".1f"),
@@ -308,7 +342,7 @@ def main() -> None:
     written = write_json("ndpipe", {"model": args.model, "seq": args.seq, "batch": args.batch, "steps": args.steps,
                           "pretrain_steps": args.pretrain_steps, "freeze_layers": args.freeze_layers,
                           "classify_freeze_layers": args.classify_freeze_layers, "tasks": args.tasks.split(","),
-                          "runs": args.runs, "quick": args.quick, "cores": args.cores,
+                          "runs": args.runs, "repeats": args.repeats, "quick": args.quick, "cores": args.cores,
                           "role_cpus": {k: sorted(v) if v is not None else sorted(usable)
                                         for k, v in ROLE_CPUS.items()}, "rows": rows}, args.json)
     if args.png:
