@@ -104,8 +104,7 @@ def _plan(config: TrainConfig, graphdef, params, model, batch, mesh, area, log, 
     devices = 1 if mesh is None else int(mesh.devices.size)
     if devices > 1 and jax.process_count() > 1:
         raise TrainError("--offload-activations auto|BUDGET plans one process's step; with several processes each "
-                         "would profile its own machine and could pick another plan: give --offload-activations "
-                         "all (or a plan's blocks with one process)")
+                         "would profile its own machine and could pick another plan: give --offload-activations all")
     budget = (planner.available_budget() if config.offload_activations == "auto"
               else planner.parse_budget(config.offload_activations))
 
@@ -113,8 +112,8 @@ def _plan(config: TrainConfig, graphdef, params, model, batch, mesh, area, log, 
         return loss_fn(graphdef, p, b, block_call=block_call)
 
     if devices > 1:
-        # The first device's replica of the params (no copy: it is already there), so that the profiling steps
-        # run once on one device instead of on every device of the mesh.
+        # The params' replica on the first device, so that the profiling steps run once, on one device, instead
+        # of on every device of the mesh.
         first = jax.sharding.SingleDeviceSharding(mesh.devices.flat[0])
         params = jax.device_put(params, first)
         model = nnx.merge(graphdef, params)
