@@ -339,12 +339,12 @@ def main() -> None:
                        ("tuner_waited_s", "Tuner waited (s)", ".1f"),
                        ("bytes_moved", "bytes moved", ",d"), ("eval_loss", "held-out loss", ".4f"),
                        ("eval_accuracy", "accuracy", ".3f"), ("delta_ratio", "delta/ckpt", ".3f")])
-    written = write_json("ndpipe", {"model": args.model, "seq": args.seq, "batch": args.batch, "steps": args.steps,
-                          "pretrain_steps": args.pretrain_steps, "freeze_layers": args.freeze_layers,
-                          "classify_freeze_layers": args.classify_freeze_layers, "tasks": args.tasks.split(","),
-                          "runs": args.runs, "repeats": args.repeats, "quick": args.quick, "cores": args.cores,
-                          "role_cpus": {k: sorted(v) if v is not None else sorted(usable)
-                                        for k, v in ROLE_CPUS.items()}, "rows": rows}, args.json)
+    record = {"model": args.model, "seq": args.seq, "batch": args.batch, "steps": args.steps,
+              "pretrain_steps": args.pretrain_steps, "freeze_layers": args.freeze_layers,
+              "classify_freeze_layers": args.classify_freeze_layers, "tasks": args.tasks.split(","),
+              "runs": args.runs, "repeats": args.repeats, "quick": args.quick, "cores": args.cores,
+              "role_cpus": {k: sorted(v if v is not None else usable) for k, v in ROLE_CPUS.items()}, "rows": rows}
+    written = write_json("ndpipe", record, args.json)
     if args.png:
         plot([json.loads(Path(written).read_text())], args.png)
 

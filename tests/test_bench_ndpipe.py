@@ -32,3 +32,18 @@ def test_a_pinned_child_runs_on_its_roles_cpus(monkeypatch):
         assert out.strip() == str(sorted(cpus)), role
     monkeypatch.setattr(ndpipe, "ROLE_CPUS", {"trainer": None, "extractors": None})
     assert ndpipe._pin("trainer") is None  # --cores shared: no pinning
+
+
+def test_repeated_passes_merge_into_medians_and_keep_each_pass():
+    def pass_(full, serial, pipelined):
+        return [{"task": "t", "schedule": "full", "extractors": 0, "seconds": full},
+                {"task": "t", "schedule": "ndpipe", "extractors": 1, "seconds": pipelined, "overlap_s": 1.0},
+                {"task": "t", "schedule": "ndpipe-serial", "extractors": 1, "seconds": serial, "overlap_s": 0.0}]
+
+    rows = ndpipe.merge_repeats([pass_(60.0, 30.0, 20.0), pass_(90.0, 33.0, 30.0), pass_(63.0, 36.0, 24.0)])
+    full, pipelined, serial = rows
+    assert full["seconds"] == 63.0 and full["seconds_runs"] == [60.0, 90.0, 63.0]
+    assert pipelined["seconds"] == 24.0 and serial["seconds"] == 33.0
+    assert pipelined["speedup_vs_serial"] == 33.0 / 24.0  # from the medians ...
+    assert pipelined["speedup_vs_serial_runs"] == [30.0 / 20.0, 33.0 / 30.0, 36.0 / 24.0]  # ... and pass by pass
+    assert pipelined["speedup_vs_full"] == 63.0 / 24.0 and "speedup_vs_serial" not in serial
