@@ -4,11 +4,14 @@
     python bench/kernel_sweep.py --quick      # 64M only: the headline configurations, 3 runs
     python bench/kernel_sweep.py --hypotheses --runs 3   # the tuning knobs one at a time (prefetch, task size)
 
-Each run of a configuration is a fresh process of bench/update_kernel.py (its contenders interleaved, median of 7
-rounds); the runs of all configurations are interleaved too (run 1 of every configuration, then run 2, ...), so
-that a slow spell of the machine lands on every configuration rather than on one. For each configuration the
-record keeps every run's medians and, for each ratio, the median over runs, the lowest and the highest: a target
-is met when the median over runs reaches it, and the record also says whether every run reached it.
+Each run of a configuration is a fresh process of bench/update_kernel.py (its contenders interleaved in a shuffled
+order, 7 rounds; each timed call after a cache reset and a warm-up call, see its docstring); the runs of all
+configurations are interleaved too (run 1 of every configuration, then run 2, ...), so that a slow spell of the
+machine lands on every configuration rather than on one. A run's ratio against a contender is the median over its
+rounds of that round's ratio (paired: the two calls ran seconds apart); the record keeps it beside the ratio of the
+two medians. For each configuration the record keeps every run's ratios and the median over runs, the lowest and
+the highest: a target is met when the median over runs reaches it, and the record also says whether every run
+reached it.
 
 Configurations:
   headline   64M params (1.8 GB moved per update, far beyond the last-level cache), every core, each instruction
@@ -101,12 +104,14 @@ def configurations(quick: bool, runs: int) -> list[dict]:
 
 
 #: --hypotheses: one knob changed at a time from the defaults (ffi/kernels/update_kernel.cc: prefetch 512 elements
-#: ahead, tasks of 1M elements), 64M, every core.
+#: ahead into L1, tasks of 1M elements), 64M, every core.
 HYPOTHESES = {
     "defaults": {},
     "no software prefetch": {"NSP_KERNEL_PREFETCH": "0"},
     "prefetch 1 KiB ahead": {"NSP_KERNEL_PREFETCH": "256"},
     "prefetch 4 KiB ahead": {"NSP_KERNEL_PREFETCH": "1024"},
+    "prefetch into L2": {"NSP_KERNEL_PREFETCH_LEVEL": "2"},
+    "prefetch into the last level": {"NSP_KERNEL_PREFETCH_LEVEL": "3"},
     "one task per thread": {"NSP_KERNEL_TASK_ELEMS": "0"},
     "tasks of 4M elements": {"NSP_KERNEL_TASK_ELEMS": str(4 << 20)},
     "tasks of 256K elements": {"NSP_KERNEL_TASK_ELEMS": str(256 << 10)},
@@ -142,10 +147,19 @@ def ratios(med: dict) -> dict[str, float]:
     return out
 
 
+def paired_ratios(times: dict[str, list[float]]) -> dict[str, float]:
+    """The same ratios, each the median over rounds of that round's ratio: a contender and nsp timed in the same
+    round (seconds apart) share the machine's state then, so a slow spell that spans a round moves both and
+    cancels, where the ratio of two medians keeps it."""
+    rounds = range(len(times[NSP]))
+    per_round = [ratios({name: ts[i] for name, ts in times.items()}) for i in rounds]
+    return {key: median([r[key] for r in per_round]) for key in per_round[0]}
+
+
 def summarise(cfg: dict, records: list[dict]) -> dict:
     n = records[0]["size"]
     nsp_times = [r["median_s"][NSP] for r in records]
-    per_run = [ratios(r["median_s"]) for r in records]
+    per_run = [paired_ratios(r["times_s"]) for r in records]
     summary = {"config": cfg["name"], "size": n, "threads": cfg["threads"], "isa": cfg["isa"], "pages": cfg["pages"],
                "runs": len(records), "isa_reported": sorted({r["isa"] for r in records}),
                "nsp_ms": {"median": median(nsp_times) * 1e3, "min": min(nsp_times) * 1e3,
@@ -157,7 +171,9 @@ def summarise(cfg: dict, records: list[dict]) -> dict:
                "ratios": {}}
     for key in per_run[0]:
         values = [r[key] for r in per_run]
-        entry = {"median": median(values), "min": min(values), "max": max(values), "per_run": values}
+        of_medians = [ratios(r["median_s"])[key] for r in records]
+        entry = {"median": median(values), "min": min(values), "max": max(values), "per_run": values,
+                 "ratio_of_medians_per_run": of_medians}
         if cfg["targets"] and key in TARGETS:
             entry["target"] = TARGETS[key]
             entry["met"] = entry["median"] >= TARGETS[key]
@@ -204,7 +220,7 @@ def main() -> None:
                 rec = run_one(cfg, Path(tmp) / "run.json", args.repeats)
                 records[cfg["name"]].append(rec)
                 done += 1
-                r = ratios(rec["median_s"])
+                r = paired_ratios(rec["times_s"])
                 print(f"  [{done}/{total}, {time.monotonic() - started:.0f} s] run {run + 1} {cfg['name']}: nsp "
                       f"{rec['median_s'][NSP] * 1e3:.2f} ms; " + ", ".join(f"vs {k} {v:.3f}x" for k, v in r.items()),
                       flush=True)

@@ -49,6 +49,16 @@ Spinning threads: OMP_WAIT_POLICY is set (default PASSIVE) before torch or DeepS
 and every call is followed by a pause (default 0.2 s) before the next contender runs; the JSON records both, and
 the CPU time this process used during each pause (threads of the last contender still running). Run with
 --omp-wait-policy ACTIVE or unset to see what spinning threads do to the ratios.
+
+Each timed sample starts the same way for every contender (all three recorded, each can be turned off):
+  order       the contenders run in a fresh (seeded) order each round (--order shuffled), so none always follows
+              the same one
+  cache reset a read of a buffer twice the last-level cache's size (--cache-reset-mib), so that no call finds its
+              own data in the cache, or another contender's dirty lines to write back first (bench/cache_reset.py)
+  warm call   the contender's own call on a small state (--warm-call, WARM_ELEMS params), so that its threads are
+              awake, as after a training step's backward pass. After the pause, waking the threads of a jitted
+              call cost 1-4 ms here (a 2-vCPU virtual machine): a jitted call on 1K elements took 1.2 ms after a
+              sleep and 25 us back to back, which at 64M params was 5-10% of nsp's time and none of the kernel's.
 """
 
 from __future__ import annotations
@@ -66,6 +76,7 @@ import numpy as np
 import optax
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import cache_reset  # noqa: E402
 import page_backing  # noqa: E402
 import wait_policy  # noqa: E402
 from adam_steps import nsp_adam_step, torch_fused_adam  # noqa: E402
@@ -79,6 +90,9 @@ CONTENDER_GROUPS = ("nsp", "nsp-variants", "optax", "torch", "deepspeed", "probe
 DS = "DeepSpeedCPUAdam"
 TORCH = "torch fused Adam"
 SAMPLE_BYTES = 0.5e9  # --calls auto: a timed sample moves at least this many bytes
+#: --warm-call: the size of each contender's warm-up state, enough that each splits it over two threads (nsp's
+#: kernels split at 64K elements per task)
+WARM_ELEMS = 1 << 18
 NSP_PROBE = "roofline probe: nsp stream (28 B/param)"
 NUMPY_PROBE = "roofline probe: numpy in place (28 B/param)"
 EAGER = "nsp dense fp32, eager (no jit)"
@@ -110,10 +124,11 @@ def parse_size(text: str) -> int:
     return int(float(text.rstrip("KMG")) * scale)
 
 
-def nsp_contenders(n: int, rng: np.random.Generator, ratio: float, arrays: dict, variants: bool = True):
+def nsp_contenders(n: int, rng: np.random.Generator, ratio: float, arrays: dict, variants: bool = True,
+                   warm: dict | None = None):
     """Three nsp variants sharing one state (each call is one in-place Adam step), and the eager one (only the
     dense one without ``variants``); ``arrays`` receives, per contender, a function listing the arrays it
-    streams."""
+    streams, and ``warm`` its warm-up call (the same step on a small state of its own)."""
     state = {
         "p": jnp.asarray(rng.standard_normal(n, np.float32)),
         "m": jnp.zeros(n, jnp.float32),
@@ -136,6 +151,12 @@ def nsp_contenders(n: int, rng: np.random.Generator, ratio: float, arrays: dict,
 
     arrays["nsp dense fp32"] = streams(state, grad)
     dense = {"nsp dense fp32": run(lambda t: step(state["p"], grad, state["m"], state["v"], t))}
+    small = {"p": jnp.ones(WARM_ELEMS, jnp.float32), "m": jnp.zeros(WARM_ELEMS, jnp.float32),
+             "v": jnp.zeros(WARM_ELEMS, jnp.float32), "t": 0}
+    small_grad = jnp.full(WARM_ELEMS, 1e-3, jnp.float32)
+    warm_jit = run(lambda t: step(small["p"], small_grad, small["m"], small["v"], t), small)
+    if warm is not None:
+        warm["nsp dense fp32"] = warm_jit
     if not variants:
         return dense, 0
     grad_bf16 = grad.astype(jnp.bfloat16)
@@ -152,6 +173,10 @@ def nsp_contenders(n: int, rng: np.random.Generator, ratio: float, arrays: dict,
         return fused_update(s["p"], grad, s["m"], s["v"], kind="adam", step=t, lr=LR)[:3]
 
     topk = f"nsp top-k {ratio:.0%}"
+    if warm is not None:
+        warm.update({"nsp bf16 grads": warm_jit, topk: warm_jit,
+                     EAGER: run(lambda t: fused_update(small["p"], small_grad, small["m"], small["v"], kind="adam",
+                                                       step=t, lr=LR)[:3], small)})
     arrays.update({EAGER: streams(eager_state, grad), "nsp bf16 grads": streams(state, grad_bf16),
                    topk: streams(state, vals, idx)})
     return {
@@ -179,21 +204,32 @@ def optax_contender(n: int, rng: np.random.Generator):
     def streams():
         return [box["p"], grad, *(x for x in jax.tree.leaves(box["s"]) if x.size == n)]
 
-    return fn, streams
+    small_grad = jnp.full(WARM_ELEMS, 1e-3, jnp.float32)
+    small = {"p": jnp.ones(WARM_ELEMS, jnp.float32)}
+    small["s"] = opt.init(small["p"])
+
+    def warm():
+        small["p"], small["s"] = jax.block_until_ready(step(small["p"], small["s"], small_grad))
+
+    return fn, streams, warm
 
 
 def torch_contender(shared: list[np.ndarray], threads: int):
     p, g, m, v = shared
     step, note = torch_fused_adam(p, g, m, v, threads=threads, lr=LR)
     if step is None:
-        return None, note, None
+        return None, note, None, None
+    small_step, _ = torch_fused_adam(*probe_arrays(WARM_ELEMS), threads=threads, lr=LR)
     t = [0]
 
     def fn():
         t[0] += 1
         step(t[0])
 
-    return fn, note, lambda: [p, g, m, v]
+    def warm():
+        small_step(t[0] + 1)
+
+    return fn, note, lambda: [p, g, m, v], warm
 
 
 def deepspeed_contender(shared: list[np.ndarray], threads: int):
@@ -207,9 +243,13 @@ def deepspeed_contender(shared: list[np.ndarray], threads: int):
         p = torch.nn.Parameter(torch.from_numpy(shared[0]))  # zero-copy: the shared host arrays
         p.grad = torch.from_numpy(shared[1])
         opt = DeepSpeedCPUAdam([p], lr=LR, adamw_mode=False)
+        small_p, small_g = probe_arrays(WARM_ELEMS)[:2]
+        small = torch.nn.Parameter(torch.from_numpy(small_p))
+        small.grad = torch.from_numpy(small_g)
+        small_opt = DeepSpeedCPUAdam([small], lr=LR, adamw_mode=False)
     except Exception as e:  # noqa: BLE001  (deepspeed raises various errors when its ops cannot build)
         return None, (f"unavailable ({type(e).__name__}: {e}; apt-get install -y libaio-dev && pip install "
-                      "'.[bench]')"), None
+                      "'.[bench]')"), None, None
 
     def fn():
         opt.step()
@@ -217,7 +257,7 @@ def deepspeed_contender(shared: list[np.ndarray], threads: int):
     def streams():  # its moments exist from the first step on
         return [p, p.grad, *(x for x in opt.state[p].values() if hasattr(x, "numel") and x.numel() == n)]
 
-    return fn, f"deepspeed {deepspeed.__version__}, {threads} threads", streams
+    return fn, f"deepspeed {deepspeed.__version__}, {threads} threads", streams, small_opt.step
 
 
 def probe_arrays(n: int) -> list[np.ndarray]:
@@ -229,10 +269,12 @@ def probe_arrays(n: int) -> list[np.ndarray]:
 
 
 def nsp_stream_probe(arrays: list[np.ndarray]):
+    small = probe_arrays(WARM_ELEMS)
+
     def fn():
         stream_roofline(*arrays)
 
-    return fn, lambda: arrays
+    return fn, lambda: arrays, lambda: stream_roofline(*small)
 
 
 NUMPY_CHUNK = 1 << 16  # elements: g's chunk (256 KiB) stays in cache for its three uses
@@ -241,26 +283,27 @@ NUMPY_CHUNK = 1 << 16  # elements: g's chunk (256 KiB) stays in cache for its th
 def numpy_stream_probe(arrays: list[np.ndarray], threads: int):
     """p += g, m += g, v += g in place, chunk by chunk (so each array crosses the memory bus once: 28 B/param), on
     ``threads`` Python threads over disjoint ranges (numpy releases the GIL inside each add)."""
-    p, g, m, v = arrays
-    n = p.size
-    per = -(-n // threads // NUMPY_CHUNK) * NUMPY_CHUNK
-    ranges = [(lo, min(n, lo + per)) for lo in range(0, n, per)]
-    pool = ThreadPoolExecutor(len(ranges), thread_name_prefix="numpy-stream")  # idle workers block, never spin
+    pool = ThreadPoolExecutor(threads, thread_name_prefix="numpy-stream")  # idle workers block, never spin
 
-    def part(bounds):
-        lo, hi = bounds
-        for s in range(lo, hi, NUMPY_CHUNK):
-            e = min(hi, s + NUMPY_CHUNK)
-            gs = g[s:e]
-            np.add(p[s:e], gs, out=p[s:e])
-            np.add(m[s:e], gs, out=m[s:e])
-            np.add(v[s:e], gs, out=v[s:e])
+    def call(arrays):
+        p, g, m, v = arrays
+        n = p.size
+        per = -(-n // threads // NUMPY_CHUNK) * NUMPY_CHUNK
 
-    def fn():
-        for f in [pool.submit(part, r) for r in ranges]:
+        def part(lo):
+            hi = min(n, lo + per)
+            for s in range(lo, hi, NUMPY_CHUNK):
+                e = min(hi, s + NUMPY_CHUNK)
+                gs = g[s:e]
+                np.add(p[s:e], gs, out=p[s:e])
+                np.add(m[s:e], gs, out=m[s:e])
+                np.add(v[s:e], gs, out=v[s:e])
+
+        for f in [pool.submit(part, lo) for lo in range(0, n, per)]:
             f.result()
 
-    return fn, lambda: [p, g, m, v]
+    small = probe_arrays(2 * threads * NUMPY_CHUNK)  # a chunk or two for every thread
+    return lambda: call(arrays), lambda: arrays, lambda: call(small)
 
 
 def crc32c_rates(rounds: int, calls: int = 16) -> dict[str, float | str]:
@@ -293,6 +336,18 @@ def parse_groups(text: str) -> set[str]:
     return groups
 
 
+def before_call(reset, warm_up):
+    """What runs, untimed, right before each timed sample: the cache reset, then the contender's warm-up call."""
+
+    def fn():
+        if reset is not None:
+            reset()
+        if warm_up is not None:
+            warm_up()
+
+    return fn
+
+
 def repeated(fn, calls: int):
     """``fn`` run ``calls`` times back to back: one timed sample."""
     if calls == 1:
@@ -316,6 +371,16 @@ def main() -> None:
     parser.add_argument("--calls", type=int, default=0,
                         help="back-to-back calls per timed sample (default: enough to move 0.5 GB)")
     parser.add_argument("--no-crc", action="store_true", help="skip the page-checksum rates")
+    parser.add_argument("--order", choices=("shuffled", "fixed"), default="shuffled",
+                        help="contender order in each timed round: drawn afresh (seeded) or always the same")
+    parser.add_argument("--warm-call", action=argparse.BooleanOptionalAction, default=True,
+                        help="right before each timed sample, the same contender's call on a small state of its own "
+                             f"({WARM_ELEMS} params), so that its threads are awake as after a training step's "
+                             "backward pass (default on)")
+    parser.add_argument("--cache-reset-mib", type=int, default=-1,
+                        help="before each timed call, read a buffer of this many MiB of nobody's data, so every "
+                             "call finds the last-level cache holding clean lines of none of its arrays (0: off; "
+                             "default: twice the last-level cache)")
     wait_policy.add_arguments(parser)
     page_backing.add_arguments(parser)
     parser.add_argument("--json", default=None, help="where to write the JSON record")
@@ -336,13 +401,15 @@ def main() -> None:
     rng = np.random.default_rng(0)
 
     arrays: dict = {}  # per contender, a function listing the arrays it streams (for their pages' record)
+    warm: dict = {}  # per contender, its warm-up call: the same work on a small state of its own
     contenders: dict = {}
     k = 0
     if groups & {"nsp", "nsp-variants"}:
-        contenders, k = nsp_contenders(n, rng, args.ratio, arrays, variants="nsp-variants" in groups)
+        contenders, k = nsp_contenders(n, rng, args.ratio, arrays, variants="nsp-variants" in groups, warm=warm)
     notes = {}
     if "optax" in groups:
-        contenders["optax.adam (jit, donated)"], arrays["optax.adam (jit, donated)"] = optax_contender(n, rng)
+        name = "optax.adam (jit, donated)"
+        contenders[name], arrays[name], warm[name] = optax_contender(n, rng)
     # One set of host arrays per contender, unless four would not fit in half the RAM (then one shared set).
     share = 4 * 16 * n > os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // 2
     shared = probe_arrays(n) if share and groups & {"torch", "deepspeed", "probes"} else []
@@ -354,20 +421,27 @@ def main() -> None:
             DS: lambda: deepspeed_contender(host_arrays(), args.threads)}
     for name, group in ((TORCH, "torch"), (DS, "deepspeed")):
         if group in groups:
-            fn, note, streams = host[name]()
+            fn, note, streams, warm_fn = host[name]()
             notes[name] = note
             if fn is not None:
-                contenders[name], arrays[name] = fn, streams
+                contenders[name], arrays[name], warm[name] = fn, streams, warm_fn
     if "probes" in groups:
-        contenders[NSP_PROBE], arrays[NSP_PROBE] = nsp_stream_probe(host_arrays())
-        contenders[NUMPY_PROBE], arrays[NUMPY_PROBE] = numpy_stream_probe(host_arrays(), args.threads)
+        contenders[NSP_PROBE], arrays[NSP_PROBE], warm[NSP_PROBE] = nsp_stream_probe(host_arrays())
+        contenders[NUMPY_PROBE], arrays[NUMPY_PROBE], warm[NUMPY_PROBE] = numpy_stream_probe(host_arrays(),
+                                                                                            args.threads)
     timed = {name: repeated(fn, calls) for name, fn in contenders.items()}
 
     print(f"fp32 Adam update of {n / 2**20:.0f}M params, {args.threads} threads, kernel ISA {kernel_isa()}, "
           f"median of {args.repeats} interleaved rounds of {calls} call(s) each, OMP_WAIT_POLICY={policy}, "
           f"{args.pause:g} s pause between contenders")
     idle_cpu: dict[str, list[float]] = {}
-    samples = time_interleaved(timed, repeats=args.repeats, warmup=2, pause=args.pause, idle_cpu=idle_cpu)
+    reset_mib = args.cache_reset_mib if args.cache_reset_mib >= 0 else 2 * cache_reset.llc_mib()
+    reset = cache_reset.CacheReset(reset_mib) if reset_mib else None
+    before = {name: before_call(reset, warm[name] if args.warm_call else None) for name in timed}
+    orders: list[list[str]] = []
+    samples = time_interleaved(timed, repeats=args.repeats, warmup=2, pause=args.pause, idle_cpu=idle_cpu,
+                               before=before, orders=orders,
+                               shuffle_seed=0 if args.order == "shuffled" else None)
     times = {name: [t / calls for t in ts] for name, ts in samples.items()}
     med = {name: median(ts) for name, ts in times.items()}
     huge = {name: page_backing.huge_share(arrays[name]()) for name in contenders}
@@ -454,6 +528,8 @@ def main() -> None:
         "update_kernel",
         {"size": n, "threads": args.threads, "repeats": args.repeats, "calls_per_sample": calls,
          "isa": kernel_isa(), "contender_groups": sorted(groups), "shared_host_arrays": share,
+         "order": args.order, "orders": orders, "cache_reset_mib": reset_mib, "warm_call": args.warm_call,
+         "warm_call_params": WARM_ELEMS if args.warm_call else 0,
          "times_s": times, "median_s": med, "notes": notes, "checks": checks,
          "bytes_per_param": {name: bytes_per_param.get(name, 28.0) for name in med},
          "roofline_probes_gbs": probes, "roofline_probe": best_probe, "roofline_gbs": roofline_gbs,

@@ -149,11 +149,14 @@ json.dump([np.asarray(x).view(np.uint32)[::997].tolist() for x in r[:3]], sys.st
 
 
 def test_the_kernel_tuning_knobs_change_no_result():
-    """NSP_KERNEL_PREFETCH and NSP_KERNEL_TASK_ELEMS (the knobs bench/kernel_sweep.py --hypotheses measures) change
-    how the pass is cut and prefetched, never what it computes: bit for bit the defaults' results."""
+    """NSP_KERNEL_PREFETCH, NSP_KERNEL_PREFETCH_LEVEL and NSP_KERNEL_TASK_ELEMS (the knobs bench/kernel_sweep.py
+    --hypotheses measures) change how the pass is cut and prefetched, never what it computes: bit for bit the
+    defaults' results."""
     results = {}
     for label, knobs in {"defaults": {}, "no prefetch": {"NSP_KERNEL_PREFETCH": "0"},
-                         "small tasks": {"NSP_KERNEL_TASK_ELEMS": "65536", "NSP_KERNEL_PREFETCH": "1024"}}.items():
+                         "small tasks": {"NSP_KERNEL_TASK_ELEMS": "65536", "NSP_KERNEL_PREFETCH": "1024"},
+                         "prefetch into L2": {"NSP_KERNEL_PREFETCH_LEVEL": "2"},
+                         "prefetch into the last level": {"NSP_KERNEL_PREFETCH_LEVEL": "3"}}.items():
         proc = run_python(_KNOB_SCRIPT, **knobs)
         assert proc.returncode == 0, f"{label}: {proc.stderr[-3000:]}"
         results[label] = json.loads(proc.stdout)

@@ -139,7 +139,7 @@ bool Avx2Block(const Coefficients& c, const Block& b) {
   const int64_t ahead = c.prefetch;
   int64_t i = 0;
   for (; i < n16; i += 16) {
-    PrefetchInputs<GRAD_BF16>(b, i, ahead);
+    PrefetchInputs<GRAD_BF16>(b, i, ahead, c.prefetch_level);
     const Step s[2] = {step(i), step(i + 8)};
     store(i, s, 2);
   }

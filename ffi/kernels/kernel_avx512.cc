@@ -176,7 +176,7 @@ bool Avx512Block(const Coefficients& c, const Block& b) {
   const int64_t ahead = c.prefetch;
   int64_t i = 0;
   for (; i < n16; i += 16) {
-    PrefetchInputs<GRAD_BF16>(b, i, ahead);
+    PrefetchInputs<GRAD_BF16>(b, i, ahead, c.prefetch_level);
     store(i, step(i, false, 0xffff), false, 0xffff);
   }
   // No fence here: the dispatcher fences once per task (FenceStreamingStores), not once per block.

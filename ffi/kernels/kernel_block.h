@@ -23,6 +23,7 @@ struct Coefficients {
   int32_t sgd_has_momentum;
   int32_t streaming;   // write out-of-place outputs with streaming (non-temporal) stores; the caller fences
   int32_t prefetch;    // software prefetch distance on every input stream, in elements (0: none)
+  int32_t prefetch_level;  // the cache level prefetched into: 1 (L1), 2 (L2) or 3 (last level)
 };
 
 // Pointers for one block; `grad` is fp32 or bf16 (uint16_t) as the kernel was chosen for.

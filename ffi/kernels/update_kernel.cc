@@ -131,6 +131,9 @@ int64_t EnvInt(const char* name, int64_t fallback, int64_t lo, int64_t hi) {
 // of fp32: one core alone cannot keep enough loads in flight without it).
 const int32_t kPrefetch = static_cast<int32_t>(EnvInt("NSP_KERNEL_PREFETCH", 512, 0, 1 << 16));
 
+// NSP_KERNEL_PREFETCH_LEVEL: the cache level that prefetch fills, 1 (L1, default), 2 (L2) or 3 (last level).
+const int32_t kPrefetchLevel = static_cast<int32_t>(EnvInt("NSP_KERNEL_PREFETCH_LEVEL", 1, 1, 3));
+
 // NSP_KERNEL_TASK_ELEMS: elements per task of a pass (0: one task per thread, each a contiguous share; default 1M,
 // 4 MiB per fp32 stream). Tasks are taken in turn from a shared counter, so with tasks smaller than a share a
 // thread that was descheduled for a while (a virtual CPU) leaves its remaining tasks to the others instead of
@@ -177,6 +180,7 @@ Coefficients MakeCoefficients(const UpdateHyperParams& hp) {
   c.kind = static_cast<int32_t>(hp.kind);
   c.streaming = kStreamingStores ? 1 : 0;
   c.prefetch = kPrefetch;
+  c.prefetch_level = kPrefetchLevel;
   c.lr = hp.lr;
   c.eps = static_cast<float>(hp.eps);
   switch (hp.kind) {
