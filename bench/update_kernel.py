@@ -53,8 +53,13 @@ the CPU time this process used during each pause (threads of the last contender 
 Each timed sample starts the same way for every contender (all three recorded, each can be turned off):
   order       the contenders run in a fresh (seeded) order each round (--order shuffled), so none always follows
               the same one
-  cache reset a read of a buffer twice the last-level cache's size (--cache-reset-mib), so that no call finds its
-              own data in the cache, or another contender's dirty lines to write back first (bench/cache_reset.py)
+  cache reset a read of a buffer twice the last-level cache's size (--cache-reset-mib), so that no call finds
+              another contender's dirty lines to write back first (bench/cache_reset.py)
+  pre-touch   a read of the contender's own arrays (--pre-touch): memory idle for a fraction of a second is slow
+              to touch again on these virtual machines (a 64 MB array read 5.6 ms back to back, 35.8 ms after 1 s
+              idle), and in interleaved rounds every contender's arrays idle while the others run. Without it
+              nsp's 64M update took 105-111 ms here, with it 51-58 ms (the others alike); the read leaves the last
+              part of the contender's own arrays in the cache, as a training loop's previous step would
   warm call   the contender's own call on a small state (--warm-call, WARM_ELEMS params), so that its threads are
               awake, as after a training step's backward pass. After the pause, waking the threads of a jitted
               call cost 1-4 ms here (a 2-vCPU virtual machine): a jitted call on 1K elements took 1.2 ms after a
@@ -77,6 +82,7 @@ import optax
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import cache_reset  # noqa: E402
+from cache_reset import before_call  # noqa: E402
 import page_backing  # noqa: E402
 import wait_policy  # noqa: E402
 from adam_steps import nsp_adam_step, torch_fused_adam  # noqa: E402
@@ -336,18 +342,6 @@ def parse_groups(text: str) -> set[str]:
     return groups
 
 
-def before_call(reset, warm_up):
-    """What runs, untimed, right before each timed sample: the cache reset, then the contender's warm-up call."""
-
-    def fn():
-        if reset is not None:
-            reset()
-        if warm_up is not None:
-            warm_up()
-
-    return fn
-
-
 def repeated(fn, calls: int):
     """``fn`` run ``calls`` times back to back: one timed sample."""
     if calls == 1:
@@ -377,6 +371,10 @@ def main() -> None:
                         help="right before each timed sample, the same contender's call on a small state of its own "
                              f"({WARM_ELEMS} params), so that its threads are awake as after a training step's "
                              "backward pass (default on)")
+    parser.add_argument("--pre-touch", action=argparse.BooleanOptionalAction, default=True,
+                        help="right before each timed sample, after the cache reset, read the contender's own arrays "
+                             "once (bench/cache_reset.pre_touch: idle memory is slow to touch again on a virtual "
+                             "machine; default on)")
     parser.add_argument("--cache-reset-mib", type=int, default=-1,
                         help="before each timed call, read a buffer of this many MiB of nobody's data, so every "
                              "call finds the last-level cache holding clean lines of none of its arrays (0: off; "
@@ -437,7 +435,8 @@ def main() -> None:
     idle_cpu: dict[str, list[float]] = {}
     reset_mib = args.cache_reset_mib if args.cache_reset_mib >= 0 else 2 * cache_reset.llc_mib()
     reset = cache_reset.CacheReset(reset_mib) if reset_mib else None
-    before = {name: before_call(reset, warm[name] if args.warm_call else None) for name in timed}
+    before = {name: before_call(reset, warm[name] if args.warm_call else None,
+                                arrays[name] if args.pre_touch else None) for name in timed}
     orders: list[list[str]] = []
     samples = time_interleaved(timed, repeats=args.repeats, warmup=2, pause=args.pause, idle_cpu=idle_cpu,
                                before=before, orders=orders,
@@ -529,6 +528,7 @@ def main() -> None:
         {"size": n, "threads": args.threads, "repeats": args.repeats, "calls_per_sample": calls,
          "isa": kernel_isa(), "contender_groups": sorted(groups), "shared_host_arrays": share,
          "order": args.order, "orders": orders, "cache_reset_mib": reset_mib, "warm_call": args.warm_call,
+         "pre_touch": args.pre_touch,
          "warm_call_params": WARM_ELEMS if args.warm_call else 0,
          "times_s": times, "median_s": med, "notes": notes, "checks": checks,
          "bytes_per_param": {name: bytes_per_param.get(name, 28.0) for name in med},

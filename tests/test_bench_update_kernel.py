@@ -60,10 +60,33 @@ def test_every_contender_runs_after_its_reset_and_warm_up_call(tmp_path):
 
 
 def test_the_reset_runs_before_the_warm_up_call():
-    from update_kernel import before_call
+    from cache_reset import before_call
 
     calls: list[str] = []
     before_call(lambda: calls.append("reset"), lambda: calls.append("warm"))()
     before_call(None, lambda: calls.append("warm only"))()
     before_call(lambda: calls.append("reset only"), None)()
     assert calls == ["reset", "warm", "warm only", "reset only"]
+
+
+def test_pre_touch_reads_jax_and_numpy_arrays_and_leaves_donation_in_place():
+    import functools
+
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    x = jnp.arange(1000, dtype=jnp.float32)
+    odd = np.ones(13, np.uint8)  # a size that is no multiple of 8 bytes
+    cache_reset.pre_touch([x, odd, np.zeros(0, np.float32)])
+    np.testing.assert_array_equal(cache_reset.host_view(x).view(np.float32), np.arange(1000, dtype=np.float32))
+    before = x.unsafe_buffer_pointer()
+
+    @functools.partial(jax.jit, donate_argnums=0)
+    def inc(a):
+        return a + 1
+
+    y = inc(x)
+    assert y.unsafe_buffer_pointer() == before, "a pre-touched array must still be donated in place"
+    with pytest.raises(TypeError, match="cannot view"):
+        cache_reset.host_view("not an array")
