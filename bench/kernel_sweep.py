@@ -179,6 +179,14 @@ def summarise(cfg: dict, records: list[dict]) -> dict:
             entry["met"] = entry["median"] >= TARGETS[key]
             entry["met_in_every_run"] = entry["min"] >= TARGETS[key]
         summary["ratios"][key] = entry
+    inside = [r.get("nsp_dense_inside_kernel_s") or [] for r in records]
+    if all(inside):
+        # nsp's time inside the kernel against the best pure probe, per round (bench/update_kernel.py): the kernel
+        # alone, without its jitted call's dispatch.
+        per_run_inside = [median([min(r["times_s"][p][i] for p in PURE_PROBES if p in r["times_s"]) / k
+                                  for i, k in enumerate(ks)]) for r, ks in zip(records, inside)]
+        summary["inside_kernel_vs_best_pure_probe"] = {"median": median(per_run_inside), "min": min(per_run_inside),
+                                                       "max": max(per_run_inside), "per_run": per_run_inside}
     for other in (DS, TORCH):
         if other in records[0]["median_s"]:
             summary[f"{other}_ms"] = median([r["median_s"][other] for r in records]) * 1e3

@@ -88,7 +88,7 @@ import wait_policy  # noqa: E402
 from adam_steps import nsp_adam_step, torch_fused_adam  # noqa: E402
 from common import median, print_table, time_interleaved, write_json  # noqa: E402
 
-from nsp.primitives import fused_update, kernel_isa, set_num_threads, stream_roofline  # noqa: E402
+from nsp.primitives import fused_update, kernel_isa, kernel_time, set_num_threads, stream_roofline  # noqa: E402
 
 LR = 1e-3
 #: --contenders groups: nsp dense fp32; nsp's other variants (bf16 gradient, Top-K, eager); the rest one each.
@@ -102,6 +102,7 @@ WARM_ELEMS = 1 << 18
 NSP_PROBE = "roofline probe: nsp stream (28 B/param)"
 NUMPY_PROBE = "roofline probe: numpy in place (28 B/param)"
 EAGER = "nsp dense fp32, eager (no jit)"
+NSP = "nsp dense fp32"
 ROOFLINE_PROBES = (NSP_PROBE, NUMPY_PROBE, "torch fused Adam", "DeepSpeedCPUAdam")
 CRC_ISAS = ("portable", "sse4.2", "pclmul", "vpclmul-avx2", "vpclmul-avx512")  # ffi/util/crc32c.cc, slowest first
 CRC_PAGE_BYTES = 4 << 20
@@ -428,6 +429,18 @@ def main() -> None:
         contenders[NUMPY_PROBE], arrays[NUMPY_PROBE], warm[NUMPY_PROBE] = numpy_stream_probe(host_arrays(),
                                                                                             args.threads)
     timed = {name: repeated(fn, calls) for name, fn in contenders.items()}
+    # nsp dense fp32's time inside the kernel, per timed sample (nsp.primitives.kernel_time): its jitted call's
+    # time less the dispatch around it, judged against the same probes.
+    inside: list[float] = []
+    if NSP in timed:
+        whole = timed[NSP]
+
+        def nsp_dense_timed():
+            _, s0 = kernel_time()
+            whole()
+            inside.append(kernel_time()[1] - s0)
+
+        timed[NSP] = nsp_dense_timed
 
     print(f"fp32 Adam update of {n / 2**20:.0f}M params, {args.threads} threads, kernel ISA {kernel_isa()}, "
           f"median of {args.repeats} interleaved rounds of {calls} call(s) each, OMP_WAIT_POLICY={policy}, "
@@ -443,6 +456,8 @@ def main() -> None:
                                shuffle_seed=0 if args.order == "shuffled" else None)
     times = {name: [t / calls for t in ts] for name, ts in samples.items()}
     med = {name: median(ts) for name, ts in times.items()}
+    inside = inside[-args.repeats:]  # the timed rounds (the warm-up calls ran first)
+    kernel_only = [t / calls for t in inside]
     huge = {name: page_backing.huge_share(arrays[name]()) for name in contenders}
     bytes_per_param = {
         "nsp dense fp32": 28.0,
@@ -481,6 +496,10 @@ def main() -> None:
          ("bpp", "B/param", ""), ("gbs", "GB/s moved", ".1f"), ("vs_nsp", "speed vs nsp dense", ".2f"),
          ("roof", "roofline", ""), ("idle", "CPU ms in pause", ".1f"), ("huge", "% on huge pages", ".0f")],
     )
+    if kernel_only and best_pure:
+        paired = median([p / k for p, k in zip(times[best_pure], kernel_only)])
+        print(f"\n  nsp dense fp32 inside the kernel (nsp.primitives.kernel_time): {median(kernel_only) * 1e3:.2f} ms of "
+              f"the call's {ref * 1e3:.2f} ms; {paired:.3f} of the best pure probe's speed (per round)")
     nsp_pct = n * 28.0 / ref / 1e9 / roofline_gbs * 100 if ref and roofline_gbs else None
     above = []
     if nsp_pct is not None:
@@ -530,7 +549,7 @@ def main() -> None:
          "order": args.order, "orders": orders, "cache_reset_mib": reset_mib, "warm_call": args.warm_call,
          "pre_touch": args.pre_touch,
          "warm_call_params": WARM_ELEMS if args.warm_call else 0,
-         "times_s": times, "median_s": med, "notes": notes, "checks": checks,
+         "times_s": times, "median_s": med, "nsp_dense_inside_kernel_s": kernel_only, "notes": notes, "checks": checks,
          "bytes_per_param": {name: bytes_per_param.get(name, 28.0) for name in med},
          "roofline_probes_gbs": probes, "roofline_probe": best_probe, "roofline_gbs": roofline_gbs,
          "best_pure_probe": best_pure,

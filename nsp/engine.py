@@ -41,6 +41,7 @@ get_num_threads = _nsp_ffi.get_num_threads
 set_num_threads = _nsp_ffi.set_num_threads
 engine_cpus = _nsp_ffi.engine_cpus
 stream_roofline = _nsp_ffi.stream_roofline
+kernel_time = _nsp_ffi.kernel_time
 
 # ---- the distributed runtime's abort guard (nsp.distributed) -------------------------------------------------
 

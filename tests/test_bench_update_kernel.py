@@ -90,3 +90,17 @@ def test_pre_touch_reads_jax_and_numpy_arrays_and_leaves_donation_in_place():
     assert y.unsafe_buffer_pointer() == before, "a pre-touched array must still be donated in place"
     with pytest.raises(TypeError, match="cannot view"):
         cache_reset.host_view("not an array")
+
+
+def test_kernel_time_counts_each_update_and_the_time_inside_it():
+    import jax.numpy as jnp
+
+    from nsp.primitives import fused_update, kernel_time
+
+    n = 1 << 18
+    calls0, s0 = kernel_time()
+    out = fused_update(jnp.ones(n), jnp.ones(n), jnp.zeros(n), jnp.zeros(n), kind="adam", step=1, lr=1e-3)
+    out[0].block_until_ready()
+    calls1, s1 = kernel_time()
+    assert calls1 == calls0 + 1
+    assert s1 > s0

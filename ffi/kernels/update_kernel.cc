@@ -5,6 +5,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <chrono>
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
@@ -235,6 +236,23 @@ Block SliceBlock(const StateSpan& s, int64_t begin, int64_t n, const void* grad)
                at(s.nu_out),   at(s.param_bf16_out), at(s.param_copy_out), grad,         n};
 }
 
+// KernelTime's counters, and the scope that adds one call's wall time to them.
+std::atomic<int64_t> g_kernel_calls{0};
+std::atomic<int64_t> g_kernel_ns{0};
+
+class KernelCall {
+ public:
+  KernelCall() : start_(std::chrono::steady_clock::now()) {}
+  ~KernelCall() {
+    const auto ns = std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - start_);
+    g_kernel_ns.fetch_add(ns.count(), std::memory_order_relaxed);
+    g_kernel_calls.fetch_add(1, std::memory_order_relaxed);
+  }
+
+ private:
+  std::chrono::steady_clock::time_point start_;
+};
+
 float ValueAt(const void* values, GradType type, int64_t j) {
   return type == GradType::kF32 ? static_cast<const float*>(values)[j]
                                 : internal::WidenBf16(static_cast<const uint16_t*>(values)[j]);
@@ -284,6 +302,7 @@ std::string ValidateSparseIndices(const int32_t* indices, int64_t count, int64_t
 
 void UpdateDense(const UpdateHyperParams& hp, const StateSpan& span, const void* grad, GradType grad_type) {
   if (span.size == 0) return;
+  const KernelCall timed;
   const Coefficients c = MakeCoefficients(hp);
   const BlockKernel kernel = SelectKernel(hp, grad_type);
   const int64_t gbytes = GradBytes(grad_type);
@@ -299,6 +318,7 @@ void UpdateDense(const UpdateHyperParams& hp, const StateSpan& span, const void*
 void UpdateSparse(const UpdateHyperParams& hp, const StateSpan& span, const int32_t* indices, const void* values,
                   GradType value_type, int64_t count, int64_t index_base) {
   if (span.size == 0) return;
+  const KernelCall timed;
   const Coefficients c = MakeCoefficients(hp);
   const BlockKernel kernel = SelectKernel(hp, GradType::kF32);  // blocks are decompressed to fp32
   const Split split = SplitWork(span.size);
@@ -359,6 +379,7 @@ bool AllFinite(const void* data, GradType type, int64_t n) {
 
 bool UpdateDenseIfFinite(const UpdateHyperParams& hp, const StateSpan& span, const void* grad, GradType grad_type) {
   if (span.size == 0) return true;
+  const KernelCall timed;
   const Coefficients c = MakeCoefficients(hp);
   const BlockKernel kernel = SelectKernel(hp, grad_type);
   const int64_t gbytes = GradBytes(grad_type);
@@ -379,6 +400,10 @@ bool UpdateDenseIfFinite(const UpdateHyperParams& hp, const StateSpan& span, con
     FenceStreamingStores(c);
   });
   return !bad.load();
+}
+
+KernelClock KernelTime() {
+  return KernelClock{g_kernel_calls.load(std::memory_order_relaxed), g_kernel_ns.load(std::memory_order_relaxed)};
 }
 
 const char* KernelIsa() { return kIsaNames[static_cast<int>(Choice().isa)]; }

@@ -89,6 +89,15 @@ bool UpdateDenseIfFinite(const UpdateHyperParams& hp, const StateSpan& span, con
 // Name of the instruction set the kernels dispatch to on this machine: "avx512" (AVX-512 F/BW/VL/DQ, with
 // AVX512_BF16's conversion for the bf16 param copy where present), "avx2-fma" or "portable" -- the best the CPU
 // has, or the one NSP_KERNEL_ISA names (read once, at first use).
+// The update kernels' own time since the process started: calls of UpdateDense, UpdateSparse and
+// UpdateDenseIfFinite (every path: fused_update, the stores' engines) and the wall time spent inside them. It tells
+// the kernel's time from a call's overhead around it (a jitted call's dispatch, a store's I/O).
+struct KernelClock {
+  int64_t calls = 0;
+  int64_t nanoseconds = 0;
+};
+KernelClock KernelTime();
+
 const char* KernelIsa();
 
 // "" when NSP_KERNEL_ISA is unset or names an ISA this CPU can run, else a message naming the problem (an unknown

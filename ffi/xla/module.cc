@@ -180,6 +180,13 @@ NB_MODULE(_nsp_ffi, m) {
       "Streams p, g, m, v in and p, m, v out (28 B/param) with trivial arithmetic: the memory roofline.");
 
   m.def(
+      "kernel_time",
+      []() {
+        const nsp::KernelClock clock = nsp::KernelTime();
+        return nb::make_tuple(clock.calls, static_cast<double>(clock.nanoseconds) * 1e-9);
+      },
+      "(calls, seconds): the update kernels' calls and the wall time spent inside them since the process started.");
+  m.def(
       "all_finite",
       [](nb::ndarray<nb::ndim<1>, nb::c_contig, nb::device::cpu> data) {
         nsp::GradType type;
