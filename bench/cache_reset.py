@@ -1,10 +1,11 @@
-"""A reset of the last-level cache between timed calls, so that no contender's call depends on who ran before it.
+"""What runs before each timed call of an interleaved benchmark, so that no call depends on who ran before it or
+on how long its own memory sat idle.
 
 A 64M-param Adam update streams 1 GiB; a last-level cache of a few hundred MiB ends a call full of that call's
-lines, dirty ones among them. The next call then finds either its own data there (a head start) or another
-contender's dirty lines to write back first (a handicap), depending on the order. Reading a buffer twice the
-cache's size, untouched by any contender, before every call leaves the cache holding clean lines of nobody's data:
-each call starts the same way.
+lines, dirty ones among them. The next call would find another contender's dirty lines to write back first.
+Reading a buffer twice the cache's size, untouched by any contender (CacheReset), leaves the cache holding clean
+lines of nobody's data. Then pre_touch reads the contender's own arrays (idle memory is slow to touch again on a
+virtual machine), and the contender's warm-up call wakes its threads (before_call runs the three in that order).
 """
 
 from __future__ import annotations

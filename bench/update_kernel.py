@@ -50,7 +50,7 @@ and every call is followed by a pause (default 0.2 s) before the next contender 
 the CPU time this process used during each pause (threads of the last contender still running). Run with
 --omp-wait-policy ACTIVE or unset to see what spinning threads do to the ratios.
 
-Each timed sample starts the same way for every contender (all three recorded, each can be turned off):
+Each timed sample starts the same way for every contender (each step recorded, each can be turned off):
   order       the contenders run in a fresh (seeded) order each round (--order shuffled), so none always follows
               the same one
   cache reset a read of a buffer twice the last-level cache's size (--cache-reset-mib), so that no call finds
@@ -377,9 +377,9 @@ def main() -> None:
                              "once (bench/cache_reset.pre_touch: idle memory is slow to touch again on a virtual "
                              "machine; default on)")
     parser.add_argument("--cache-reset-mib", type=int, default=-1,
-                        help="before each timed call, read a buffer of this many MiB of nobody's data, so every "
-                             "call finds the last-level cache holding clean lines of none of its arrays (0: off; "
-                             "default: twice the last-level cache)")
+                        help="before each timed call, read a buffer of this many MiB of nobody's data, so that the "
+                             "previous contender's lines (dirty ones among them) are out of the last-level cache "
+                             "(0: off; default: twice the last-level cache)")
     wait_policy.add_arguments(parser)
     page_backing.add_arguments(parser)
     parser.add_argument("--json", default=None, help="where to write the JSON record")
