@@ -82,7 +82,6 @@ import optax
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import cache_reset  # noqa: E402
-from cache_reset import before_call  # noqa: E402
 import page_backing  # noqa: E402
 import wait_policy  # noqa: E402
 from adam_steps import nsp_adam_step, torch_fused_adam  # noqa: E402
@@ -448,7 +447,7 @@ def main() -> None:
     idle_cpu: dict[str, list[float]] = {}
     reset_mib = args.cache_reset_mib if args.cache_reset_mib >= 0 else 2 * cache_reset.llc_mib()
     reset = cache_reset.CacheReset(reset_mib) if reset_mib else None
-    before = {name: before_call(reset, warm[name] if args.warm_call else None,
+    before = {name: cache_reset.before_call(reset, warm[name] if args.warm_call else None,
                                 arrays[name] if args.pre_touch else None) for name in timed}
     orders: list[list[str]] = []
     samples = time_interleaved(timed, repeats=args.repeats, warmup=2, pause=args.pause, idle_cpu=idle_cpu,

@@ -1,5 +1,5 @@
-"""bench/update_kernel.py's protocol (shuffled order, cache reset, warm-up call) and bench/kernel_sweep.py's paired
-ratios: what the kernel's speed records rest on."""
+"""bench/update_kernel.py's protocol (shuffled order, cache reset, pre-touch, warm-up call) and
+bench/kernel_sweep.py's paired ratios: what the kernel's speed records rest on."""
 
 import json
 import statistics
@@ -53,7 +53,7 @@ def test_every_contender_runs_after_its_reset_and_warm_up_call(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     record = json.loads(out.read_text())
     assert record["warm_call"] is True and record["warm_call_params"] > 0
-    assert record["cache_reset_mib"] == 4 and record["order"] == "shuffled"
+    assert record["cache_reset_mib"] == 4 and record["order"] == "shuffled" and record["pre_touch"] is True
     assert len(record["orders"]) == 5 and len({tuple(o) for o in record["orders"]}) > 1
     assert all(len(ts) == 5 for ts in record["times_s"].values())
     assert {"nsp dense fp32", "nsp bf16 grads", "optax.adam (jit, donated)", PURE_PROBES[0]} <= set(record["times_s"])
@@ -66,7 +66,8 @@ def test_the_reset_runs_before_the_warm_up_call():
     before_call(lambda: calls.append("reset"), lambda: calls.append("warm"))()
     before_call(None, lambda: calls.append("warm only"))()
     before_call(lambda: calls.append("reset only"), None)()
-    assert calls == ["reset", "warm", "warm only", "reset only"]
+    before_call(lambda: calls.append("reset"), lambda: calls.append("warm"), lambda: calls.append("touch") or [])()
+    assert calls == ["reset", "warm", "warm only", "reset only", "reset", "touch", "warm"]
 
 
 def test_pre_touch_reads_jax_and_numpy_arrays_and_leaves_donation_in_place():
