@@ -497,7 +497,8 @@ def main() -> None:
     )
     if kernel_only and best_pure:
         paired = median([p / k for p, k in zip(times[best_pure], kernel_only)])
-        print(f"\n  nsp dense fp32 inside the kernel (nsp.primitives.kernel_time): {median(kernel_only) * 1e3:.2f} ms of "
+        print(f"\n  nsp dense fp32 inside the kernel (nsp.primitives.kernel_time): "
+              f"{median(kernel_only) * 1e3:.2f} ms of "
               f"the call's {ref * 1e3:.2f} ms; {paired:.3f} of the best pure probe's speed (per round)")
     nsp_pct = n * 28.0 / ref / 1e9 / roofline_gbs * 100 if ref and roofline_gbs else None
     above = []
