@@ -180,9 +180,10 @@ def nsp_contenders(n: int, rng: np.random.Generator, ratio: float, arrays: dict,
 
     topk = f"nsp top-k {ratio:.0%}"
     if warm is not None:
-        warm.update({"nsp bf16 grads": warm_jit, topk: warm_jit,
-                     EAGER: run(lambda t: fused_update(small["p"], small_grad, small["m"], small["v"], kind="adam",
-                                                       step=t, lr=LR)[:3], small)})
+        # The eager contender warms up with the jitted call too: same threads. An eager call on the small state
+        # would put its outputs in the pool of arrays eager calls reuse (nsp.primitives._eager_buffers) and push
+        # out one the timed call needs, which then pays a fresh array's page faults.
+        warm.update({"nsp bf16 grads": warm_jit, topk: warm_jit, EAGER: warm_jit})
     arrays.update({EAGER: streams(eager_state, grad), "nsp bf16 grads": streams(state, grad_bf16),
                    topk: streams(state, vals, idx)})
     return {
