@@ -132,6 +132,12 @@ class TrainRun:
             self.store.close()
 
 
+def mean_held_out_loss(evaluate, params: Any, batches: list[Any]) -> float:
+    """The held-out loss of ``params``: the mean over ``batches`` of the ``"loss"`` that ``evaluate`` (the metrics
+    function ``make_train_step`` returns beside the step, a dict per batch) gives."""
+    return float(np.mean([float(evaluate(params, b)["loss"]) for b in batches]))
+
+
 def run_training(args, command: str) -> dict:
     """Section 2: every contender stepped in lockstep on the same batches; the dense pair compared every step.
     ``command`` is the command line the record names."""
@@ -143,7 +149,7 @@ def run_training(args, command: str) -> dict:
     eval_batches = [put_batch(b) for b in data.eval_batches]
 
     def held_out_loss(p) -> float:
-        return float(np.mean([float(ref.evaluate(p, b)) for b in eval_batches]))
+        return mean_held_out_loss(ref.evaluate, p, eval_batches)
 
     start_loss = held_out_loss(params0)
     compare = jax.jit(rel_err)
